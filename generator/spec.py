@@ -292,9 +292,7 @@ class Tile:
             if isinstance(v, bool) or not isinstance(v, int):
                 return [(f"tile.{name}", f"{v!r} is not an integer")]
         if self.warps not in TILE_WARPS:
-            out.append(
-                ("tile.warps", f"{self.warps} is not allowed (allowed: 1, 2, 4, 8)")
-            )
+            out.append(("tile.warps", f"{self.warps} is not allowed (allowed: 1, 2, 4, 8)"))
         if self.block_m <= 0 or self.block_m % 16:
             out.append(("tile.block_m", f"{self.block_m} is not a positive multiple of 16"))
         elif self.warps in TILE_WARPS and self.block_m not in [
@@ -311,7 +309,10 @@ class Tile:
             )
         if not (16 <= self.block_n <= 256 and self.block_n % 16 == 0):
             out.append(
-                ("tile.block_n", f"{self.block_n} is not allowed (allowed: multiples of 16 in 16..256)")
+                (
+                    "tile.block_n",
+                    f"{self.block_n} is not allowed (allowed: multiples of 16 in 16..256)",
+                )
             )
         if self.stages not in TILE_STAGES:
             out.append(("tile.stages", f"{self.stages} is not allowed (allowed: 1, 2, 3)"))
@@ -369,8 +370,14 @@ class KernelSpec:
         _check_bool(self.mask.varlen, "mask.varlen")
         _check_enum(self.sparsity, Sparsity, "sparsity")
         _check_enum(self.target, Target, "target")
-        for name in ("tile_auto", "dropout", "debug_keep_mask", "gqa", "instrument_io",
-                     "allow_spills"):
+        for name in (
+            "tile_auto",
+            "dropout",
+            "debug_keep_mask",
+            "gqa",
+            "instrument_io",
+            "allow_spills",
+        ):
             _check_bool(getattr(self, name), name)
 
         out: list[tuple[str, str]] = []
@@ -381,7 +388,10 @@ class KernelSpec:
             )
         if self.head_dim not in HEAD_DIMS:
             out.append(
-                ("head_dim", f"{self.head_dim} is not allowed (allowed: multiples of 16 in 16..256)")
+                (
+                    "head_dim",
+                    f"{self.head_dim} is not allowed (allowed: multiples of 16 in 16..256)",
+                )
             )
         if self.debug_keep_mask and not self.dropout:
             out.append(("debug_keep_mask", "true requires dropout: true"))
@@ -391,8 +401,11 @@ class KernelSpec:
             info = self.target.info
             if self.threads > info.max_threads_per_block:
                 out.append(
-                    ("tile.warps", f"{self.threads} threads exceed the {self.target.yaml} "
-                     f"limit of {info.max_threads_per_block}")
+                    (
+                        "tile.warps",
+                        f"{self.threads} threads exceed the {self.target.yaml} "
+                        f"limit of {info.max_threads_per_block}",
+                    )
                 )
             if self.smem_bytes > info.max_smem_per_block:
                 out.append(
