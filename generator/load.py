@@ -1,0 +1,665 @@
+"""YAML spec files -> validated `KernelSpec`s, with errors naming file, line, field and value.
+
+A file holds one kernel mapping, or `kernels:` (a list of mappings) with an optional
+`defaults:` mapping merged under each entry. Any scalar field, `tile`, and the sub-fields of
+`tile` and `mask` may be lists: the entry then declares a family, the cross product of all
+lists in field order (first field varies slowest). See docs/spec.md.
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from generator.naming import REPO_ROOT
+from generator.spec import (
+    Causal,
+    Dtype,
+    KernelKind,
+    KernelSpec,
+    Mask,
+    Sparsity,
+    SpecError,
+    Target,
+    Tile,
+    _Spelled,
+)
+from generator.tiles import auto_tile
+
+__all__ = [
+    "FIELDS",
+    "display_path",
+    "expand_paths",
+    "load_paths",
+    "load_spec_file",
+    "load_spec_text",
+    "specs_from_mapping",
+]
+
+FIELDS = (
+    "kernel",
+    "dtype",
+    "head_dim",
+    "tile",
+    "mask",
+    "dropout",
+    "debug_keep_mask",
+    "sparsity",
+    "gqa",
+    "target",
+    "instrument_io",
+    "allow_spills",
+)
+REQUIRED = ("dtype", "head_dim")
+DEFAULTS: dict[str, Any] = {
+    "kernel": "forward",
+    "tile": "auto",
+    "mask": {},
+    "dropout": False,
+    "debug_keep_mask": False,
+    "sparsity": "none",
+    "gqa": False,
+    "target": "sm_90",
+    "instrument_io": False,
+    "allow_spills": False,
+}
+MASK_FIELDS = ("causal", "window", "varlen")
+MASK_DEFAULTS: dict[str, Any] = {"causal": "none", "window": False, "varlen": False}
+TILE_FIELDS = ("block_m", "block_n", "warps", "stages")
+ENUM_FIELDS: dict[str, type[_Spelled]] = {
+    "kernel": KernelKind,
+    "dtype": Dtype,
+    "sparsity": Sparsity,
+    "target": Target,
+    "mask.causal": Causal,
+}
+BOOL_FIELDS = (
+    "dropout",
+    "debug_keep_mask",
+    "gqa",
+    "instrument_io",
+    "allow_spills",
+    "mask.window",
+    "mask.varlen",
+)
+_AUTO = "auto"
+
+
+# --------------------------------------------------------------------------------------------
+# YAML with line numbers.
+# --------------------------------------------------------------------------------------------
+
+
+class LineDict(dict):
+    """A mapping that remembers the (1-based) line of itself and of each key."""
+
+    line: int = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.key_lines: dict[Any, int] = {}
+
+
+class LineList(list):
+    """A sequence that remembers the line of itself and of each item."""
+
+    line: int = 0
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.item_lines: list[int] = []
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader recording lines; booleans are only true/false (YAML 1.2), never yes/no/on."""
+
+
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_Loader.yaml_implicit_resolvers = {
+    k: [(tag, rx) for tag, rx in v if tag != _BOOL_TAG]
+    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+class _YamlDuplicateKey(Exception):
+    def __init__(self, key: Any, line: int, first: int) -> None:
+        super().__init__(key)
+        self.key, self.line, self.first = key, line, first
+
+
+def _construct_map(loader: _Loader, node: yaml.MappingNode):  # noqa: ANN202
+    loader.flatten_mapping(node)
+    data = LineDict()
+    data.line = node.start_mark.line + 1
+    yield data
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        try:
+            hash(key)
+        except TypeError:
+            raise _YamlDuplicateKey(key, line, 0) from None
+        if key in data:
+            raise _YamlDuplicateKey(key, line, data.key_lines[key])
+        data[key] = loader.construct_object(value_node, deep=True)
+        data.key_lines[key] = line
+
+
+def _construct_seq(loader: _Loader, node: yaml.SequenceNode):  # noqa: ANN202
+    data = LineList()
+    data.line = node.start_mark.line + 1
+    yield data
+    for item in node.value:
+        data.append(loader.construct_object(item, deep=True))
+        data.item_lines.append(item.start_mark.line + 1)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:map", _construct_map)
+_Loader.add_constructor("tag:yaml.org,2002:seq", _construct_seq)
+
+
+def _parse_yaml(text: str, file: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except _YamlDuplicateKey as e:
+        if e.first == 0:
+            raise SpecError(f"{e.key!r} is not a valid key", file=file, line=e.line) from None
+        raise SpecError(
+            f"duplicate key (first given on line {e.first})", file=file, line=e.line, field=e.key
+        ) from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        problem = getattr(e, "problem", None) or str(e)
+        raise SpecError(f"invalid YAML: {problem}", file=file, line=line) from None
+
+
+# --------------------------------------------------------------------------------------------
+# Paths.
+# --------------------------------------------------------------------------------------------
+
+
+def display_path(path: str | Path) -> str:
+    """`path` relative to the repository root if inside it, else to the cwd, else as given."""
+    p = Path(path)
+    resolved = p.resolve()
+    for base in (REPO_ROOT, Path.cwd().resolve()):
+        try:
+            return resolved.relative_to(base).as_posix()
+        except ValueError:
+            pass
+    return p.as_posix()
+
+
+def expand_paths(paths: Iterable[str | Path]) -> list[Path]:
+    """Files as given; a directory means all *.yaml / *.yml in it, sorted. Duplicates dropped."""
+    out: list[Path] = []
+    seen: set[Path] = set()
+    for raw in paths:
+        p = Path(raw)
+        if p.is_dir():
+            found = sorted(q for q in p.iterdir() if q.suffix in (".yaml", ".yml") and q.is_file())
+            if not found:
+                raise SpecError("directory holds no *.yaml or *.yml spec files", file=str(raw))
+        elif p.is_file():
+            found = [p]
+        else:
+            raise SpecError("no such file or directory", file=str(raw))
+        for q in found:
+            key = q.resolve()
+            if key not in seen:
+                seen.add(key)
+                out.append(q)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Loading.
+# --------------------------------------------------------------------------------------------
+
+
+def load_spec_text(text: str, file: str = "<string>") -> list[KernelSpec]:
+    """All kernels declared by YAML `text`; `file` is used in messages and `spec.source`."""
+    doc = _parse_yaml(text, file)
+    if doc is None:
+        raise SpecError("file is empty (expected a kernel mapping or `kernels:` list)", file=file)
+    return specs_from_mapping(doc, file)
+
+
+def load_spec_file(path: str | Path) -> list[KernelSpec]:
+    """All kernels declared by one spec file (sources relative to the repository root)."""
+    file = display_path(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise SpecError(f"cannot read: {e.strerror}", file=file) from None
+    except UnicodeDecodeError:
+        raise SpecError("is not UTF-8 text", file=file) from None
+    return load_spec_text(text, file)
+
+
+def load_paths(paths: Iterable[str | Path]) -> list[KernelSpec]:
+    """Kernels of every spec file (directories expanded); a kernel declared twice is an error."""
+    specs: list[KernelSpec] = []
+    where: dict[KernelSpec, str] = {}
+    for p in expand_paths(paths):
+        for s in load_spec_file(p):
+            if s in where:
+                file, _, line = s.source.rpartition(":")
+                raise SpecError(
+                    f"duplicate kernel: the same spec is already declared at {where[s]}",
+                    file=file,
+                    line=int(line) if line.isdigit() else None,
+                )
+            where[s] = s.source
+            specs.append(s)
+    return specs
+
+
+def specs_from_mapping(doc: Any, file: str = "<mapping>") -> list[KernelSpec]:
+    """Kernels of an already parsed document (a mapping, or one with `kernels:`)."""
+    if not isinstance(doc, Mapping):
+        raise SpecError(
+            f"top level must be a mapping (one kernel, or `kernels:` list), got {_kind(doc)}",
+            file=file,
+            line=getattr(doc, "line", None),
+        )
+    doc = _as_linedict(doc)
+    if "kernels" not in doc:
+        if "defaults" in doc:
+            raise SpecError(
+                "only allowed together with a top-level `kernels:` list",
+                file=file,
+                line=doc.key_lines.get("defaults"),
+                field="defaults",
+            )
+        return _expand_entry(doc, file, "")
+    extra = [k for k in doc if k not in ("kernels", "defaults")]
+    if extra:
+        raise SpecError(
+            "unexpected top-level key next to `kernels:` (allowed: kernels, defaults); "
+            "put kernel fields inside the entries or under `defaults:`",
+            file=file,
+            line=doc.key_lines.get(extra[0]),
+            field=str(extra[0]),
+        )
+    defaults = doc.get("defaults", LineDict())
+    if not isinstance(defaults, Mapping):
+        raise SpecError(
+            f"expected a mapping, got {_kind(defaults)}",
+            file=file,
+            line=doc.key_lines.get("defaults"),
+            field="defaults",
+        )
+    defaults = _as_linedict(defaults)
+    entries = doc["kernels"]
+    if not isinstance(entries, list) or not entries:
+        raise SpecError(
+            f"expected a non-empty list of kernel mappings, got {_kind(entries)}",
+            file=file,
+            line=doc.key_lines.get("kernels"),
+            field="kernels",
+        )
+    entries = _as_linelist(entries)
+    specs: list[KernelSpec] = []
+    where: dict[KernelSpec, str] = {}
+    for i, entry in enumerate(entries):
+        line = entries.item_lines[i] if i < len(entries.item_lines) else None
+        if not isinstance(entry, Mapping):
+            raise SpecError(
+                f"expected a kernel mapping, got {_kind(entry)}",
+                file=file,
+                line=line,
+                field=f"kernels[{i}]",
+            )
+        merged = _merge(defaults, _as_linedict(entry))
+        for s in _expand_entry(merged, file, f"kernels[{i}]"):
+            if s in where:
+                raise SpecError(
+                    f"duplicate kernel: the same spec is already declared at {where[s]}",
+                    file=file,
+                    line=int(s.source.rpartition(":")[2]),
+                    field=f"kernels[{i}]",
+                )
+            where[s] = s.source
+            specs.append(s)
+    return specs
+
+
+# --------------------------------------------------------------------------------------------
+# One entry -> its family.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Alt:
+    """One alternative value of one axis, with where it came from."""
+
+    value: Any
+    lines: tuple[tuple[str, int], ...]  # (field path, line) pairs this value came from
+    label: str  # how to show it in a family member description
+
+
+def _expand_entry(entry: LineDict, file: str, where: str) -> list[KernelSpec]:
+    def err(msg: str, fld: str | None, line: int | None) -> SpecError:
+        return SpecError(msg, file=file, line=line or entry.line or None, field=fld)
+
+    for key in entry:
+        if key not in FIELDS:
+            raise err(
+                f"unknown key {key!r} (allowed: {', '.join(FIELDS)})" + _did_you_mean(key, FIELDS),
+                str(key),
+                entry.key_lines.get(key),
+            )
+    for key in REQUIRED:
+        if key not in entry:
+            raise err(f"required field is missing (e.g. {key}: {_EXAMPLES[key]})", key, None)
+
+    axes: list[tuple[str, list[_Alt]]] = []
+    for key in FIELDS:
+        line = entry.key_lines.get(key, entry.line)
+        raw = entry.get(key, DEFAULTS.get(key))
+        if key == "tile":
+            axes.append(("tile", _tile_alts(raw, line, err)))
+        elif key == "mask":
+            if isinstance(raw, list):
+                raise err(
+                    "expected a mapping; to declare a family put lists inside it "
+                    "(e.g. mask: {causal: [none, bottom_right]})",
+                    "mask",
+                    line,
+                )
+            if not isinstance(raw, Mapping):
+                raise err(f"expected a mapping, got {_kind(raw)}", "mask", line)
+            raw = _as_linedict(raw)
+            for sub in raw:
+                if sub not in MASK_FIELDS:
+                    raise err(
+                        f"unknown key {sub!r} (allowed: {', '.join(MASK_FIELDS)})"
+                        + _did_you_mean(sub, MASK_FIELDS),
+                        f"mask.{sub}",
+                        raw.key_lines.get(sub, line),
+                    )
+            for sub in MASK_FIELDS:
+                sub_line = raw.key_lines.get(sub, line)
+                value = raw.get(sub, MASK_DEFAULTS[sub])
+                axes.append((f"mask.{sub}", _scalar_alts(f"mask.{sub}", value, sub_line, err)))
+        else:
+            axes.append((key, _scalar_alts(key, raw, line, err)))
+
+    varying = {name for name, alts in axes if len(alts) > 1}
+    source = f"{file}:{entry.line}" if entry.line else file
+    specs: list[KernelSpec] = []
+    seen: dict[KernelSpec, str] = {}
+    for combo in itertools.product(*(alts for _, alts in axes)):
+        values = {name: alt.value for (name, _), alt in zip(axes, combo, strict=True)}
+        lines: dict[str, int] = {}
+        for alt in combo:
+            lines.update(dict(alt.lines))
+        member = ", ".join(
+            f"{n}={a.label}" for (n, _), a in zip(axes, combo, strict=True) if n in varying
+        )
+        try:
+            spec = _build(values, source)
+        except SpecError as e:
+            fld = e.field or ""
+            line = _line_for(fld, lines) or entry.line
+            suffix = f" (in family member {member})" if member else ""
+            raise SpecError(e.message + suffix, file=file, line=line, field=e.field) from None
+        if spec in seen:
+            varying_lines = [
+                ln
+                for alt, (n, _) in zip(combo, axes, strict=True)
+                if n in varying
+                for _, ln in alt.lines[-1:]
+            ]
+            raise err(
+                f"duplicate kernel in family: member {member} repeats {seen[spec]}",
+                where or None,
+                max(varying_lines, default=entry.line),
+            )
+        seen[spec] = member
+        specs.append(spec)
+    return specs
+
+
+def _build(values: dict[str, Any], source: str) -> KernelSpec:
+    dtype, head_dim, target = values["dtype"], values["head_dim"], values["target"]
+    tile = values["tile"]
+    tile_auto = tile == _AUTO
+    if tile_auto:
+        # An invalid head_dim is reported by KernelSpec; any legal tile stands in meanwhile.
+        tile = (
+            auto_tile(target, dtype, head_dim)
+            if head_dim in range(16, 257, 16)
+            else Tile(64, 64, 4, 2)
+        )
+    return KernelSpec(
+        kernel=values["kernel"],
+        dtype=dtype,
+        head_dim=head_dim,
+        tile=tile,
+        tile_auto=tile_auto,
+        mask=Mask(values["mask.causal"], values["mask.window"], values["mask.varlen"]),
+        dropout=values["dropout"],
+        debug_keep_mask=values["debug_keep_mask"],
+        sparsity=values["sparsity"],
+        gqa=values["gqa"],
+        target=target,
+        instrument_io=values["instrument_io"],
+        allow_spills=values["allow_spills"],
+        source=source,
+    )
+
+
+def _line_for(fld: str, lines: dict[str, int]) -> int | None:
+    while fld:
+        if fld in lines:
+            return lines[fld]
+        fld = fld.rpartition(".")[0]
+    return None
+
+
+def _items(value: Any, line: int) -> list[tuple[Any, int, str]]:
+    """(item, line, index suffix) of a family list, or the value itself."""
+    if isinstance(value, list):
+        item_lines = getattr(value, "item_lines", [])
+        return [
+            (v, item_lines[i] if i < len(item_lines) else line, f"[{i}]")
+            for i, v in enumerate(value)
+        ]
+    return [(value, line, "")]
+
+
+def _scalar_alts(fld: str, value: Any, line: int, err: Any) -> list[_Alt]:
+    if isinstance(value, list) and not value:
+        raise err("empty list: a family needs at least one value", fld, line)
+    alts = []
+    for item, item_line, idx in _items(value, line):
+        alts.append(
+            _Alt(_parse_scalar(fld, item, item_line, idx, err), ((fld, item_line),), _label(item))
+        )
+    return alts
+
+
+def _parse_scalar(fld: str, v: Any, line: int, idx: str, err: Any) -> Any:
+    shown = fld + idx
+    if isinstance(v, (list, Mapping)):
+        what = "a nested list" if idx and isinstance(v, list) else _kind(v)
+        raise err(f"expected a single value, got {what}", shown, line)
+    if fld in ENUM_FIELDS:
+        cls = ENUM_FIELDS[fld]
+        allowed = ", ".join(cls.allowed())
+        if not isinstance(v, str):
+            raise err(f"{_show(v)} is {_kind(v)}, expected one of: {allowed}", shown, line)
+        try:
+            return cls.from_yaml(v)
+        except SpecError as e:
+            raise err(e.message, shown, line) from None
+    if fld in BOOL_FIELDS:
+        if not isinstance(v, bool):
+            raise err(f"{_show(v)} is {_kind(v)}, expected true or false", shown, line)
+        return v
+    if fld == "head_dim":
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise err(
+                f"{_show(v)} is {_kind(v)}, expected an integer (allowed: multiples of 16 "
+                f"in 16..256)",
+                shown,
+                line,
+            )
+        return v
+    raise AssertionError(fld)  # pragma: no cover
+
+
+def _tile_alts(raw: Any, line: int, err: Any) -> list[_Alt]:
+    if isinstance(raw, list) and not raw:
+        raise err("empty list: a family needs at least one value", "tile", line)
+    alts: list[_Alt] = []
+    for item, item_line, idx in _items(raw, line):
+        fld = "tile" + idx
+        if item == _AUTO:
+            alts.append(_Alt(_AUTO, (("tile", item_line),), "auto"))
+            continue
+        if isinstance(item, list):
+            raise err("expected auto or a mapping, got a nested list", fld, item_line)
+        if not isinstance(item, Mapping):
+            raise err(
+                f"{_show(item)} is not allowed (allowed: auto, or a mapping "
+                f"{{block_m: 128, block_n: 64, warps: 4, stages: 2}})",
+                fld,
+                item_line,
+            )
+        item = _as_linedict(item)
+        for sub in item:
+            if sub not in TILE_FIELDS:
+                raise err(
+                    f"unknown key {sub!r} (allowed: {', '.join(TILE_FIELDS)})"
+                    + _did_you_mean(sub, TILE_FIELDS),
+                    f"{fld}.{sub}",
+                    item.key_lines.get(sub, item_line),
+                )
+        per_field: list[list[tuple[int, int]]] = []
+        for sub in TILE_FIELDS:
+            if sub not in item:
+                raise err(
+                    f"missing {sub} (a tile gives all of {', '.join(TILE_FIELDS)}, or is auto)",
+                    f"{fld}.{sub}",
+                    item_line,
+                )
+            sub_line = item.key_lines.get(sub, item_line)
+            value = item[sub]
+            if isinstance(value, list) and not value:
+                raise err("empty list: a family needs at least one value", f"{fld}.{sub}", sub_line)
+            options = []
+            for v, v_line, sub_idx in _items(value, sub_line):
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise err(
+                        f"{_show(v)} is {_kind(v)}, expected an integer",
+                        f"{fld}.{sub}{sub_idx}",
+                        v_line,
+                    )
+                options.append((v, v_line))
+            per_field.append(options)
+        for combo in itertools.product(*per_field):
+            tile = Tile(*(v for v, _ in combo))
+            lines = (("tile", item_line),) + tuple(
+                (f"tile.{sub}", v_line) for sub, (_, v_line) in zip(TILE_FIELDS, combo, strict=True)
+            )
+            alts.append(_Alt(tile, lines, tile.short))
+    return alts
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers.
+# --------------------------------------------------------------------------------------------
+
+_EXAMPLES = {"dtype": "bf16", "head_dim": 128}
+
+
+def _did_you_mean(text: Any, choices: Sequence[str]) -> str:
+    if not isinstance(text, str):
+        return ""
+    close = difflib.get_close_matches(text, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _kind(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, int):
+        return "an integer"
+    if isinstance(v, float):
+        return "a float"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, Mapping):
+        return "a mapping"
+    if isinstance(v, list):
+        return "a list"
+    return type(v).__name__
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    return repr(v)
+
+
+def _label(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+def _as_linedict(m: Mapping) -> LineDict:
+    if isinstance(m, LineDict):
+        return m
+    d = LineDict(m)
+    return d
+
+
+def _as_linelist(seq: list) -> LineList:
+    if isinstance(seq, LineList):
+        return seq
+    return LineList(seq)
+
+
+def _merge(defaults: LineDict, entry: LineDict) -> LineDict:
+    """`entry` over `defaults`; `mask` and `tile` mappings are merged one level deep."""
+    out = LineDict()
+    out.line = entry.line
+    for src in (defaults, entry):
+        for k, v in src.items():
+            if k in ("mask", "tile") and isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+                merged = LineDict()
+                merged.line = getattr(v, "line", 0)
+                for part in (_as_linedict(out[k]), _as_linedict(v)):
+                    merged.update(part)
+                    merged.key_lines.update(part.key_lines)
+                out[k] = merged
+            else:
+                out[k] = v
+            if k in src.key_lines:
+                out.key_lines[k] = src.key_lines[k]
+    return out
+
+
+def canonical_json(spec: KernelSpec) -> str:
+    """The canonical spec as compact JSON with sorted keys (what the name hash covers)."""
+    return json.dumps(spec.to_canonical(), sort_keys=True, separators=(",", ":"))
