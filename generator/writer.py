@@ -1,0 +1,346 @@
+"""Writing generated files: plan in memory, then write atomically and only what changed.
+
+`plan_generate` renders every kernel, the include headers, `manifest.json` and the README's
+kernel table into memory (any error: nothing is written). `apply_plan` writes each changed file
+through a temp file + `os.replace` and removes stale generated files; `check_plan` compares the
+plan with the disk and returns unified diffs instead (for `flashgen generate --check`).
+
+The output directory is a product of the specs: a kernel in the previous manifest is kept only
+while its spec file still exists and was not among the files just processed (so
+`flashgen generate specs/one.yaml` leaves the kernels of other spec files alone, and a kernel
+removed from a processed spec file disappears).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from generator import __version__
+from generator.load import display_path
+from generator.naming import REPO_ROOT
+from generator.render import BANNER_MARK, Renderer
+from generator.spec import KernelSpec, SpecError
+
+__all__ = [
+    "GRID_FORMULA",
+    "MANIFEST_NAME",
+    "README_BEGIN",
+    "README_END",
+    "RECORDS_DIR",
+    "Plan",
+    "apply_plan",
+    "check_plan",
+    "manifest_entry",
+    "plan_generate",
+    "readme_table",
+    "replace_readme_table",
+    "verification_status",
+    "write_if_different",
+]
+
+MANIFEST_NAME = "manifest.json"
+RECORDS_DIR = REPO_ROOT / "verify" / "records"
+README_BEGIN = "<!-- kernels:begin -->"
+README_END = "<!-- kernels:end -->"
+GRID_FORMULA = "ceil(max_seqlen_q/block_m) * heads * batch"
+
+
+# --------------------------------------------------------------------------------------------
+# Manifest and verification status.
+# --------------------------------------------------------------------------------------------
+
+
+def verification_status(name: str, records_dir: Path | str | None = None) -> str:
+    """ "verified (<gpu>, <date>)", "failed" or "unverified", from `<records_dir>/<name>.json`."""
+    path = Path(records_dir or RECORDS_DIR) / f"{name}.json"
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "unverified"
+    if not isinstance(record, dict) or record.get("kernel", name) != name:
+        return "unverified"
+    if record.get("passed") is True:
+        return f"verified ({record.get('gpu', '?')}, {record.get('date', '?')})"
+    return "failed"
+
+
+def manifest_entry(spec: KernelSpec, name: str, status: str) -> dict[str, Any]:
+    """One kernel's manifest entry."""
+    return {
+        "name": name,
+        "spec": spec.to_canonical(),
+        "source": spec.source_file,
+        "hash": name.rsplit("_", 1)[-1],
+        "entry_points": {"kernel": f"{name}_kernel", "launch": f"{name}_launch"},
+        "launch": {
+            "threads": spec.threads,
+            "block_m": spec.tile.block_m,
+            "grid": GRID_FORMULA,
+        },
+        "smem_bytes": spec.smem_bytes,
+        "status": status,
+    }
+
+
+def _manifest_bytes(entries: Sequence[dict[str, Any]], includes: Sequence[str]) -> bytes:
+    doc = {
+        "generator_version": __version__,
+        "include_files": sorted(includes),
+        "kernels": sorted(entries, key=lambda e: e["name"]),
+    }
+    return (json.dumps(doc, sort_keys=True, indent=2) + "\n").encode("utf-8")
+
+
+def _read_manifest(path: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("kernels"), list) else None
+
+
+# --------------------------------------------------------------------------------------------
+# README table.
+# --------------------------------------------------------------------------------------------
+
+
+def readme_table(entries: Sequence[dict[str, Any]]) -> str:
+    """Markdown table of shipped kernels (name, dtype, d, mask, features, tile, status)."""
+    lines = [
+        "| kernel | dtype | d | mask | features | tile | target | status |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for e in sorted(entries, key=lambda e: e["name"]):
+        s, m, t = e["spec"], e["spec"]["mask"], e["spec"]["tile"]
+        mask = [f"causal {m['causal']}"] if m["causal"] != "none" else []
+        mask += [k for k in ("window", "varlen") if m[k]]
+        feats = [k for k in ("gqa", "dropout", "debug_keep_mask", "instrument_io") if s[k]]
+        if s["sparsity"] != "none":
+            feats.append(f"{s['sparsity']} sparse")
+        tile = f"{t['block_m']}x{t['block_n']}, {t['warps']} warps, {t['stages']} stages"
+        if s["tile_auto"]:
+            tile += " (auto)"
+        lines.append(
+            f"| `{e['name']}` | {s['dtype']} | {s['head_dim']} | {', '.join(mask) or 'none'} "
+            f"| {', '.join(feats) or '-'} | {tile} | {s['target']} | {e['status']} |"
+        )
+    if not entries:
+        lines.append("| (none) | | | | | | | |")
+    return "\n".join(lines) + "\n"
+
+
+def replace_readme_table(text: str, entries: Sequence[dict[str, Any]]) -> str | None:
+    """`text` with the block between the kernel markers replaced; None if markers are absent."""
+    begin, end = text.find(README_BEGIN), text.find(README_END)
+    if begin < 0 or end < begin:
+        return None
+    head = text[: begin + len(README_BEGIN)]
+    return head + "\n" + readme_table(entries) + text[end:]
+
+
+# --------------------------------------------------------------------------------------------
+# Planning.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """Everything `generate` would do: files with their content, files to remove."""
+
+    outdir: Path
+    writes: dict[Path, bytes] = field(default_factory=dict)
+    removals: list[Path] = field(default_factory=list)
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(e["name"] for e in self.entries)
+
+
+def _source_exists(source: str) -> bool:
+    return bool(source) and ((REPO_ROOT / source).is_file() or Path(source).is_file())
+
+
+def _is_generated(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return BANNER_MARK.encode() in head
+
+
+def plan_generate(
+    specs: Iterable[KernelSpec],
+    outdir: Path | str = "generated",
+    *,
+    spec_files: Iterable[str | Path] | None = None,
+    templates_dir: Path | str | None = None,
+    records_dir: Path | str | None = None,
+    readme: Path | str | None = None,
+) -> Plan:
+    """Render all `specs` into memory and work out the writes and removals under `outdir`.
+
+    `spec_files`: the spec files processed (default: the specs' sources); previous manifest
+    entries from other, still existing spec files are kept. `readme`: a README whose
+    kernel-table markers are rewritten (None: leave READMEs alone). Raises SpecError or
+    jinja2 errors before anything is written.
+    """
+    outdir = Path(outdir)
+    specs = list(specs)
+    renderer = Renderer(templates_dir)
+    plan = Plan(outdir=outdir)
+
+    processed = {display_path(p) for p in spec_files} if spec_files is not None else set()
+    processed |= {s.source_file for s in specs}
+
+    by_name: dict[str, str] = {}  # kernel name -> where it is declared
+    for spec in specs:
+        rendered = renderer.render(spec)
+        if rendered.name in by_name:
+            raise SpecError(
+                f"kernel {rendered.name} is declared twice (also at {by_name[rendered.name]})",
+                file=spec.source_file or None,
+            )
+        by_name[rendered.name] = spec.source
+        for rel, data in rendered.files.items():
+            plan.writes[outdir / rel] = data
+        plan.entries.append(
+            manifest_entry(spec, rendered.name, verification_status(rendered.name, records_dir))
+        )
+
+    includes = renderer.include_files()
+    for rel, data in includes.items():
+        plan.writes[outdir / rel] = data
+
+    previous = _read_manifest(outdir / MANIFEST_NAME)
+    if previous is not None:
+        for e in previous["kernels"]:
+            try:
+                name, source = e["name"], e.get("source", "")
+                kept = (
+                    name not in by_name
+                    and source not in processed
+                    and _source_exists(source)
+                    and (outdir / f"{name}.cu").is_file()
+                )
+            except (KeyError, TypeError):
+                continue
+            if kept:
+                e = dict(e, status=verification_status(name, records_dir))
+                plan.entries.append(e)
+                by_name[name] = source  # its files stay as they are
+        for rel in previous.get("include_files", []):
+            if isinstance(rel, str) and rel not in includes and (outdir / rel).is_file():
+                plan.removals.append(outdir / rel)
+
+    if outdir.is_dir():
+        for p in sorted(outdir.iterdir()):
+            if (
+                p.suffix in (".cu", ".h")
+                and p.is_file()
+                and p.stem not in by_name
+                and _is_generated(p)
+            ):
+                plan.removals.append(p)
+
+    plan.writes[outdir / MANIFEST_NAME] = _manifest_bytes(plan.entries, list(includes))
+
+    if readme is not None:
+        readme = Path(readme)
+        try:
+            text = readme.read_text(encoding="utf-8")
+        except OSError:
+            plan.warnings.append(f"{display_path(readme)}: not found, kernel table not updated")
+        else:
+            new = replace_readme_table(text, plan.entries)
+            if new is None:
+                plan.warnings.append(
+                    f"{display_path(readme)}: no {README_BEGIN} / {README_END} markers, "
+                    "kernel table not updated"
+                )
+            else:
+                plan.writes[readme] = new.encode("utf-8")
+    return plan
+
+
+# --------------------------------------------------------------------------------------------
+# Applying and checking.
+# --------------------------------------------------------------------------------------------
+
+
+def write_if_different(path: Path, data: bytes) -> bool:
+    """Atomically replace `path` with `data` unless it already holds exactly that."""
+    try:
+        if path.read_bytes() == data:
+            return False
+    except OSError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return True
+
+
+def apply_plan(plan: Plan) -> list[Path]:
+    """Write changed files (manifest and README last), remove stale ones; return what changed."""
+    changed: list[Path] = []
+    last = [p for p in plan.writes if p.name == MANIFEST_NAME or p.suffix == ".md"]
+    first = [p for p in plan.writes if p not in last]
+    for path in first + last:
+        if write_if_different(path, plan.writes[path]):
+            changed.append(path)
+    for path in plan.removals:
+        try:
+            path.unlink()
+            changed.append(path)
+        except FileNotFoundError:
+            pass
+    return changed
+
+
+def check_plan(plan: Plan) -> list[str]:
+    """Unified diffs (one string per differing file) between the plan and the disk."""
+    diffs: list[str] = []
+    for path in sorted(plan.writes):
+        want = plan.writes[path]
+        try:
+            have: bytes | None = path.read_bytes()
+        except OSError:
+            have = None
+        if have == want:
+            continue
+        shown = display_path(path)
+        old = [] if have is None else have.decode("utf-8", "replace").splitlines(keepends=True)
+        new = want.decode("utf-8", "replace").splitlines(keepends=True)
+        text = "".join(
+            difflib.unified_diff(
+                old,
+                new,
+                fromfile=f"a/{shown}" if have is not None else "/dev/null",
+                tofile=f"b/{shown}",
+            )
+        )
+        diffs.append(text if text.endswith("\n") else text + "\n")
+    for path in plan.removals:
+        if path.exists():
+            diffs.append(f"stale file (would be removed): {display_path(path)}\n")
+    return diffs
