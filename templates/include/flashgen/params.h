@@ -25,6 +25,7 @@ typedef struct fg_fwd_params {
   int64_t k_batch_stride, k_row_stride, k_head_stride;
   int64_t v_batch_stride, v_row_stride, v_head_stride;
   int64_t o_batch_stride, o_row_stride, o_head_stride;
+  int64_t lse_batch_stride, lse_head_stride; /* row stride is 1; varlen: batch stride unused */
 
   int64_t batch, heads, kv_heads;
   int64_t seqlen_q, seqlen_k; /* varlen: the maxima over the batch */

@@ -1,0 +1,414 @@
+"""Run a flashgen forward kernel from Python through PyCUDA.
+
+The public API:
+
+    kernel = load_kernel(spec)                 # the cubin that `flashgen compile` built
+    res = kernel.run(q, k, v, causal...)       # NumPy in, NumPy out
+    res.o, res.lse, res.keep_mask, res.io
+
+Inputs are NumPy float arrays of layout `(batch, seqlen, heads, head_dim)` (varlen: packed
+`(total, heads, head_dim)` with int32 `cu_seqlens_q/k`). They are rounded to the kernel's dtype
+(fp16 or bf16, round to nearest even) on upload; `res.inputs` holds the rounded values, which
+are what a reference must be fed. Outputs come back as float32: O in Q's layout, LSE as
+`(batch, heads, seqlen_q)` (varlen: `(heads, total_q)`), natural log, `-inf` on empty rows.
+
+Every argument is checked before anything is launched, with the same rules as the C launcher
+(`include/flashgen/launch.cuh`), and a `RunnerError` says what is wrong and what is allowed.
+Every output buffer is surrounded by poisoned margins (all bits set: NaN in fp16, bf16 and
+fp32) that are checked after the launch, and outputs are poisoned too, so a missed or stray
+write is caught.
+
+PyCUDA is imported lazily: importing this module needs no GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from verify.numerics import from_dtype_bits, to_dtype_bits
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_CUBIN_DIR = REPO / "build" / "kernels"
+MARGIN_BYTES = 512
+IO_TENSORS = ("Q", "K", "V", "O", "LSE", "META", "KEEP_MASK")
+
+# fg_fwd_params, in declaration order (templates/include/flashgen/params.h); every field is
+# 8 bytes, so the struct is these values packed as little-endian 64-bit words.
+PARAM_FIELDS = (
+    "q", "k", "v", "o", "lse",
+    "q_batch_stride", "q_row_stride", "q_head_stride",
+    "k_batch_stride", "k_row_stride", "k_head_stride",
+    "v_batch_stride", "v_row_stride", "v_head_stride",
+    "o_batch_stride", "o_row_stride", "o_head_stride",
+    "lse_batch_stride", "lse_head_stride",
+    "batch", "heads", "kv_heads", "seqlen_q", "seqlen_k",
+    "cu_seqlens_q", "cu_seqlens_k",
+    "softmax_scale", "window_left", "window_right",
+    "dropout_p", "seed", "offset", "keep_mask",
+    "blk_full_count", "blk_full_idx", "blk_part_count", "blk_part_idx",
+    "blk_layout_heads", "blk_max_blocks",
+    "io_counters",
+)
+DOUBLE_FIELDS = {"softmax_scale", "dropout_p"}
+
+
+class RunnerError(ValueError):
+    """A kernel argument the kernel cannot take; the message names it and what is allowed."""
+
+
+def pack_params(values: dict[str, Any]) -> np.ndarray:
+    """fg_fwd_params as an array of uint64 words (missing fields are 0)."""
+    unknown = set(values) - set(PARAM_FIELDS)
+    if unknown:
+        raise KeyError(f"unknown fg_fwd_params fields: {sorted(unknown)}")
+    words = np.zeros(len(PARAM_FIELDS), dtype=np.uint64)
+    for idx, name in enumerate(PARAM_FIELDS):
+        val = values.get(name, 0)
+        if name in DOUBLE_FIELDS:
+            words[idx] = np.array(float(val), dtype=np.float64).view(np.uint64)
+        else:
+            words[idx] = np.array(int(val), dtype=np.int64).view(np.uint64)
+    return words
+
+
+@dataclass
+class FwdResult:
+    o: np.ndarray
+    lse: np.ndarray
+    inputs: dict[str, np.ndarray]
+    keep_mask: np.ndarray | None = None
+    io: dict[str, int] | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Problem:
+    """The validated, shape-resolved arguments of one forward call."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen_q: int  # the maximum over the batch for varlen
+    seqlen_k: int
+    head_dim: int
+    varlen: bool
+    scale: float
+    window: tuple[int, int]
+    cu_seqlens_q: np.ndarray | None
+    cu_seqlens_k: np.ndarray | None
+
+
+def validate(spec, q, k, v, *, softmax_scale=None, window=None, cu_seqlens_q=None,
+             cu_seqlens_k=None, dropout_p=0.0, layout=None) -> Problem:
+    """Check the arguments against the spec; raise RunnerError naming the first problem."""
+    d = spec.head_dim
+    varlen = spec.mask.varlen
+    want_ndim = 3 if varlen else 4
+    for nm, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, np.ndarray):
+            raise RunnerError(f"{nm} must be a numpy array, got {type(t).__name__}")
+        if t.ndim != want_ndim:
+            shape = "(total, heads, head_dim)" if varlen else "(batch, seqlen, heads, head_dim)"
+            raise RunnerError(f"{nm} must have shape {shape} for this spec, got {t.shape}")
+        if t.shape[-1] != d:
+            raise RunnerError(f"{nm} has head_dim {t.shape[-1]}, the kernel was generated for {d}")
+        if not np.issubdtype(t.dtype, np.floating):
+            raise RunnerError(f"{nm} must be a floating array, got {t.dtype}")
+    if k.shape != v.shape:
+        raise RunnerError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    heads, kv_heads = q.shape[-2], k.shape[-2]
+    if heads < 1 or kv_heads < 1:
+        raise RunnerError("heads and kv_heads must be >= 1")
+    if spec.gqa:
+        if heads % kv_heads:
+            raise RunnerError(f"kv_heads ({kv_heads}) must divide heads ({heads})")
+    elif kv_heads != heads:
+        raise RunnerError(
+            f"k/v have {kv_heads} heads but q has {heads}; this spec has gqa: false "
+            "(generate one with gqa: true for grouped-query attention)")
+    if varlen:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise RunnerError("this spec has mask.varlen: true: pass cu_seqlens_q and cu_seqlens_k")
+        cu_q = np.asarray(cu_seqlens_q)
+        cu_k = np.asarray(cu_seqlens_k)
+        for nm, cu, total in (("cu_seqlens_q", cu_q, q.shape[0]), ("cu_seqlens_k", cu_k, k.shape[0])):
+            if cu.ndim != 1 or cu.size < 2:
+                raise RunnerError(f"{nm} must be 1-D with batch + 1 >= 2 entries, got {cu.shape}")
+            if cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] != total:
+                raise RunnerError(f"{nm} must start at 0, not decrease, and end at {total}; got {cu}")
+        if cu_q.size != cu_k.size:
+            raise RunnerError("cu_seqlens_q and cu_seqlens_k must have the same length")
+        if cu_q[-1] > np.iinfo(np.int32).max or cu_k[-1] > np.iinfo(np.int32).max:
+            raise RunnerError("varlen totals must fit in int32")
+        batch = cu_q.size - 1
+        sq = int(np.max(np.diff(cu_q))) if batch else 0
+        sk = int(np.max(np.diff(cu_k))) if batch else 0
+        cu_q = cu_q.astype(np.int32)
+        cu_k = cu_k.astype(np.int32)
+    else:
+        if cu_seqlens_q is not None or cu_seqlens_k is not None:
+            raise RunnerError("cu_seqlens given but this spec has mask.varlen: false")
+        if q.shape[0] != k.shape[0]:
+            raise RunnerError(f"q and k batch sizes differ: {q.shape[0]} vs {k.shape[0]}")
+        batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+        cu_q = cu_k = None
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise RunnerError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
+    if window is not None and not spec.mask.window:
+        raise RunnerError("window given but this spec has mask.window: false")
+    win = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+    if win[0] < -1 or win[1] < -1:
+        raise RunnerError(f"window sizes must be >= 0 or -1 (unbounded), got {win}")
+    if dropout_p and not spec.dropout:
+        raise RunnerError("dropout_p given but this spec has dropout: false")
+    if not (0.0 <= dropout_p < 1.0):
+        raise RunnerError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if spec.sparse and layout is None:
+        raise RunnerError("this spec has sparsity: block: pass layout= (verify.blocksparse.compact_layout)")
+    if layout is not None and not spec.sparse:
+        raise RunnerError("layout given but this spec has sparsity: none")
+    return Problem(batch, heads, kv_heads, sq, sk, d, varlen, scale, win, cu_q, cu_k)
+
+
+class _Gpu:
+    """PyCUDA on the device's primary context (shared with PyTorch when both are loaded)."""
+
+    _instance: _Gpu | None = None
+
+    def __init__(self) -> None:
+        import pycuda.driver as cuda
+
+        cuda.init()
+        self.cuda = cuda
+        self.device = cuda.Device(0)
+        self.context = self.device.retain_primary_context()
+        self.context.push()
+        self.modules: dict[str, Any] = {}
+
+    @classmethod
+    def get(cls) -> _Gpu:
+        if cls._instance is None:
+            cls._instance = _Gpu()
+        return cls._instance
+
+    def function(self, cubin: Path, symbol: str):
+        key = str(cubin)
+        if key not in self.modules:
+            self.modules[key] = self.cuda.module_from_file(key)
+        return self.modules[key].get_function(symbol)
+
+
+def gpu_available() -> tuple[bool, str]:
+    """(True, device name) when PyCUDA can open a GPU, else (False, why not)."""
+    try:
+        gpu = _Gpu.get()
+    except Exception as exc:  # noqa: BLE001 - any failure means "no usable GPU"
+        return False, f"{type(exc).__name__}: {exc}"
+    return True, gpu.device.name()
+
+
+class DeviceBuffer:
+    """A device allocation with poisoned margins on both sides."""
+
+    def __init__(self, gpu: _Gpu, nbytes: int, fill: int = 0xFF) -> None:
+        self.gpu = gpu
+        self.nbytes = nbytes
+        self.alloc = gpu.cuda.mem_alloc(max(nbytes, 1) + 2 * MARGIN_BYTES)
+        self.fill = fill
+        gpu.cuda.memset_d8(self.alloc, 0xFF, max(nbytes, 1) + 2 * MARGIN_BYTES)
+        if fill != 0xFF:
+            gpu.cuda.memset_d8(int(self.alloc) + MARGIN_BYTES, fill, max(nbytes, 1))
+
+    @property
+    def ptr(self) -> int:
+        return int(self.alloc) + MARGIN_BYTES
+
+    def upload(self, host: np.ndarray) -> None:
+        assert host.nbytes <= self.nbytes
+        self.gpu.cuda.memcpy_htod(self.ptr, np.ascontiguousarray(host))
+
+    def download(self, dtype, shape) -> np.ndarray:
+        out = np.empty(shape, dtype=dtype)
+        self.gpu.cuda.memcpy_dtoh(out, self.ptr)
+        return out
+
+    def margins_intact(self) -> bool:
+        raw = np.empty(max(self.nbytes, 1) + 2 * MARGIN_BYTES, dtype=np.uint8)
+        self.gpu.cuda.memcpy_dtoh(raw, self.alloc)
+        return bool(np.all(raw[:MARGIN_BYTES] == 0xFF) and np.all(raw[-MARGIN_BYTES:] == 0xFF))
+
+    def free(self) -> None:
+        self.alloc.free()
+
+
+def _strided_upload(gpu, bits: np.ndarray, layout: str, pad: int):
+    """Upload (b, s, h, d) or (t, h, d) element bits in a chosen memory layout.
+
+    layout 'bshd' stores rows as given; 'bhsd' stores heads outermost (non-contiguous view);
+    `pad` extra elements (a multiple of 8) end every row. Returns (buffer, strides in
+    elements as (batch, row, head))."""
+    if pad % 8:
+        raise RunnerError("pad must be a multiple of 8 elements")
+    varlen = bits.ndim == 3
+    x = bits[None] if varlen else bits
+    b, s, h, d = x.shape
+    da = d + pad
+    if layout == "bshd":
+        store = np.full((b, s, h, da), 0xFFFF, dtype=np.uint16)
+        store[..., :d] = x
+        strides = (s * h * da, h * da, da)
+    elif layout == "bhsd":
+        store = np.full((b, h, s, da), 0xFFFF, dtype=np.uint16)
+        store[..., :d] = x.transpose(0, 2, 1, 3)
+        strides = (h * s * da, da, s * da)
+    else:
+        raise RunnerError(f"layout must be 'bshd' or 'bhsd', got {layout!r}")
+    buf = DeviceBuffer(gpu, store.nbytes)
+    buf.upload(store)
+    return buf, strides
+
+
+class FwdKernel:
+    """One compiled forward kernel, loaded from its cubin."""
+
+    def __init__(self, spec, cubin: Path) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.cubin = Path(cubin)
+        if not self.cubin.exists():
+            raise RunnerError(
+                f"no cubin for {self.name} at {self.cubin}: run `flashgen compile` for its spec")
+        self.gpu = _Gpu.get()
+        self.fn = self.gpu.function(self.cubin, f"{self.name}_kernel")
+        self.smem = spec.smem_bytes
+        self.threads = spec.threads
+        cuda = self.gpu.cuda
+        if self.smem > 48 * 1024:
+            self.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem)
+
+    def grid(self, batch: int, heads: int, seqlen_q: int) -> int:
+        g = -(-seqlen_q // self.spec.tile.block_m) * heads * batch
+        if g > 2**31 - 1:
+            raise RunnerError("grid too large: ceil(seqlen_q/block_m)*heads*batch > 2^31-1")
+        return g
+
+    def launch_raw(self, params: dict[str, Any], grid: int) -> None:
+        """Launch with explicit device pointers (fg_fwd_params fields) and wait for it."""
+        if grid == 0:
+            return
+        words = pack_params(params)
+        self.fn(*[np.uint64(w) for w in words], block=(self.threads, 1, 1), grid=(grid, 1),
+                shared=self.smem)
+        self.gpu.context.synchronize()
+
+    def run(self, q, k, v, *, softmax_scale=None, window=None, cu_seqlens_q=None,
+            cu_seqlens_k=None, dropout_p=0.0, seed=0, offset=0, layout=None,
+            memory_layout: str = "bshd", pad: int = 0) -> FwdResult:
+        spec = self.spec
+        pb = validate(spec, q, k, v, softmax_scale=softmax_scale, window=window,
+                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      dropout_p=dropout_p, layout=layout)
+        dt = spec.dtype.yaml
+        bits = {nm: to_dtype_bits(np.asarray(t, dtype=np.float32), dt)
+                for nm, t in (("q", q), ("k", k), ("v", v))}
+        inputs = {nm: from_dtype_bits(b_, dt) for nm, b_ in bits.items()}
+        gpu = self.gpu
+        bufs: list[DeviceBuffer] = []
+        try:
+            params: dict[str, Any] = {}
+            for nm in ("q", "k", "v"):
+                buf, strides = _strided_upload(gpu, bits[nm], memory_layout, pad)
+                bufs.append(buf)
+                params[nm] = buf.ptr
+                params[f"{nm}_batch_stride"], params[f"{nm}_row_stride"], \
+                    params[f"{nm}_head_stride"] = strides
+            o_shape = q.shape
+            o_buf = DeviceBuffer(gpu, int(np.prod(o_shape)) * 2)
+            bufs.append(o_buf)
+            params["o"] = o_buf.ptr
+            if pb.varlen:
+                params["o_batch_stride"] = 0
+                params["o_row_stride"], params["o_head_stride"] = pb.heads * pb.head_dim, pb.head_dim
+                lse_shape = (pb.heads, q.shape[0])
+                params["lse_batch_stride"], params["lse_head_stride"] = 0, q.shape[0]
+            else:
+                s = q.shape[1]
+                params["o_batch_stride"] = s * pb.heads * pb.head_dim
+                params["o_row_stride"], params["o_head_stride"] = pb.heads * pb.head_dim, pb.head_dim
+                lse_shape = (pb.batch, pb.heads, s)
+                params["lse_batch_stride"], params["lse_head_stride"] = pb.heads * s, s
+            lse_buf = DeviceBuffer(gpu, int(np.prod(lse_shape)) * 4)
+            bufs.append(lse_buf)
+            params["lse"] = lse_buf.ptr
+            params.update(batch=pb.batch, heads=pb.heads, kv_heads=pb.kv_heads,
+                          seqlen_q=pb.seqlen_q, seqlen_k=pb.seqlen_k,
+                          softmax_scale=pb.scale, window_left=pb.window[0],
+                          window_right=pb.window[1], dropout_p=dropout_p,
+                          seed=int(seed) & (2**64 - 1), offset=int(offset) & (2**64 - 1))
+            if pb.varlen:
+                for nm, cu in (("cu_seqlens_q", pb.cu_seqlens_q), ("cu_seqlens_k", pb.cu_seqlens_k)):
+                    buf = DeviceBuffer(gpu, cu.nbytes)
+                    buf.upload(cu)
+                    bufs.append(buf)
+                    params[nm] = buf.ptr
+            keep_buf = None
+            keep_shape = (pb.batch, pb.heads, pb.seqlen_q, pb.seqlen_k)
+            if spec.debug_keep_mask:
+                keep_buf = DeviceBuffer(gpu, int(np.prod(keep_shape)), fill=2)
+                bufs.append(keep_buf)
+                params["keep_mask"] = keep_buf.ptr
+            if spec.sparse:
+                n_qt = -(-pb.seqlen_q // spec.tile.block_m)
+                lh = layout.full_count.shape[0]
+                if lh not in (1, pb.heads) or layout.full_count.shape[1] != n_qt:
+                    raise RunnerError(
+                        f"layout has shape {layout.full_count.shape}; expected (1 or {pb.heads}, "
+                        f"{n_qt}) query tiles of block_m={spec.tile.block_m}")
+                for nm in ("full_count", "full_idx", "part_count", "part_idx"):
+                    arr = np.ascontiguousarray(getattr(layout, nm), dtype=np.int32)
+                    buf = DeviceBuffer(gpu, arr.nbytes)
+                    buf.upload(arr)
+                    bufs.append(buf)
+                    params[f"blk_{nm}"] = buf.ptr
+                params["blk_layout_heads"] = lh
+                params["blk_max_blocks"] = layout.full_idx.shape[-1]
+            io_buf = None
+            if spec.instrument_io:
+                io_buf = DeviceBuffer(gpu, 8 * len(IO_TENSORS), fill=0)
+                bufs.append(io_buf)
+                params["io_counters"] = io_buf.ptr
+            self.launch_raw(params, self.grid(pb.batch, pb.heads, pb.seqlen_q))
+            stats = {"margins_intact": all(b_.margins_intact() for b_ in (o_buf, lse_buf))}
+            o = from_dtype_bits(o_buf.download(np.uint16, o_shape), dt)
+            lse = lse_buf.download(np.float32, lse_shape)
+            keep = keep_buf.download(np.uint8, keep_shape) if keep_buf is not None else None
+            if keep_buf is not None:
+                stats["margins_intact"] &= keep_buf.margins_intact()
+            io = None
+            if io_buf is not None:
+                raw = io_buf.download(np.uint64, (len(IO_TENSORS),))
+                io = {nm: int(x) for nm, x in zip(IO_TENSORS, raw)}
+            return FwdResult(o=o, lse=lse, inputs=inputs, keep_mask=keep, io=io, stats=stats)
+        finally:
+            for b_ in bufs:
+                b_.free()
+
+
+def cubin_path(spec, cubin_dir: Path | str = DEFAULT_CUBIN_DIR) -> Path:
+    return Path(cubin_dir) / f"{spec.name}.cubin"
+
+
+def load_kernel(spec, cubin_dir: Path | str = DEFAULT_CUBIN_DIR) -> FwdKernel:
+    """The kernel of `spec`, from `<cubin_dir>/<name>.cubin` (`flashgen compile` output)."""
+    return FwdKernel(spec, cubin_path(spec, cubin_dir))
+
+
+def run(spec, q, k, v, **kwargs) -> FwdResult:
+    """One-shot convenience: load the spec's kernel and run it (see FwdKernel.run)."""
+    return load_kernel(spec).run(q, k, v, **kwargs)
