@@ -1,0 +1,152 @@
+"""The pass rule: a kernel passes when its error is at most twice the baseline's, plus a floor.
+
+For one output (O, LSE, a gradient), with `ref` the float64 reference and `baseline` standard
+attention in the kernel's precision (`verify.baseline`):
+
+    kernel_err   = max |kernel - ref|
+    baseline_err = max |baseline - ref|
+    floor        = 2 * max |(r + 0.3 - 0.3) - r|,  r = ref rounded to the dtype, and the
+                   +0.3 and -0.3 each done in float32 then rounded to the dtype
+    passed       iff kernel_err <= 2 * baseline_err + floor
+
+The factor 2 on the baseline is FlashAttention's test rule; the floor is FlashAttention-3's
+(the rounding noise of one add at the output's magnitude), so an exact baseline does not demand
+an exact kernel. Positions where the reference is not finite (the -inf LSE of a row with no
+visible key) must hold exactly the same value in the kernel output and are left out of both
+maxima. A NaN or inf in the kernel output where the reference is finite always fails. A
+non-finite baseline where the reference is finite makes the rule meaningless and raises
+`ValueError` (pick inputs the dtype can hold).
+
+`ratio = kernel_err / max(baseline_err + floor, tiny)` says how close a pass was (a kernel
+with ratio 1.9 passed, barely); `check_all` applies the rule to each named output separately.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from verify.baseline import dtype_name, round_to_dtype
+
+__all__ = ["Verdict", "check", "check_all", "noise_floor", "output_dtype"]
+
+_TINY = float(np.finfo(np.float64).tiny)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The pass rule's outcome for one output; errors are max absolute differences."""
+
+    passed: bool
+    kernel_err: float
+    baseline_err: float
+    floor: float
+    ratio: float
+    message: str
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+
+def noise_floor(ref: Any, dtype: Any) -> float:
+    """FlashAttention-3's floor `2 * max |(r + 0.3 - 0.3) - r|` over the finite entries, r = ref
+    rounded to `dtype`, each operation rounded to the dtype."""
+    ref = np.asarray(ref, dtype=np.float64)
+    r = round_to_dtype(ref[np.isfinite(ref)], dtype)
+    up = round_to_dtype(r + np.float32(0.3), dtype)
+    back = round_to_dtype(up - np.float32(0.3), dtype)
+    diff = np.abs(back.astype(np.float64) - r.astype(np.float64))
+    return 2.0 * float(diff.max(initial=0.0))
+
+
+def _max_abs(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max(initial=0.0))
+
+
+def check(kernel_out: Any, ref64: Any, baseline: Any, dtype: Any) -> Verdict:
+    """The pass rule for one output (any shape; the three arrays must have the same one).
+
+    `dtype` is the precision of the kernel output: 'fp16' / 'bf16' for O and gradients,
+    'fp32' for the LSE (or an enum with that `.yaml`).
+    """
+    name = dtype_name(dtype)
+    kern = np.asarray(kernel_out, dtype=np.float64)
+    ref = np.asarray(ref64, dtype=np.float64)
+    base = np.asarray(baseline, dtype=np.float64)
+    if not kern.shape == ref.shape == base.shape:
+        raise ValueError(
+            f"shapes differ: kernel {kern.shape}, reference {ref.shape}, baseline {base.shape}"
+        )
+    if np.isnan(ref).any():
+        raise ValueError("the reference holds NaN; it never should")
+    finite = np.isfinite(ref)
+    if not np.isfinite(base[finite]).all():
+        raise ValueError(
+            f"the {name} baseline is not finite where the reference is: the pass rule is "
+            "undefined for these inputs (out of the dtype's range?)"
+        )
+    floor = noise_floor(ref, name)
+    baseline_err = _max_abs(base[finite], ref[finite])
+    bound = 2.0 * baseline_err + floor
+
+    problems = []
+    special_bad = int(np.count_nonzero(~finite & (kern != ref)))
+    if special_bad:
+        problems.append(f"{special_bad} entries where the reference is -inf/inf differ")
+    kf = kern[finite]
+    nonfinite = int(np.count_nonzero(~np.isfinite(kf)))
+    if nonfinite:
+        problems.append(f"{nonfinite} NaN/inf entries where the reference is finite")
+        kernel_err = float("inf")
+    else:
+        kernel_err = _max_abs(kf, ref[finite])
+    ratio = kernel_err / max(baseline_err + floor, _TINY)
+    if kernel_err > bound:
+        worst = ""
+        if not nonfinite:
+            err = np.abs(np.where(finite, kern, 0.0) - np.where(finite, ref, 0.0))
+            index = tuple(int(x) for x in np.unravel_index(int(np.argmax(err)), ref.shape))
+            worst = f" (worst at index {index})"
+        problems.append(
+            f"max error {kernel_err:.3g} > 2 * baseline {baseline_err:.3g} + floor {floor:.3g}"
+            f" = {bound:.3g}{worst}"
+        )
+    passed = not problems
+    message = (
+        f"pass: max error {kernel_err:.3g} <= {bound:.3g} (ratio {ratio:.3g})"
+        if passed
+        else "FAIL: " + "; ".join(problems)
+    )
+    return Verdict(passed, kernel_err, baseline_err, floor, ratio, message)
+
+
+def output_dtype(output_name: str, dtype: Any) -> str:
+    """The precision an output is stored in: LSE outputs are float32, the rest `dtype`."""
+    return "fp32" if "lse" in output_name.lower() else dtype_name(dtype)
+
+
+def check_all(
+    kernel_outputs: Mapping[str, Any],
+    refs: Mapping[str, Any],
+    baselines: Mapping[str, Any],
+    dtype: Any,
+) -> dict[str, Verdict]:
+    """`check` applied to each named output (e.g. 'o', 'lse', 'dq', 'dk', 'dv').
+
+    The three mappings must have the same keys. Outputs whose name contains 'lse' are judged
+    in float32 (the kernels store the LSE in float32); the others in `dtype`. The overall
+    verdict is `all(v.passed for v in result.values())`.
+    """
+    keys = set(kernel_outputs)
+    if keys != set(refs) or keys != set(baselines):
+        raise ValueError(
+            f"output names differ: kernel {sorted(kernel_outputs)}, reference {sorted(refs)}, "
+            f"baseline {sorted(baselines)}"
+        )
+    return {
+        key: check(kernel_outputs[key], refs[key], baselines[key], output_dtype(key, dtype))
+        for key in kernel_outputs
+    }

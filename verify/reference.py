@@ -1,0 +1,581 @@
+"""The float64 reference: the one definition of what every flashgen kernel computes.
+
+Notation (docs/conventions.md): `Sq`, `Sk` query and key lengths of one sequence, `d` head dim,
+`h` query head, `hk = h // (heads // kv_heads)` its key/value head, `i`, `j` local query row and
+key column, `shift` the causal alignment offset (0 for `top_left`, `Sk - Sq` for
+`bottom_right`).
+
+Layouts:
+- dense: q, o `(batch, Sq, heads, d)`; k, v `(batch, Sk, kv_heads, d)`; LSE `(batch, heads, Sq)`.
+- varlen: q, o packed `(total_q, heads, d)`; k, v `(total_k, kv_heads, d)`; LSE
+  `(heads, total_q)`; `cu_seqlens_q`, `cu_seqlens_k` cumulative lengths of `batch + 1` entries
+  starting at 0. Positions are local to each sequence (masks, dropout keep-mask, block layout).
+
+LSE is the natural-log log-sum-exp of the *scaled* scores over the visible keys of a row. A
+row with no visible key has O = 0 and LSE = -inf (never NaN, and no floating-point warnings).
+
+Dropout is given as a keep-mask (`verify.dropout.keep_mask` draws the kernels' one): kept
+probabilities are multiplied by `1 / (1 - p)` before `P V`; the LSE is that of the undropped
+softmax. Dense keep-masks are `(batch, heads, Sq, Sk)`; varlen keep-masks are
+`(batch, heads, max_Sq, max_Sk)` indexed by local positions (the kernels' debug layout).
+
+Block sparsity is given as a boolean layout `(layout_heads, Tr, Tc)` at `block_m x block_n`
+granularity, `layout_heads` 1 (shared by all heads) or `heads`; tile `(i // block_m,
+j // block_n)` of head `h` is visible iff the layout holds it. Larger layouts are allowed (the
+extra tiles are ignored), so that one layout can serve every sequence of a varlen batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "CAUSAL_ALIGNMENTS",
+    "attention_backward",
+    "attention_forward",
+    "causal_name",
+    "element_visible",
+    "sequence_visible",
+    "shift_for",
+    "spec_window",
+    "visible_mask",
+]
+
+CAUSAL_ALIGNMENTS = ("none", "top_left", "bottom_right")
+
+Window = tuple[int, int]
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks
+# ---------------------------------------------------------------------------------------------
+
+
+def causal_name(causal: Any) -> str:
+    """The causal alignment's YAML spelling, from a string or an enum with a `.yaml` attribute."""
+    name = getattr(causal, "yaml", causal)
+    if name not in CAUSAL_ALIGNMENTS:
+        allowed = ", ".join(CAUSAL_ALIGNMENTS)
+        raise ValueError(f"causal={causal!r} is not allowed (allowed: {allowed})")
+    return name
+
+
+def _check_window(window: Sequence[int]) -> Window:
+    left, right = (int(w) for w in window)
+    if left < -1 or right < -1:
+        raise ValueError(f"window={tuple(window)!r}: each side is -1 (unbounded) or >= 0")
+    return left, right
+
+
+def spec_window(spec: Any, window: Sequence[int] = (-1, -1)) -> Window:
+    """The runtime window of a kernel spec: `window` if `spec.mask.window`, else (-1, -1).
+
+    A spec without a window mask ignores the runtime window, so a bounded one is an error here
+    rather than a silent difference between what was asked and what ran.
+    """
+    left, right = _check_window(window)
+    if not spec.mask.window and (left, right) != (-1, -1):
+        raise ValueError(f"window={tuple(window)} given, but the spec has mask.window: false")
+    return left, right
+
+
+def shift_for(causal: Any, seqlen_q: int, seqlen_k: int) -> int:
+    """The diagonal's offset: 0 for `top_left`, `Sk - Sq` otherwise.
+
+    With `causal='none'` this is the sliding window's alignment (bottom_right, as in
+    FlashAttention-2).
+    """
+    return 0 if causal_name(causal) == "top_left" else seqlen_k - seqlen_q
+
+
+def element_visible(
+    i: Any,
+    j: Any,
+    seqlen_q: int,
+    seqlen_k: int,
+    *,
+    causal: Any = "none",
+    window: Sequence[int] = (-1, -1),
+) -> np.ndarray:
+    """Rules 1-3 of conventions.md ("Masks") for broadcastable integer arrays `i`, `j`."""
+    i = np.asarray(i, dtype=np.int64)
+    j = np.asarray(j, dtype=np.int64)
+    left, right = _check_window(window)
+    shift = shift_for(causal, seqlen_q, seqlen_k)
+    ok = (i >= 0) & (i < seqlen_q) & (j >= 0) & (j < seqlen_k)
+    if causal_name(causal) != "none":
+        ok = ok & (j <= i + shift)
+    if left >= 0:
+        ok = ok & (j >= i + shift - left)
+    if right >= 0:
+        ok = ok & (j <= i + shift + right)
+    return ok
+
+
+def _check_block_mask(
+    block_mask: Any, heads: int, block_m: int | None, block_n: int | None
+) -> np.ndarray:
+    bm = np.asarray(block_mask)
+    if bm.dtype != np.bool_ or bm.ndim != 3:
+        raise ValueError(
+            f"block_mask must be a bool array (layout_heads, Tr, Tc), got {bm.dtype} {bm.shape}"
+        )
+    if bm.shape[0] not in (1, heads):
+        raise ValueError(f"block_mask has {bm.shape[0]} layout heads (allowed: 1 or {heads})")
+    if not block_m or not block_n or block_m <= 0 or block_n <= 0:
+        raise ValueError("block_mask needs positive block_m and block_n")
+    return bm
+
+
+def sequence_visible(
+    seqlen_q: int,
+    seqlen_k: int,
+    *,
+    heads: int = 1,
+    causal: Any = "none",
+    window: Sequence[int] = (-1, -1),
+    block_mask: Any = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> np.ndarray:
+    """Visibility of one sequence, bool `(heads, Sq, Sk)` (rules 1-4 of conventions.md)."""
+    i = np.arange(seqlen_q)[:, None]
+    j = np.arange(seqlen_k)[None, :]
+    vis = element_visible(i, j, seqlen_q, seqlen_k, causal=causal, window=window)
+    vis = np.broadcast_to(vis, (heads, seqlen_q, seqlen_k))
+    if block_mask is None:
+        return vis.copy()
+    bm = _check_block_mask(block_mask, heads, block_m, block_n)
+    tr, tc = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
+    if bm.shape[1] < tr or bm.shape[2] < tc:
+        raise ValueError(
+            f"block_mask {bm.shape} is smaller than the {tr} x {tc} tiles of "
+            f"Sq={seqlen_q}, Sk={seqlen_k} at {block_m} x {block_n}"
+        )
+    tiles = bm[:, (np.arange(seqlen_q) // block_m)][:, :, (np.arange(seqlen_k) // block_n)]
+    return vis & tiles
+
+
+def visible_mask(
+    batch: int,
+    heads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    *,
+    causal: Any = "none",
+    window: Sequence[int] = (-1, -1),
+    cu_seqlens_q: Any = None,
+    cu_seqlens_k: Any = None,
+    block_mask: Any = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> np.ndarray:
+    """Bool `(batch, heads, Sq, Sk)`: whether key `j` is visible from query `i`.
+
+    Varlen: `seqlen_q`, `seqlen_k` are the padded sizes (at least the longest sequence); each
+    sequence's `(Sq_b, Sk_b)` corner is filled and the rest is False.
+    """
+    out = np.zeros((batch, heads, seqlen_q, seqlen_k), dtype=bool)
+    lengths = _lengths(batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k)
+    for b, (sq, sk) in enumerate(lengths):
+        if sq > seqlen_q or sk > seqlen_k:
+            raise ValueError(f"sequence {b} ({sq} x {sk}) exceeds {seqlen_q} x {seqlen_k}")
+        out[b, :, :sq, :sk] = sequence_visible(
+            sq, sk, heads=heads, causal=causal, window=window,
+            block_mask=block_mask, block_m=block_m, block_n=block_n,
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout plumbing shared with verify.baseline
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_cu(cu: Any, name: str, total: int) -> np.ndarray:
+    cu = np.asarray(cu, dtype=np.int64)
+    if cu.ndim != 1 or cu.size < 1 or cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] > total:
+        raise ValueError(
+            f"{name} must be non-decreasing, start at 0 and end at most at {total}; got {cu}"
+        )
+    return cu
+
+
+def _lengths(
+    batch: int, seqlen_q: int, seqlen_k: int, cu_q: Any, cu_k: Any
+) -> list[tuple[int, int]]:
+    if (cu_q is None) != (cu_k is None):
+        raise ValueError("give both cu_seqlens_q and cu_seqlens_k, or neither")
+    if cu_q is None:
+        return [(seqlen_q, seqlen_k)] * batch
+    cq = np.diff(np.asarray(cu_q, dtype=np.int64))
+    ck = np.diff(np.asarray(cu_k, dtype=np.int64))
+    if len(cq) != batch or len(ck) != batch:
+        raise ValueError(f"cu_seqlens must have batch + 1 = {batch + 1} entries")
+    return [(int(a), int(b)) for a, b in zip(cq, ck, strict=True)]
+
+
+class _Seq(NamedTuple):
+    """One sequence of a batch: where its rows live in q/o, k/v and LSE."""
+
+    b: int
+    q_rows: Any  # index into the leading axis (axes) of q / o: an int (dense) or a slice
+    k_rows: Any
+    lse_index: tuple  # index of the `(heads, Sq_b)` LSE block
+
+
+class _Problem(NamedTuple):
+    batch: int
+    heads: int
+    kv_heads: int
+    d: int
+    varlen: bool
+    seqs: list[_Seq]
+    lse_shape: tuple[int, ...]
+    max_sq: int
+    max_sk: int
+
+
+def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_q: Any, cu_k: Any) -> _Problem:
+    if (cu_q is None) != (cu_k is None):
+        raise ValueError("give both cu_seqlens_q and cu_seqlens_k, or neither")
+    varlen = cu_q is not None
+    want = 3 if varlen else 4
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != want:
+            layout = "(total, heads, d)" if varlen else "(batch, seqlen, heads, d)"
+            raise ValueError(f"{name} must be {layout}, got shape {x.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")
+    heads, d = q.shape[-2], q.shape[-1]
+    kv_heads = k.shape[-2]
+    if k.shape[-1] != d:
+        raise ValueError(f"q head_dim {d} != k head_dim {k.shape[-1]}")
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"heads={heads} is not a multiple of kv_heads={kv_heads}")
+    if not varlen:
+        batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+        if k.shape[0] != batch:
+            raise ValueError(f"q batch {batch} != k batch {k.shape[0]}")
+        seqs = [_Seq(b, b, b, (b,)) for b in range(batch)]
+        return _Problem(batch, heads, kv_heads, d, False, seqs, (batch, heads, sq), sq, sk)
+    cq = _check_cu(cu_q, "cu_seqlens_q", q.shape[0])
+    ck = _check_cu(cu_k, "cu_seqlens_k", k.shape[0])
+    if cq.size != ck.size:
+        raise ValueError(f"cu_seqlens_q has {cq.size} entries, cu_seqlens_k {ck.size}")
+    batch = cq.size - 1
+    seqs = [
+        _Seq(
+            b,
+            slice(int(cq[b]), int(cq[b + 1])),
+            slice(int(ck[b]), int(ck[b + 1])),
+            (slice(None), slice(int(cq[b]), int(cq[b + 1]))),
+        )
+        for b in range(batch)
+    ]
+    max_sq = int(np.diff(cq).max(initial=0))
+    max_sk = int(np.diff(ck).max(initial=0))
+    return _Problem(batch, heads, kv_heads, d, True, seqs, (heads, q.shape[0]), max_sq, max_sk)
+
+
+def _keep_for(
+    keep_mask: Any, pb: _Problem, seq: _Seq, sq: int, sk: int
+) -> np.ndarray | None:
+    if keep_mask is None:
+        return None
+    km = np.asarray(keep_mask)
+    if km.dtype != np.bool_ or km.ndim != 4 or km.shape[:2] != (pb.batch, pb.heads):
+        raise ValueError(
+            f"keep_mask must be bool (batch={pb.batch}, heads={pb.heads}, Sq, Sk), "
+            f"got {km.dtype} {km.shape}"
+        )
+    if km.shape[2] < sq or km.shape[3] < sk or (not pb.varlen and km.shape[2:] != (sq, sk)):
+        raise ValueError(f"keep_mask {km.shape} does not cover sequence {seq.b} ({sq} x {sk})")
+    return km[seq.b, :, :sq, :sk]
+
+
+def _check_p(dropout_p: float, keep_mask: Any) -> float:
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p={dropout_p} must be in [0, 1)")
+    if p > 0.0 and keep_mask is None:
+        raise ValueError("dropout_p > 0 needs a keep_mask (see verify.dropout.keep_mask)")
+    return p
+
+
+class SeqInputs(NamedTuple):
+    """What a numeric core sees for one sequence (all heads)."""
+
+    q: np.ndarray  # (Sq, heads, d)
+    k: np.ndarray  # (Sk, heads, d): already expanded from kv_heads (GQA)
+    v: np.ndarray  # (Sk, heads, d)
+    visible: np.ndarray  # bool (heads, Sq, Sk)
+    keep: np.ndarray | None  # bool (heads, Sq, Sk)
+    dropout_p: float
+    scale: float
+
+
+def _iter_sequences(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    pb: _Problem,
+    *,
+    scale: float,
+    causal: Any,
+    window: Sequence[int],
+    keep_mask: Any,
+    dropout_p: float,
+    block_mask: Any,
+    block_m: int | None,
+    block_n: int | None,
+) -> Iterator[tuple[_Seq, SeqInputs]]:
+    group = pb.heads // pb.kv_heads
+    for seq in pb.seqs:
+        qs, ks, vs = q[seq.q_rows], k[seq.k_rows], v[seq.k_rows]
+        sq, sk = qs.shape[0], ks.shape[0]
+        vis = sequence_visible(
+            sq, sk, heads=pb.heads, causal=causal, window=window,
+            block_mask=block_mask, block_m=block_m, block_n=block_n,
+        )
+        keep = _keep_for(keep_mask, pb, seq, sq, sk)
+        yield seq, SeqInputs(
+            qs, np.repeat(ks, group, axis=1), np.repeat(vs, group, axis=1),
+            vis, keep, dropout_p, scale,
+        )
+
+
+def _default_scale(scale: float | None, d: int) -> float:
+    return 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+
+ForwardCore = Callable[[SeqInputs], tuple[np.ndarray, np.ndarray]]
+BackwardCore = Callable[
+    [SeqInputs, np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]
+]
+
+
+def run_forward(
+    core: ForwardCore,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    work_dtype: Any,
+    scale: float | None,
+    causal: Any,
+    window: Sequence[int],
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    keep_mask: Any,
+    dropout_p: float,
+    block_mask: Any,
+    block_m: int | None,
+    block_n: int | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Splits a batch into sequences, runs `core` on each and reassembles O and LSE.
+
+    Shared by the float64 reference and `verify.baseline` so both read the same layouts.
+    """
+    q, k, v = (np.asarray(x, dtype=work_dtype) for x in (q, k, v))
+    pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    p = _check_p(dropout_p, keep_mask)
+    o = np.zeros(q.shape, dtype=work_dtype)
+    lse = np.full(pb.lse_shape, -np.inf, dtype=work_dtype)
+    for seq, inp in _iter_sequences(
+        q, k, v, pb, scale=_default_scale(scale, pb.d), causal=causal, window=window,
+        keep_mask=keep_mask, dropout_p=p, block_mask=block_mask, block_m=block_m,
+        block_n=block_n,
+    ):
+        o_s, lse_s = core(inp)
+        o[seq.q_rows] = o_s
+        lse[seq.lse_index] = lse_s
+    return o, lse
+
+
+def run_backward(
+    core: BackwardCore,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    o: np.ndarray,
+    lse: np.ndarray,
+    do: np.ndarray,
+    *,
+    work_dtype: Any,
+    scale: float | None,
+    causal: Any,
+    window: Sequence[int],
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    keep_mask: Any,
+    dropout_p: float,
+    block_mask: Any,
+    block_m: int | None,
+    block_n: int | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Like `run_forward` for the backward pass; dk, dv are summed over each GQA group."""
+    q, k, v, o, lse, do = (np.asarray(x, dtype=work_dtype) for x in (q, k, v, o, lse, do))
+    pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if o.shape != q.shape or do.shape != q.shape:
+        raise ValueError(f"o {o.shape} and do {do.shape} must have q's shape {q.shape}")
+    if lse.shape != pb.lse_shape:
+        raise ValueError(f"lse must have shape {pb.lse_shape}, got {lse.shape}")
+    p = _check_p(dropout_p, keep_mask)
+    group = pb.heads // pb.kv_heads
+    dq = np.zeros(q.shape, dtype=work_dtype)
+    dk = np.zeros(k.shape, dtype=work_dtype)
+    dv = np.zeros(v.shape, dtype=work_dtype)
+    for seq, inp in _iter_sequences(
+        q, k, v, pb, scale=_default_scale(scale, pb.d), causal=causal, window=window,
+        keep_mask=keep_mask, dropout_p=p, block_mask=block_mask, block_m=block_m,
+        block_n=block_n,
+    ):
+        dq_s, dk_s, dv_s = core(inp, o[seq.q_rows], lse[seq.lse_index], do[seq.q_rows])
+        sk = dk_s.shape[0]
+        dq[seq.q_rows] = dq_s
+        dk[seq.k_rows] = dk_s.reshape(sk, pb.kv_heads, group, pb.d).sum(axis=2)
+        dv[seq.k_rows] = dv_s.reshape(sk, pb.kv_heads, group, pb.d).sum(axis=2)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# The float64 numeric core
+# ---------------------------------------------------------------------------------------------
+
+
+def _dropout_factor(inp: SeqInputs, dtype: Any) -> np.ndarray | None:
+    """`keep / (1 - p)` per element, or None without a keep-mask."""
+    if inp.keep is None:
+        return None
+    return inp.keep.astype(dtype) * dtype(1.0 / (1.0 - inp.dropout_p))
+
+
+def masked_softmax(s: np.ndarray, visible: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row softmax of scaled scores over visible keys: (P, natural-log LSE), empty rows 0/-inf.
+
+    Works in the dtype of `s` (float64 for the reference, float32 for the baseline).
+    """
+    s = np.where(visible, s, -np.inf)
+    m = s.max(axis=-1, initial=-np.inf)
+    # The -inf guard: an empty row uses 0 as its base, so no (-inf) - (-inf) is ever formed.
+    base = np.where(np.isfinite(m), m, 0).astype(s.dtype)
+    e = np.exp(s - base[..., None])
+    total = e.sum(axis=-1)
+    empty = ~(total > 0)
+    safe = np.where(empty, 1, total).astype(s.dtype)
+    lse = np.where(empty, -np.inf, base + np.log(safe)).astype(s.dtype)
+    return e / safe[..., None], lse
+
+
+def scaled_scores(inp: SeqInputs) -> np.ndarray:
+    """Scaled scores `(heads, Sq, Sk)` in the working dtype."""
+    dt = inp.q.dtype.type
+    return (inp.q.transpose(1, 0, 2) @ inp.k.transpose(1, 2, 0)) * dt(inp.scale)
+
+
+def _forward64(inp: SeqInputs) -> tuple[np.ndarray, np.ndarray]:
+    p, lse = masked_softmax(scaled_scores(inp), inp.visible)
+    z = _dropout_factor(inp, np.float64)
+    if z is not None:
+        p = p * z
+    o = p @ inp.v.transpose(1, 0, 2)  # (heads, Sq, d)
+    return o.transpose(1, 0, 2), lse
+
+
+def probabilities_from_lse(s: np.ndarray, visible: np.ndarray, lse: np.ndarray) -> np.ndarray:
+    ok = visible & np.isfinite(lse)[..., None]
+    base = np.where(np.isfinite(lse), lse, 0).astype(s.dtype)
+    return np.where(ok, np.exp(np.where(ok, s, 0) - base[..., None]), 0).astype(s.dtype)
+
+
+def _backward64(
+    inp: SeqInputs, o: np.ndarray, lse: np.ndarray, do: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    p = probabilities_from_lse(scaled_scores(inp), inp.visible, lse)  # (h, Sq, Sk)
+    z = _dropout_factor(inp, np.float64)
+    pz = p if z is None else p * z
+    do_h = do.transpose(1, 0, 2)  # (h, Sq, d)
+    dv = pz.transpose(0, 2, 1) @ do_h  # (h, Sk, d)
+    dp = do_h @ inp.v.transpose(1, 2, 0)  # (h, Sq, Sk)
+    if z is not None:
+        dp = dp * z
+    delta = np.sum(do_h * o.transpose(1, 0, 2), axis=-1)  # (h, Sq) = rowsum(P * dP)
+    ds = p * (dp - delta[..., None])
+    dq = (ds @ inp.k.transpose(1, 0, 2)) * inp.scale
+    dk = (ds.transpose(0, 2, 1) @ inp.q.transpose(1, 0, 2)) * inp.scale
+    return dq.transpose(1, 0, 2), dk.transpose(1, 0, 2), dv.transpose(1, 0, 2)
+
+
+def attention_forward(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    scale: float | None = None,
+    causal: Any = "none",
+    window: Sequence[int] = (-1, -1),
+    cu_seqlens_q: Any = None,
+    cu_seqlens_k: Any = None,
+    keep_mask: Any = None,
+    dropout_p: float = 0.0,
+    block_mask: Any = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Float64 attention forward: `(o, lse)`.
+
+    q `(batch, Sq, heads, d)`, k, v `(batch, Sk, kv_heads, d)` (varlen: packed `(total, heads,
+    d)` with `cu_seqlens_q`, `cu_seqlens_k`); inputs of any float dtype are converted to
+    float64. `scale` defaults to `1 / sqrt(d)`. `causal` is 'none', 'top_left' or
+    'bottom_right' (or an enum with that `.yaml`); `window = (left, right)`, -1 unbounded, is
+    aligned like `causal` and bottom_right when `causal='none'`. `keep_mask` bool
+    `(batch, heads, Sq, Sk)` and `dropout_p` apply dropout; `block_mask` bool
+    `(layout_heads, Tr, Tc)` at `block_m x block_n` tiles applies block sparsity.
+
+    Returns o float64 with q's shape and the natural-log LSE float64 `(batch, heads, Sq)`
+    (varlen `(heads, total_q)`); rows with no visible key give o = 0 and LSE = -inf.
+    """
+    return run_forward(
+        _forward64, q, k, v, work_dtype=np.float64, scale=scale, causal=causal, window=window,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, keep_mask=keep_mask,
+        dropout_p=dropout_p, block_mask=block_mask, block_m=block_m, block_n=block_n,
+    )
+
+
+def attention_backward(
+    q: Any,
+    k: Any,
+    v: Any,
+    o: Any,
+    lse: Any,
+    do: Any,
+    *,
+    scale: float | None = None,
+    causal: Any = "none",
+    window: Sequence[int] = (-1, -1),
+    cu_seqlens_q: Any = None,
+    cu_seqlens_k: Any = None,
+    keep_mask: Any = None,
+    dropout_p: float = 0.0,
+    block_mask: Any = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Float64 attention backward: `(dq, dk, dv)` with the shapes of q, k, v.
+
+    Takes the forward's `o` and `lse` as FlashAttention does: P is recomputed as
+    `exp(scale * q.k - lse)` on visible keys and `D_i = rowsum(dO * O)`. Same arguments and
+    layouts as `attention_forward`; with GQA, dk and dv are summed over each group of query
+    heads sharing a key/value head.
+    """
+    return run_backward(
+        _backward64, q, k, v, o, lse, do, work_dtype=np.float64, scale=scale, causal=causal,
+        window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        keep_mask=keep_mask, dropout_p=dropout_p, block_mask=block_mask, block_m=block_m,
+        block_n=block_n,
+    )
