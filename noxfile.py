@@ -1,0 +1,82 @@
+"""nox sessions. Plain `nox` runs lint, tests, gen_check and compile.
+
+Each session installs the project (`-e .[dev]`) into its own virtualenv. To run in the
+current environment instead (already `pip install -e '.[dev]'`-ed): `nox --no-venv`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import nox
+
+nox.options.sessions = ["lint", "tests", "gen_check", "compile"]
+nox.options.reuse_existing_virtualenvs = True
+
+ROOT = Path(__file__).resolve().parent
+
+
+def _install(session: nox.Session, extras: str = "dev") -> None:
+    if session.venv_backend != "none":
+        session.install("-e", f".[{extras}]")
+
+
+def _have_gpu() -> bool:
+    if shutil.which("nvidia-smi") is None:
+        return False
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check."""
+    if session.venv_backend != "none":
+        session.install("ruff")
+    session.run("ruff", "check", ".")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The no-GPU test suite (GPU tests skip themselves)."""
+    _install(session)
+    session.run("python", "-m", "pytest", "-q", "tests", *session.posargs)
+
+
+@nox.session
+def gen_check(session: nox.Session) -> None:
+    """Fail if generated/ or the README kernel table differ from what specs/ produce."""
+    _install(session)
+    session.run("flashgen", "generate", "specs/", "--check")
+
+
+@nox.session
+def compile(session: nox.Session) -> None:
+    """nvcc every kernel of specs/ (no GPU needed); fails on compile errors or spills."""
+    _install(session)
+    session.run("flashgen", "compile", "specs/", *session.posargs)
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """The GPU suite (tests/gpu); needs a CUDA GPU and pycuda."""
+    if not _have_gpu():
+        session.skip("no CUDA GPU found (nvidia-smi -L lists none): skipping the GPU suite")
+    if not (ROOT / "tests" / "gpu").is_dir():
+        session.skip("tests/gpu does not exist yet: nothing to run")
+    _install(session, "dev,gpu")
+    session.run("python", "-m", "pytest", "-q", "tests/gpu", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks (flashgen bench); needs a CUDA GPU and pycuda."""
+    if not _have_gpu():
+        session.skip("no CUDA GPU found (nvidia-smi -L lists none): skipping benchmarks")
+    _install(session, "dev,gpu,bench")
+    session.run("flashgen", "bench", *session.posargs)
