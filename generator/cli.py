@@ -46,7 +46,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     readme = Path(args.readme) if args.readme else _default_readme(outdir)
     if args.no_readme:
         readme = None
-    plan = plan_generate(specs, outdir, spec_files=files, readme=readme)
+    plan = plan_generate(
+        specs, outdir, spec_files=files, readme=readme, templates_dir=args.templates
+    )
     for w in plan.warnings:
         print(f"flashgen: warning: {w}", file=sys.stderr)
     if args.check:
@@ -164,7 +166,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
     specs = load_paths(args.specs)
     arch = Target.from_yaml(args.arch) if args.arch else None
     try:
-        results = compile_specs(specs, Path(args.output), arch=arch, jobs=args.jobs)
+        results = compile_specs(
+            specs,
+            Path(args.output),
+            arch=arch,
+            jobs=args.jobs,
+            templates_dir=args.templates,
+            nvcc=args.nvcc,
+        )
     except FileNotFoundError as e:
         _err(str(e))
         return 1
@@ -245,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         "when writing to the repo's generated/)",
     )
     g.add_argument("--no-readme", action="store_true", help="leave READMEs alone")
+    g.add_argument("--templates", help="template directory (default: the repo's templates/)")
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("show", help="resolved spec(s), tile, smem, name, predicted HBM bytes")
@@ -263,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--arch", choices=Target.allowed(), help="default: each spec's target")
     c.add_argument("-j", "--jobs", type=int, default=None, help="default: CPU count")
     c.add_argument("-o", "--output", default="build/kernels", help="default: build/kernels")
+    c.add_argument("--templates", help="template directory (default: the repo's templates/)")
+    c.add_argument("--nvcc", default=os.environ.get("NVCC", "nvcc"), help="default: $NVCC or nvcc")
     c.set_defaults(func=cmd_compile)
 
     for which, help_ in (("verify", "run the GPU verification suite"), ("bench", "benchmark")):
