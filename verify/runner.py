@@ -23,6 +23,7 @@ PyCUDA is imported lazily: importing this module needs no GPU.
 
 from __future__ import annotations
 
+import atexit
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -190,6 +191,14 @@ class _Gpu:
         self.context = self.device.retain_primary_context()
         self.context.push()
         self.modules: dict[str, Any] = {}
+        atexit.register(self._close)
+
+    def _close(self) -> None:
+        self.modules.clear()
+        try:
+            self.cuda.Context.pop()
+        except Exception:  # noqa: BLE001 - already gone at interpreter exit
+            pass
 
     @classmethod
     def get(cls) -> _Gpu:

@@ -204,10 +204,19 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
     }
 
     for (int it = 0; it < n_iter; ++it) {
-      if (it + C::kStages - 1 < n_iter) load_kv(it + C::kStages - 1);
-      cp_async_commit();
-      cp_async_wait<C::kStages - 1>();  // tile `it` has landed
+      // One barrier per tile: after it, tile `it` is visible to all warps and every warp has
+      // finished tile it - 1, so its slot can be refilled with tile it + kStages - 1 at once.
+      // (kStages == 1 has no spare slot: load, wait, compute, and a second barrier.)
+      if (C::kStages == 1) {
+        load_kv(it);
+        cp_async_commit();
+      }
+      cp_async_wait<(C::kStages > 1 ? C::kStages - 2 : 0)>();
       __syncthreads();
+      if (C::kStages > 1) {
+        if (it + C::kStages - 1 < n_iter) load_kv(it + C::kStages - 1);
+        cp_async_commit();
+      }
 
       const int slot = it % C::kStages;
       const Elem* sKs = sK + slot * C::kBlockN * C::kStride;
@@ -248,15 +257,15 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
       }
 
       if (masked) {
+        const TileMask tm = mask.tile(r0 + warp_row0, n * C::kBlockN);
 #pragma unroll
         for (int mt = 0; mt < C::kMT; ++mt)
 #pragma unroll
           for (int nt = 0; nt < C::kNT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              const int64_t i = r0 + warp_row0 + mt * 16 + g + (e >> 1) * 8;
-              const int64_t j = n * C::kBlockN + nt * 8 + 2 * t + (e & 1);
-              if (!mask.visible(i, j)) acc_s[mt][nt][e] = -INFINITY;
+              const int il = mt * 16 + g + (e >> 1) * 8, jl = nt * 8 + 2 * t + (e & 1);
+              if (!tm.visible(il, jl)) acc_s[mt][nt][e] = -INFINITY;
             }
       }
 
@@ -316,7 +325,7 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
           }
         }
       }
-      __syncthreads();  // the slot is refilled next iteration
+      if (C::kStages == 1) __syncthreads();  // the only slot is refilled next iteration
     }
   }
 

@@ -7,8 +7,8 @@
 //   n_lo, n_hi  the K/V tiles [n_lo, n_hi) a dense CTA visits
 //
 // Every policy answers three questions: which K/V tiles can hold a visible key (the schedule),
-// which of those need element-wise masking (the rest run the unmasked path), and whether key
-// j is visible from query i. A new mask kind is one new set of answers here.
+// which of those need element-wise masking (the rest run the unmasked path), and, per tile,
+// whether key j is visible from query i. A new mask kind is one new set of answers here.
 #pragma once
 
 #include <stdint.h>
@@ -22,6 +22,14 @@ __device__ __forceinline__ int64_t floor_div(int64_t a, int64_t b) {
   return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
 
+struct TileMask {
+  int col_end, lo, hi;
+  __device__ __forceinline__ bool visible(int il, int jl) const {
+    const int dj = jl - il;
+    return jl < col_end && dj >= lo && dj <= hi;
+  }
+};
+
 template <Causal kCausal, bool kWindow>
 struct MaskPolicy {
   int64_t sq, sk, shift, left, right;
@@ -34,14 +42,18 @@ struct MaskPolicy {
 
   static constexpr bool kHasDiagonal = kCausal != Causal::kNone || kWindow;
 
-  __device__ __forceinline__ bool visible(int64_t i, int64_t j) const {
-    bool ok = j < sk;
-    if (kCausal != Causal::kNone) ok = ok && j <= i + shift;
-    if (kWindow) {
-      if (left >= 0) ok = ok && j >= i + shift - left;
-      if (right >= 0) ok = ok && j <= i + shift + right;
-    }
-    return ok;
+  // The rules restricted to one tile, in int32 offsets from its corner (i0, j0): visible iff
+  // jl < col_end and lo <= jl - il <= hi. Built once per tile, so the per-element test is
+  // three integer compares instead of 64-bit arithmetic.
+  __device__ __forceinline__ TileMask tile(int64_t i0, int64_t j0) const {
+    const int64_t big = 1 << 30;
+    const int64_t diag = i0 + shift - j0;  // jl - il == diag is the diagonal
+    int64_t hi = big, lo = -big;
+    if (kCausal != Causal::kNone) hi = diag;
+    if (kWindow && right >= 0) hi = min(hi, diag + right);
+    if (kWindow && left >= 0) lo = diag - left;
+    auto clamp = [&](int64_t x) { return static_cast<int>(max(-big, min(big, x))); };
+    return TileMask{clamp(sk - j0), clamp(lo), clamp(hi)};
   }
 
   // K/V tiles that can hold a visible key for rows [r0, r1].

@@ -1,0 +1,125 @@
+"""GPU suite fixtures: skip cleanly without a GPU, compile every needed kernel once per session,
+and collect one verification record per kernel.
+
+Environment:
+  FLASHGEN_GPU_EXAMPLES   Hypothesis examples per shipped spec (default 200)
+  FLASHGEN_RECORDS_DIR    where records are written (default verify/records)
+  FLASHGEN_SANITIZER      set by the sanitizer driver to the tool's verdict (recorded as is)
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from verify.runner import gpu_available
+
+REPO = Path(__file__).resolve().parents[2]
+CUBIN_DIR = REPO / "build" / "kernels"
+RECORDS_DIR = Path(os.environ.get("FLASHGEN_RECORDS_DIR", REPO / "verify" / "records"))
+
+_ok, _why = gpu_available()
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ARG001
+    if _ok:
+        return
+    skip = pytest.mark.skip(reason=f"no usable GPU for the flashgen GPU suite ({_why})")
+    for item in items:
+        if "tests/gpu" in str(item.fspath).replace(os.sep, "/"):
+            item.add_marker(skip)
+
+
+def shipped_specs():
+    from generator.load import load_paths
+
+    return load_paths([REPO / "specs"])
+
+
+def ensure_cubins(specs) -> None:
+    """Build the cubins that are missing (the device build normally carries them)."""
+    missing = [s for s in specs if not (CUBIN_DIR / f"{s.name}.cubin").exists()]
+    if not missing:
+        return
+    from generator.compile import compile_specs
+
+    compile_specs(missing, out_dir=CUBIN_DIR, jobs=os.cpu_count() or 2)
+
+
+class Recorder:
+    """Aggregates, per kernel, the examples run and the worst pass-rule ratio per output."""
+
+    def __init__(self) -> None:
+        self.kernels: dict[str, dict] = {}
+
+    def add(self, spec, verdicts: dict, test: str) -> None:
+        rec = self.kernels.setdefault(spec.name, {
+            "kernel": spec.name, "examples": 0, "worst_ratio": {}, "failures": 0,
+            "tests": {}})
+        rec["examples"] += 1
+        rec["tests"][test] = rec["tests"].get(test, 0) + 1
+        for out, v in verdicts.items():
+            rec["worst_ratio"][out] = max(rec["worst_ratio"].get(out, 0.0), float(v.ratio))
+            if not v.passed:
+                rec["failures"] += 1
+
+    def fail(self, spec, test: str) -> None:
+        rec = self.kernels.setdefault(spec.name, {
+            "kernel": spec.name, "examples": 0, "worst_ratio": {}, "failures": 0, "tests": {}})
+        rec["failures"] += 1
+        rec["tests"][test] = rec["tests"].get(test, 0)
+
+    def write(self, session_failed: bool) -> None:
+        if not self.kernels:
+            return
+        RECORDS_DIR.mkdir(parents=True, exist_ok=True)
+        env = _environment()
+        for name, rec in self.kernels.items():
+            out = dict(rec)
+            out.update(env)
+            out["passed"] = rec["failures"] == 0 and not session_failed and rec["examples"] > 0
+            out["sanitizer"] = os.environ.get("FLASHGEN_SANITIZER", "not run in this session")
+            path = RECORDS_DIR / f"{name}.json"
+            path.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+
+
+def _environment() -> dict:
+    from verify.runner import _Gpu
+
+    gpu = _Gpu.get()
+    cuda = gpu.cuda
+    env = {"gpu": gpu.device.name(),
+           "compute_capability": "%d.%d" % gpu.device.compute_capability(),
+           "driver": cuda.get_driver_version(),
+           "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")}
+    try:
+        out = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, check=False)
+        env["nvcc"] = out.stdout.strip().splitlines()[-1] if out.stdout else "unknown"
+    except OSError:
+        env["nvcc"] = "unknown"
+    return env
+
+
+RECORDER = Recorder()
+
+
+@pytest.fixture(scope="session")
+def recorder():
+    return RECORDER
+
+
+def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001
+    if _ok and os.environ.get("FLASHGEN_WRITE_RECORDS", "1") == "1":
+        RECORDER.write(session_failed=False)
+
+
+@pytest.fixture(scope="session")
+def specs():
+    s = shipped_specs()
+    ensure_cubins(s)
+    return s
