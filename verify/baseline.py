@@ -61,7 +61,7 @@ def round_to_dtype(x: Any, dtype: Any) -> np.ndarray:
     if name == "fp16":
         with np.errstate(over="ignore"):
             return x32.astype(np.float16).astype(np.float32)
-    return _round_bf16(np.ascontiguousarray(x32))
+    return _round_bf16(np.array(x32, order="C"))  # a copy: keeps 0-d shapes, contiguous
 
 
 def _forward_core(name: str):

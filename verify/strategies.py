@@ -1,0 +1,332 @@
+"""Hypothesis strategies for attention problems: what hand-picked grids miss.
+
+Sizes are small by default (fast on a CPU); every strategy takes a `max_...` to go larger.
+Lengths favour 1, 2, odd values and the maximum, and `seqlen_q != seqlen_k` in both directions.
+Array values come from a NumPy generator seeded by Hypothesis (`kind` picks the distribution),
+so a failing example replays exactly.
+
+Varlen lengths are at least 1 by default; `allow_empty=True` also draws zero-length sequences
+(the reference and the models handle them: an empty key sequence gives O = 0, LSE = -inf).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from hypothesis import strategies as st
+
+from verify.baseline import round_to_dtype
+
+__all__ = [
+    "VALUE_KINDS",
+    "Case",
+    "DropoutParams",
+    "Shape",
+    "attention_inputs",
+    "block_layouts",
+    "cases_for_spec",
+    "cu_seqlens",
+    "dropout_params",
+    "seqlens",
+    "shapes",
+    "valid_specs",
+    "windows",
+]
+
+VALUE_KINDS = ("normal", "large", "one_hot", "duplicate_keys")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Runtime sizes of a dense problem."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class DropoutParams:
+    p: float
+    seed: int  # uint64
+    offset: int  # uint32
+
+
+def seqlens(max_seqlen: int = 33, min_seqlen: int = 1) -> st.SearchStrategy[int]:
+    """A sequence length in `[min_seqlen, max_seqlen]`, often 1, 2, odd or the maximum."""
+    special = sorted(
+        {x for x in (min_seqlen, 1, 2, 3, 7, 17, 97, max_seqlen) if min_seqlen <= x <= max_seqlen}
+    )
+    return st.one_of(st.sampled_from(special), st.integers(min_seqlen, max_seqlen))
+
+
+@st.composite
+def shapes(
+    draw: Any,
+    *,
+    max_batch: int = 2,
+    max_heads: int = 4,
+    max_seqlen: int = 33,
+    head_dims: Sequence[int] = (8, 16),
+    gqa: bool = True,
+) -> Shape:
+    """Batch, heads, kv_heads (a divisor of heads; equal to it when `gqa=False`), lengths
+    with `Sq == Sk`, `Sq < Sk` and `Sq > Sk` each drawn deliberately, and a head dim."""
+    heads = draw(st.integers(1, max_heads))
+    divisors = [x for x in range(1, heads + 1) if heads % x == 0]
+    kv_heads = draw(st.sampled_from(divisors)) if gqa else heads
+    relation = draw(st.sampled_from(("equal", "q_shorter", "q_longer", "any")))
+    sq = draw(seqlens(max_seqlen))
+    if relation == "equal":
+        sk = sq
+    elif relation == "q_shorter" and sq < max_seqlen:
+        sk = draw(seqlens(max_seqlen, min_seqlen=sq + 1))
+    elif relation == "q_longer" and sq > 1:
+        sk = draw(seqlens(sq - 1))
+    else:
+        sk = draw(seqlens(max_seqlen))
+    return Shape(
+        batch=draw(st.integers(1, max_batch)),
+        heads=heads,
+        kv_heads=kv_heads,
+        seqlen_q=sq,
+        seqlen_k=sk,
+        head_dim=draw(st.sampled_from(tuple(head_dims))),
+    )
+
+
+@st.composite
+def cu_seqlens(
+    draw: Any, batch: int, *, max_seqlen: int = 33, allow_empty: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """int32 `(cu_seqlens_q, cu_seqlens_k)` of `batch + 1` entries, starting at 0."""
+    low = 0 if allow_empty else 1
+    lq = [draw(seqlens(max_seqlen, min_seqlen=low)) for _ in range(batch)]
+    lk = [draw(seqlens(max_seqlen, min_seqlen=low)) for _ in range(batch)]
+    cum = [np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lq, lk)]
+    return cum[0], cum[1]
+
+
+def windows(seqlen_k: int) -> st.SearchStrategy[tuple[int, int]]:
+    """`(left, right)`, each -1 (unbounded) or in `0 .. Sk`."""
+    side = st.one_of(st.just(-1), st.integers(0, max(seqlen_k, 0)))
+    return st.tuples(side, side)
+
+
+@st.composite
+def block_layouts(
+    draw: Any, layout_heads: int, num_q_tiles: int, num_k_tiles: int
+) -> np.ndarray:
+    """Bool `(layout_heads, Tr, Tc)`: random density, local + global, rows with no block,
+    all or nothing."""
+    shape = (layout_heads, num_q_tiles, num_k_tiles)
+    pattern = draw(st.sampled_from(("random", "local_global", "empty_rows", "full", "empty")))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if pattern == "full":
+        return np.ones(shape, dtype=bool)
+    if pattern == "empty":
+        return np.zeros(shape, dtype=bool)
+    if pattern == "local_global":
+        band = draw(st.integers(0, max(num_k_tiles, 1)))
+        n_global = draw(st.integers(0, max(min(num_k_tiles, 2), 0)))
+        qt = np.arange(num_q_tiles)[:, None]
+        kt = np.arange(num_k_tiles)[None, :]
+        local = np.abs(qt - kt) <= band
+        glob = (kt < n_global) | (qt < n_global)
+        return np.broadcast_to(local | glob, shape).copy()
+    density = draw(st.sampled_from((0.1, 0.3, 0.5, 0.8, 1.0)))
+    out = rng.random(shape) < density
+    if pattern == "empty_rows" and num_q_tiles:
+        out[:, rng.random(num_q_tiles) < 0.5] = False
+    return out
+
+
+def dropout_params(*, max_offset: int = 2**32 - 1) -> st.SearchStrategy[DropoutParams]:
+    """p in {0, small, 0.5, 0.9}, a 64-bit seed, an offset (32-bit by default)."""
+    p = st.one_of(
+        st.just(0.0), st.floats(1e-3, 0.1), st.just(0.5), st.just(0.9)
+    )
+    return st.builds(
+        DropoutParams, p=p, seed=st.integers(0, 2**64 - 1), offset=st.integers(0, max_offset)
+    )
+
+
+def _values(
+    rng: np.random.Generator, kind: str, q_shape: tuple, k_shape: tuple
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    q = rng.standard_normal(q_shape)
+    k = rng.standard_normal(k_shape)
+    v = rng.standard_normal(k_shape)
+    d = q_shape[-1]
+    if kind == "large":
+        # scale * q.k has standard deviation amp**2: scores reach about +-1e4
+        amp = np.sqrt(1e4 / 3.0)
+        q, k = q * amp, k * amp
+    elif kind == "one_hot" and k.shape[-3] > 0:
+        # Some query rows point at one key, strongly enough that its weight is ~1.
+        rows = rng.random(q.shape[:-1]) < 0.5
+        j = rng.integers(0, k.shape[-3], size=q.shape[:-2])
+        ks = np.take(k, j, axis=-3) if k.ndim == 3 else k[np.arange(k.shape[0])[:, None], j]
+        heads, kv = q.shape[-2], k.shape[-2]
+        ks = np.repeat(ks, heads // kv, axis=-2)
+        target = 8.0 * np.sqrt(d) * ks / np.linalg.norm(ks, axis=-1, keepdims=True)
+        q = np.where(rows[..., None], target, q)
+    elif kind == "duplicate_keys" and k.shape[-3] > 1:
+        n = k.shape[-3]
+        src = rng.integers(0, n, size=n)
+        dup = rng.random(n) < 0.5
+        idx = np.where(dup, src, np.arange(n))
+        k = np.take(k, idx, axis=-3)
+    return q, k, v
+
+
+@st.composite
+def attention_inputs(
+    draw: Any,
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    *,
+    kind: str | None = None,
+    dtype: Any = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float64 `(q, k, v)` of the given shapes (dense or packed varlen).
+
+    `kind` (drawn from VALUE_KINDS when None): 'normal'; 'large' (scores up to about +-1e4);
+    'one_hot' (about half the query rows align with one key so strongly that the softmax is
+    one-hot); 'duplicate_keys' (about half the keys copy another key: tied scores). With
+    `dtype` ('fp16' / 'bf16') the values are rounded to it, so the kernel sees what the
+    reference sees.
+    """
+    kind = draw(st.sampled_from(VALUE_KINDS)) if kind is None else kind
+    if kind not in VALUE_KINDS:
+        raise ValueError(f"kind={kind!r} is not allowed (allowed: {', '.join(VALUE_KINDS)})")
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q, k, v = _values(rng, kind, tuple(q_shape), tuple(k_shape))
+    if dtype is not None:
+        q, k, v = (round_to_dtype(x, dtype).astype(np.float64) for x in (q, k, v))
+    return q, k, v
+
+
+# ---------------------------------------------------------------------------------------------
+# Specs (generator.spec) and per-spec runtime cases
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _fitting_tiles(target: Any, dtype: Any, head_dim: int) -> tuple[Any, ...]:
+    from generator.spec import TILE_MT, TILE_STAGES, TILE_WARPS, Tile
+    from generator.tiles import tile_fits
+
+    tiles = []
+    for warps in TILE_WARPS:
+        for mt in TILE_MT:
+            for block_n in range(16, 257, 16):
+                for stages in TILE_STAGES:
+                    tile = Tile(16 * warps * mt, block_n, warps, stages)
+                    if tile_fits(tile, target, dtype, head_dim):
+                        tiles.append(tile)
+    return tuple(tiles)
+
+
+@st.composite
+def valid_specs(draw: Any, *, head_dims: Sequence[int] | None = None, **fixed: Any) -> Any:
+    """Valid forward `generator.spec.KernelSpec` objects over every spec axis.
+
+    `fixed` pins fields (e.g. `dtype=Dtype.BF16`, `mask=Mask(...)`, `sparsity=...`);
+    `head_dims` restricts the head dims drawn (default: all the spec allows).
+    """
+    from generator.spec import (
+        HEAD_DIMS,
+        Causal,
+        Dtype,
+        KernelKind,
+        KernelSpec,
+        Mask,
+        Sparsity,
+        Target,
+    )
+
+    def pick(name: str, strategy: st.SearchStrategy) -> Any:
+        return fixed[name] if name in fixed else draw(strategy)
+
+    target = pick("target", st.sampled_from(list(Target)))
+    dtype = pick("dtype", st.sampled_from(list(Dtype)))
+    head_dim = pick("head_dim", st.sampled_from(tuple(head_dims or HEAD_DIMS)))
+    tiles = _fitting_tiles(target, dtype, head_dim)
+    tile = pick("tile", st.sampled_from(tiles))
+    mask = pick(
+        "mask",
+        st.builds(Mask, st.sampled_from(list(Causal)), st.booleans(), st.booleans()),
+    )
+    dropout = pick("dropout", st.booleans())
+    debug_keep_mask = pick("debug_keep_mask", st.booleans() if dropout else st.just(False))
+    return KernelSpec(
+        kernel=fixed.get("kernel", KernelKind.FORWARD),
+        dtype=dtype,
+        head_dim=head_dim,
+        tile=tile,
+        mask=mask,
+        dropout=dropout,
+        debug_keep_mask=debug_keep_mask,
+        sparsity=pick("sparsity", st.sampled_from(list(Sparsity))),
+        gqa=pick("gqa", st.booleans()),
+        target=target,
+        instrument_io=pick("instrument_io", st.booleans()),
+    )
+
+
+@dataclass(frozen=True)
+class Case:
+    """One runtime problem for a spec: sizes, lengths, window, block layout, dropout.
+
+    Dense: `seqlen_q`, `seqlen_k` are the lengths. Varlen: `cu_seqlens_q/k` give them and
+    `seqlen_q`, `seqlen_k` are the maxima. `block_mask` is bool `(layout_heads, Tr, Tc)` (use
+    `verify.blocksparse.compact_layout`); with varlen and block sparsity every sequence has
+    the same lengths (the compact layout is built for one `(Sq, Sk)`).
+    """
+
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    window: tuple[int, int]
+    cu_seqlens_q: np.ndarray | None
+    cu_seqlens_k: np.ndarray | None
+    block_mask: np.ndarray | None
+    dropout: DropoutParams | None
+
+
+@st.composite
+def cases_for_spec(
+    draw: Any, spec: Any, *, max_batch: int = 2, max_heads: int = 4, max_seqlen: int = 33
+) -> Case:
+    """A runtime `Case` that `spec` accepts (only the features it has are exercised)."""
+    shape = draw(shapes(max_batch=max_batch, max_heads=max_heads, max_seqlen=max_seqlen,
+                        head_dims=(spec.head_dim,), gqa=bool(spec.gqa)))
+    batch, sq, sk = shape.batch, shape.seqlen_q, shape.seqlen_k
+    cu_q = cu_k = None
+    sparse = getattr(spec.sparsity, "yaml", spec.sparsity) == "block"
+    if spec.mask.varlen:
+        if sparse:
+            cu_q = np.arange(batch + 1, dtype=np.int32) * sq
+            cu_k = np.arange(batch + 1, dtype=np.int32) * sk
+        else:
+            cu_q, cu_k = draw(cu_seqlens(batch, max_seqlen=max_seqlen))
+            sq, sk = int(np.diff(cu_q).max()), int(np.diff(cu_k).max())
+    window = draw(windows(sk)) if spec.mask.window else (-1, -1)
+    block_mask = None
+    if sparse:
+        bm, bn = spec.tile.block_m, spec.tile.block_n
+        layout_heads = draw(st.sampled_from(sorted({1, shape.heads})))
+        block_mask = draw(block_layouts(layout_heads, -(-sq // bm), -(-sk // bn)))
+    dropout = draw(dropout_params()) if spec.dropout else None
+    return Case(batch, shape.heads, shape.kv_heads, sq, sk, window, cu_q, cu_k, block_mask,
+                dropout)
