@@ -1,0 +1,351 @@
+// flashgen: the forward FlashAttention kernel (FlashAttention-2 loop order) on mma.sync.
+//
+// Glossary
+//   CTA       one query tile of block_m rows of one (batch b, head h); grid is flattened
+//   warp w    owns query rows [w * 16 * kMT, (w + 1) * 16 * kMT) of the tile: kMT m16 tiles
+//   Tc, n     K/V tiles of block_n keys; n indexes them, `it` counts the ones visited
+//   slot      smem ring buffer position of a K/V tile: it % kStages
+//   acc_s     S = Q K^T of one K/V tile, frag C per (m16 tile, n8 tile), fp32
+//   acc_o     the unnormalised output, frag C per (m16 tile, n8 column tile of d), fp32
+//   st        online softmax state (m_i, l_i) of the thread's two rows per m16 tile
+//
+// Per CTA: Q tile -> smem (and to registers when small); for each scheduled K/V tile:
+// S = Q K^T (mma), mask if the policy says the tile needs it, online softmax, dropout,
+// acc_o += P V with P taken straight from the S accumulators (the m16n8 C layout of two
+// adjacent n8 tiles is the m16k16 A layout); finally O = acc_o / l and LSE.
+// K/V tiles stream through a kStages-deep cp.async ring, so the next tile's loads overlap
+// this tile's maths.
+#pragma once
+
+#include <stdint.h>
+
+#include "arch.cuh"
+#include "mask.cuh"
+#include "params.h"
+#include "philox.cuh"
+#include "softmax.cuh"
+#include "tile_io.cuh"
+
+namespace fg {
+
+template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_,
+          Causal kCausal_, bool kWindow_, bool kVarlen_, bool kGqa_, bool kDropout_,
+          bool kKeepMaskOut_, bool kSparse_, bool kInstrumentIo_>
+struct FwdConfig {
+  using Elem = Elem_;
+  static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_;
+  static constexpr int kWarps = kWarps_, kStages = kStages_, kThreads = kWarps_ * 32;
+  static constexpr Causal kCausal = kCausal_;
+  static constexpr bool kWindow = kWindow_, kVarlen = kVarlen_, kGqa = kGqa_;
+  static constexpr bool kDropout = kDropout_, kKeepMaskOut = kKeepMaskOut_;
+  static constexpr bool kSparse = kSparse_, kInstrumentIo = kInstrumentIo_;
+
+  static constexpr int kMT = kBlockM / (16 * kWarps);  // m16 tiles per warp
+  static constexpr int kStride = kHeadDim + 8;         // smem row stride, elements
+  static constexpr int kNT = kBlockN / 8;              // n8 tiles of S
+  static constexpr int kDT = kHeadDim / 8;             // n8 tiles of O along d
+  static constexpr int kKS = kHeadDim / 16;            // k16 steps of Q K^T
+  static constexpr int kPS = kBlockN / 16;             // k16 steps of P V
+  // Q fragments stay in registers when they cost at most 32 of them; otherwise they are
+  // re-read from smem with ldmatrix each tile, which keeps large head dims off local memory.
+  static constexpr bool kQInRegs = kMT * kKS * 4 <= 32;
+  static constexpr int kSmemBytes =
+      (kBlockM + 2 * kStages * kBlockN) * kStride * static_cast<int>(sizeof(Elem));
+
+  static_assert(kHeadDim % 16 == 0 && kHeadDim >= 16 && kHeadDim <= 256, "head_dim");
+  static_assert(kBlockN % 16 == 0, "block_n must be a multiple of 16");
+  static_assert(kMT >= 1 && kMT * 16 * kWarps == kBlockM, "block_m = 16 * warps * {1,2}");
+  static_assert(kStages >= 1 && kStages <= 3, "stages");
+  static_assert(!kKeepMaskOut || kDropout, "the keep-mask output needs dropout");
+};
+
+// Lane -> smem (row, col) offsets of the ldmatrix.x4 loads (see arch.cuh for the fragments).
+struct LaneOffsets {
+  int a_row, a_col;  // A operand (Q) and the transposed V loads: m0..m3 = (r, c), (r+8, c), (r, c+8), (r+8, c+8)
+  int b_row, b_col;  // B operand from K rows: m0..m3 = (r, c), (r, c+8), (r+8, c), (r+8, c+8)
+  __device__ __forceinline__ explicit LaneOffsets(int lane)
+      : a_row((lane & 7) + ((lane >> 3) & 1) * 8), a_col((lane >> 4) * 8),
+        b_row((lane & 7) + (lane >> 4) * 8), b_col(((lane >> 3) & 1) * 8) {}
+};
+
+template <class C>
+__device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
+  using Elem = typename C::Elem;
+  using MmaT = Mma<Elem>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
+  Elem* sK = sQ + C::kBlockM * C::kStride;
+  Elem* sV = sK + C::kStages * C::kBlockN * C::kStride;
+  __shared__ int64_t s_tile[C::kStages];  // sparse: K/V tile index of each ring slot
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const LaneOffsets lo(lane);
+  Io<C::kInstrumentIo> io;
+
+  // ---- which (query tile, head, batch) this CTA is -------------------------------------
+  const int64_t num_qt = (p.seqlen_q + C::kBlockM - 1) / C::kBlockM;
+  int64_t bid = blockIdx.x;
+  const int64_t qt_raw = bid % num_qt;
+  bid /= num_qt;
+  const int64_t h = bid % p.heads, b = bid / p.heads;
+  // With a causal mask the last query tiles visit the most K/V tiles: start them first.
+  const int64_t qt = C::kCausal != Causal::kNone ? num_qt - 1 - qt_raw : qt_raw;
+
+  int64_t sq = p.seqlen_q, sk = p.seqlen_k;
+  int64_t q_off = b * p.q_batch_stride, k_off = b * p.k_batch_stride;
+  int64_t v_off = b * p.v_batch_stride, o_off = b * p.o_batch_stride;
+  int64_t lse_off = b * p.lse_batch_stride;
+  if (C::kVarlen) {
+    const int64_t q0 = load_meta(p.cu_seqlens_q + b, io, tid == 0);
+    const int64_t q1 = load_meta(p.cu_seqlens_q + b + 1, io, tid == 0);
+    const int64_t k0 = load_meta(p.cu_seqlens_k + b, io, tid == 0);
+    const int64_t k1 = load_meta(p.cu_seqlens_k + b + 1, io, tid == 0);
+    sq = q1 - q0;
+    sk = k1 - k0;
+    q_off = q0 * p.q_row_stride;
+    k_off = k0 * p.k_row_stride;
+    v_off = k0 * p.v_row_stride;
+    o_off = q0 * p.o_row_stride;
+    lse_off = q0;
+  }
+  const int64_t r0 = qt * C::kBlockM;
+  if (r0 >= sq) {  // a shorter sequence of a varlen batch
+    io.flush(p.io_counters);
+    return;
+  }
+  const int64_t valid_rows = min(static_cast<int64_t>(C::kBlockM), sq - r0);
+  const int64_t r1 = r0 + valid_rows - 1;
+  const int64_t hk = C::kGqa ? h / (p.heads / p.kv_heads) : h;
+
+  const Elem* gQ = static_cast<const Elem*>(p.q) + q_off + r0 * p.q_row_stride + h * p.q_head_stride;
+  const Elem* gK = static_cast<const Elem*>(p.k) + k_off + hk * p.k_head_stride;
+  const Elem* gV = static_cast<const Elem*>(p.v) + v_off + hk * p.v_head_stride;
+  Elem* gO = static_cast<Elem*>(p.o) + o_off + r0 * p.o_row_stride + h * p.o_head_stride;
+  float* gLse = p.lse + lse_off + h * p.lse_head_stride + r0;
+
+  const MaskPolicy<C::kCausal, C::kWindow> mask(sq, sk, p.window_left, p.window_right);
+
+  // ---- the tile schedule: a dense range visited from the top, or the sparse lists ----------
+  int64_t n_lo = 0, n_hi = 0;
+  int n_full = 0, n_iter = 0;
+  const int32_t* full_idx = nullptr;
+  const int32_t* part_idx = nullptr;
+  if (C::kSparse) {
+    const int64_t row = (p.blk_layout_heads == 1 ? 0 : h) * num_qt + qt;
+    n_full = load_meta(p.blk_full_count + row, io, tid == 0);
+    n_iter = n_full + load_meta(p.blk_part_count + row, io, tid == 0);
+    full_idx = p.blk_full_idx + row * p.blk_max_blocks;
+    part_idx = p.blk_part_idx + row * p.blk_max_blocks;
+  } else {
+    mask.tile_range(r0, r1, C::kBlockN, n_lo, n_hi);
+    n_iter = static_cast<int>(max(n_hi - n_lo, static_cast<int64_t>(0)));
+  }
+
+  auto load_kv = [&](int it) {
+    const int slot = it % C::kStages;
+    int64_t n;
+    if (C::kSparse) {
+      n = it < n_full ? load_meta(full_idx + it, io, tid == 0)
+                      : load_meta(part_idx + (it - n_full), io, tid == 0);
+      if (tid == 0) s_tile[slot] = n;
+    } else {
+      n = n_hi - 1 - it;
+    }
+    const int64_t rows = min(static_cast<int64_t>(C::kBlockN), sk - n * C::kBlockN);
+    load_tile_async<C::kBlockN, C::kHeadDim, C::kThreads, C::kStride>(
+        sK + slot * C::kBlockN * C::kStride, gK + n * C::kBlockN * p.k_row_stride, p.k_row_stride,
+        rows, io, kK);
+    load_tile_async<C::kBlockN, C::kHeadDim, C::kThreads, C::kStride>(
+        sV + slot * C::kBlockN * C::kStride, gV + n * C::kBlockN * p.v_row_stride, p.v_row_stride,
+        rows, io, kV);
+  };
+
+  RowState st[C::kMT][2];
+  float acc_o[C::kMT][C::kDT][4];
+#pragma unroll
+  for (int mt = 0; mt < C::kMT; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < C::kDT; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+
+  const int warp_row0 = warp * 16 * C::kMT;
+  const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
+  DropoutRng rng{};
+  float drop_scale = 1.f;
+  if (C::kDropout) {
+    rng = DropoutRng{static_cast<uint32_t>(p.seed), static_cast<uint32_t>(p.seed >> 32),
+                     static_cast<uint32_t>(b * p.heads + h), static_cast<uint32_t>(p.offset),
+                     static_cast<uint32_t>(fmin(floor(p.dropout_p * 4294967296.0), 4294967295.0))};
+    drop_scale = static_cast<float>(1.0 / (1.0 - p.dropout_p));
+  }
+
+  if (n_iter > 0) {
+    load_tile_async<C::kBlockM, C::kHeadDim, C::kThreads, C::kStride>(sQ, gQ, p.q_row_stride,
+                                                                       valid_rows, io, kQ);
+    cp_async_commit();
+#pragma unroll
+    for (int s = 0; s < C::kStages - 1; ++s) {
+      if (s < n_iter) load_kv(s);
+      cp_async_commit();
+    }
+    cp_async_wait<C::kStages - 1>();  // the Q group
+    __syncthreads();
+
+    uint32_t qf[C::kQInRegs ? C::kMT : 1][C::kQInRegs ? C::kKS : 1][4];
+    if (C::kQInRegs) {
+#pragma unroll
+      for (int mt = 0; mt < C::kMT; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < C::kKS; ++kk)
+          ldmatrix_x4(qf[C::kQInRegs ? mt : 0][C::kQInRegs ? kk : 0],
+                      sQ + (warp_row0 + mt * 16 + lo.a_row) * C::kStride + kk * 16 + lo.a_col);
+    }
+
+    for (int it = 0; it < n_iter; ++it) {
+      // One barrier per tile: after it, tile `it` is visible to all warps and every warp has
+      // finished tile it - 1, so its slot can be refilled with tile it + kStages - 1 at once.
+      // (kStages == 1 has no spare slot: load, wait, compute, and a second barrier.)
+      if (C::kStages == 1) {
+        load_kv(it);
+        cp_async_commit();
+      }
+      cp_async_wait<(C::kStages > 1 ? C::kStages - 2 : 0)>();
+      __syncthreads();
+      if (C::kStages > 1) {
+        if (it + C::kStages - 1 < n_iter) load_kv(it + C::kStages - 1);
+        cp_async_commit();
+      }
+
+      const int slot = it % C::kStages;
+      const Elem* sKs = sK + slot * C::kBlockN * C::kStride;
+      const Elem* sVs = sV + slot * C::kBlockN * C::kStride;
+      const int64_t n = C::kSparse ? s_tile[slot] : n_hi - 1 - it;
+      const bool masked = C::kSparse ? it >= n_full : mask.tile_needs_mask(r0, r1, n, C::kBlockN);
+
+      // S = Q K^T
+      float acc_s[C::kMT][C::kNT][4];
+#pragma unroll
+      for (int mt = 0; mt < C::kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < C::kNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < C::kKS; ++kk) {
+        uint32_t a[C::kMT][4];
+#pragma unroll
+        for (int mt = 0; mt < C::kMT; ++mt) {
+          if (C::kQInRegs) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) a[mt][e] = qf[C::kQInRegs ? mt : 0][C::kQInRegs ? kk : 0][e];
+          } else {
+            ldmatrix_x4(a[mt], sQ + (warp_row0 + mt * 16 + lo.a_row) * C::kStride + kk * 16 + lo.a_col);
+          }
+        }
+#pragma unroll
+        for (int np = 0; np < C::kNT / 2; ++np) {
+          uint32_t bk[4];
+          ldmatrix_x4(bk, sKs + (np * 16 + lo.b_row) * C::kStride + kk * 16 + lo.b_col);
+#pragma unroll
+          for (int mt = 0; mt < C::kMT; ++mt) {
+            MmaT::run(acc_s[mt][2 * np], a[mt], bk[0], bk[1]);
+            MmaT::run(acc_s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+          }
+        }
+      }
+
+      if (masked) {
+        const TileMask tm = mask.tile(r0 + warp_row0, n * C::kBlockN);
+#pragma unroll
+        for (int mt = 0; mt < C::kMT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < C::kNT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int il = mt * 16 + g + (e >> 1) * 8, jl = nt * 8 + 2 * t + (e & 1);
+              if (!tm.visible(il, jl)) acc_s[mt][nt][e] = -INFINITY;
+            }
+      }
+
+#pragma unroll
+      for (int mt = 0; mt < C::kMT; ++mt) {
+        float alpha[2];
+        online_softmax_update(st[mt], acc_s[mt], scale_log2, alpha);
+#pragma unroll
+        for (int dt = 0; dt < C::kDT; ++dt) {
+          acc_o[mt][dt][0] *= alpha[0];
+          acc_o[mt][dt][1] *= alpha[0];
+          acc_o[mt][dt][2] *= alpha[1];
+          acc_o[mt][dt][3] *= alpha[1];
+        }
+      }
+
+      if (C::kDropout) {
+#pragma unroll
+        for (int mt = 0; mt < C::kMT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < C::kNT; ++nt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const int64_t i = r0 + warp_row0 + mt * 16 + g + r * 8;
+              const int64_t j = n * C::kBlockN + nt * 8 + 2 * t;
+              const Philox4 words = rng.group(static_cast<uint32_t>(i), static_cast<uint32_t>(j));
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const bool keep = DropoutRng::word(words, (j + e) & 3) >= rng.threshold;
+                if (C::kKeepMaskOut && i < sq && j + e < sk)
+                  store_keep(p.keep_mask + ((b * p.heads + h) * p.seqlen_q + i) * p.seqlen_k + j + e,
+                             keep, io);
+                acc_s[mt][nt][2 * r + e] = keep ? acc_s[mt][nt][2 * r + e] * drop_scale : 0.f;
+              }
+            }
+      }
+
+      // acc_o += P V, P re-packed from the S accumulators
+#pragma unroll
+      for (int ks = 0; ks < C::kPS; ++ks) {
+        uint32_t a[C::kMT][4];
+#pragma unroll
+        for (int mt = 0; mt < C::kMT; ++mt) {
+          a[mt][0] = MmaT::pack(acc_s[mt][2 * ks][0], acc_s[mt][2 * ks][1]);
+          a[mt][1] = MmaT::pack(acc_s[mt][2 * ks][2], acc_s[mt][2 * ks][3]);
+          a[mt][2] = MmaT::pack(acc_s[mt][2 * ks + 1][0], acc_s[mt][2 * ks + 1][1]);
+          a[mt][3] = MmaT::pack(acc_s[mt][2 * ks + 1][2], acc_s[mt][2 * ks + 1][3]);
+        }
+#pragma unroll
+        for (int dp = 0; dp < C::kDT / 2; ++dp) {
+          uint32_t bv[4];
+          ldmatrix_x4_trans(bv, sVs + (ks * 16 + lo.a_row) * C::kStride + dp * 16 + lo.a_col);
+#pragma unroll
+          for (int mt = 0; mt < C::kMT; ++mt) {
+            MmaT::run(acc_o[mt][2 * dp], a[mt], bv[0], bv[1]);
+            MmaT::run(acc_o[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
+          }
+        }
+      }
+      if (C::kStages == 1) __syncthreads();  // the only slot is refilled next iteration
+    }
+  }
+
+  // ---- epilogue: O = acc_o / l, LSE; empty rows give 0 and -inf ----------------------------
+#pragma unroll
+  for (int mt = 0; mt < C::kMT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float inv_l, lse;
+      online_softmax_finalize(st[mt][r], inv_l, lse);
+      const int row = warp_row0 + mt * 16 + g + r * 8;
+      if (row < valid_rows) {
+#pragma unroll
+        for (int dt = 0; dt < C::kDT; ++dt)
+          store_pair(gO + row * p.o_row_stride + dt * 8 + 2 * t,
+                     MmaT::pack(acc_o[mt][dt][2 * r] * inv_l, acc_o[mt][dt][2 * r + 1] * inv_l), io);
+        if (t == 0) store_lse(gLse + row, lse, io);
+      }
+    }
+  io.flush(p.io_counters);
+}
+
+}  // namespace fg

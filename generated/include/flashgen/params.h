@@ -1,0 +1,60 @@
+// flashgen: runtime parameters of every forward kernel (C ABI).
+//
+// Glossary: see docs/conventions.md. Strides are in elements; head_dim has unit stride.
+// Every field is 8 bytes wide (pointer, int64, uint64 or double), so the struct has no
+// padding and the same layout from C, C++ and Python (verify/runner.py packs it by hand).
+// Fields a kernel's spec does not use are ignored by that kernel.
+#ifndef FLASHGEN_PARAMS_H
+#define FLASHGEN_PARAMS_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct fg_fwd_params {
+  /* tensors: Q, O (batch, seqlen_q, heads, d); K, V (batch, seqlen_k, kv_heads, d) */
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  float* lse; /* (batch, heads, seqlen_q) natural log; varlen: (heads, total_q) */
+
+  int64_t q_batch_stride, q_row_stride, q_head_stride;
+  int64_t k_batch_stride, k_row_stride, k_head_stride;
+  int64_t v_batch_stride, v_row_stride, v_head_stride;
+  int64_t o_batch_stride, o_row_stride, o_head_stride;
+  int64_t lse_batch_stride, lse_head_stride; /* row stride is 1; varlen: batch stride unused */
+
+  int64_t batch, heads, kv_heads;
+  int64_t seqlen_q, seqlen_k; /* varlen: the maxima over the batch */
+
+  /* varlen: int32 cumulative lengths, batch + 1 entries each */
+  const int32_t* cu_seqlens_q;
+  const int32_t* cu_seqlens_k;
+
+  double softmax_scale;
+  int64_t window_left, window_right; /* -1: unbounded on that side */
+
+  /* dropout: keep iff philox word >= floor(p * 2^32) */
+  double dropout_p;
+  uint64_t seed, offset;
+  uint8_t* keep_mask; /* debug only: (batch, heads, seqlen_q, seqlen_k) */
+
+  /* block sparsity (int32), per layout head: [layout_heads][num_q_tiles](...) */
+  const int32_t* blk_full_count;
+  const int32_t* blk_full_idx;
+  const int32_t* blk_part_count;
+  const int32_t* blk_part_idx;
+  int64_t blk_layout_heads; /* 1 (shared across heads) or heads */
+  int64_t blk_max_blocks;   /* row length of the idx arrays */
+
+  /* instrument_io: 7 uint64 counters: Q, K, V, O, LSE, META, KEEP_MASK (bytes) */
+  unsigned long long* io_counters;
+} fg_fwd_params;
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* FLASHGEN_PARAMS_H */
