@@ -109,38 +109,36 @@ def _describe(spec: KernelSpec) -> list[str]:
 
 
 def _io_lines(spec: KernelSpec, args: argparse.Namespace) -> list[str]:
+    """Predicted HBM bytes of one call (verify.io_model), and the unfused baseline."""
     try:
         from verify import io_model
     except ImportError:
         return ["  io:         io model unavailable"]
-    kv_heads = args.kv_heads or args.heads
+    if spec.sparse:
+        return ["  io:         not predicted: block-sparse traffic depends on the runtime layout"]
     seqlen_k = args.seqlen_k or args.seqlen_q
-    shape = dict(
-        batch=args.batch,
-        heads=args.heads,
-        kv_heads=kv_heads,
-        seqlen_q=args.seqlen_q,
-        seqlen_k=seqlen_k,
-    )
+    shape = dict(batch=args.batch, heads=args.heads, seqlen_q=args.seqlen_q, seqlen_k=seqlen_k)
+    kv_heads = args.kv_heads or args.heads
     extra = {}
     if args.window_left is not None or args.window_right is not None:
         extra["window"] = (
             -1 if args.window_left is None else args.window_left,
             -1 if args.window_right is None else args.window_right,
         )
-    shown = ", ".join(f"{k}={v}" for k, v in shape.items())
-    out = [f"  io ({shown}):"]
+    shown = ", ".join(f"{k}={v}" for k, v in {**shape, "kv_heads": kv_heads, **extra}.items())
+    out = [f"  io ({shown}), HBM bytes of one call:"]
     try:
-        fb = io_model.forward_bytes(spec, **shape, **extra)
+        fb = dict(io_model.forward_bytes(spec, kv_heads=kv_heads, **shape, **extra))
     except Exception as e:  # the model is someone else's code: report, don't crash
         return [f"  io:         io model failed: {type(e).__name__}: {e}"]
-    total = sum(int(v) for v in fb.values())
+    total = int(fb.pop("total", sum(int(v) for v in fb.values())))
     out += [f"    {k:<12}{int(v):>16,d}" for k, v in fb.items()]
-    out.append(f"    {'total':<12}{total:>16,d} bytes (this kernel)")
+    out.append(f"    {'total':<12}{total:>16,d}")
     try:
-        std = io_model.standard_attention_bytes(spec, **shape)
-        std_total = sum(int(v) for v in std.values()) if isinstance(std, dict) else int(std)
-        out.append(f"    {'standard':<12}{std_total:>16,d} bytes (unfused attention)")
+        std = io_model.standard_attention_bytes(**shape, d=spec.head_dim, elt=spec.dtype.nbytes)
+        std_total = int(std["total"]) if isinstance(std, dict) else int(std)
+        ratio = f" ({std_total / total:.1f}x this kernel)" if total else ""
+        out.append(f"    {'standard':<12}{std_total:>16,d}  unfused attention{ratio}")
     except Exception as e:
         out.append(f"    standard attention model failed: {type(e).__name__}: {e}")
     return out

@@ -141,11 +141,15 @@ def test_show_uses_the_io_model_when_available(spec_file, capsys, monkeypatch):
 
     def forward_bytes(spec, **shape):
         calls.append(shape)
-        return {"Q": 10, "K": 20, "V": 20, "O": 10, "LSE": 4}
+        return {"Q": 10, "K": 20, "V": 20, "O": 10, "LSE": 4, "total": 64}
+
+    def standard_attention_bytes(**shape):
+        calls.append(shape)
+        return {"total": 640}
 
     fake = types.ModuleType("verify.io_model")
     fake.forward_bytes = forward_bytes
-    fake.standard_attention_bytes = lambda spec, **shape: {"total": 1000}
+    fake.standard_attention_bytes = standard_attention_bytes
     monkeypatch.setitem(sys.modules, "verify.io_model", fake)
     import verify
 
@@ -153,7 +157,15 @@ def test_show_uses_the_io_model_when_available(spec_file, capsys, monkeypatch):
     assert run("show", spec_file, "--batch", 2, "--heads", 8, "--seqlen-q", 100) == 0
     out = capsys.readouterr().out
     assert calls[0] == dict(batch=2, heads=8, kv_heads=8, seqlen_q=100, seqlen_k=100)
-    assert re.search(r"total\s+64 bytes", out) and re.search(r"standard\s+1,000 bytes", out)
+    assert calls[1] == dict(batch=2, heads=8, seqlen_q=100, seqlen_k=100, d=64, elt=2)
+    assert re.search(r"total\s+64\n", out) and re.search(r"standard\s+640 .*10.0x", out)
+
+
+def test_show_with_the_real_io_model_prints_bytes(spec_file, capsys):
+    pytest.importorskip("verify.io_model")
+    assert run("show", spec_file, "--seqlen-q", 1000, "--seqlen-k", 2000) == 0
+    out = capsys.readouterr().out
+    assert "io model failed" not in out and re.search(r"total\s+[\d,]+", out)
 
 
 # --------------------------------------------------------------------------------------------

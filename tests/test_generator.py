@@ -19,7 +19,7 @@ from generator.compile import compile_specs, parse_ptxas
 from generator.load import load_spec_text
 from generator.naming import kernel_name, readable_parts, spec_hash
 from generator.render import Renderer, banner_lines, render_context
-from generator.spec import HEAD_DIMS, Causal, Dtype, KernelSpec, Sparsity, Target, Tile
+from generator.spec import HEAD_DIMS, Causal, Dtype, KernelSpec, Sparsity, SpecError, Target, Tile
 from generator.writer import (
     MANIFEST_NAME,
     README_BEGIN,
@@ -558,3 +558,44 @@ def test_rendered_kernels_compile_with_nvcc(spec, tmp_path_factory):
     build = tmp_path_factory.mktemp("nvcc")
     (r,) = compile_specs([spec], build, jobs=1, progress=False)
     assert r.ok, f"{r.kernel} ({spec.to_canonical()}) failed to compile:\n{r.error}"
+
+
+INVALID_FIELDS = [
+    ("dtype", "fp8"),
+    ("head_dim", 100),
+    ("head_dim", "64"),
+    ("dropout", "no"),
+    ("target", "sm_75"),
+    ("kernel", "backward"),
+    ("heads", 8),
+    ("mask", {"causal": "bottom-right"}),
+    ("tile", {"block_m": 64, "block_n": 64, "warps": 3, "stages": 2}),
+    ("tile", {"block_m": 128, "block_n": 256, "warps": 4, "stages": 3}),
+    ("debug_keep_mask", True),
+    ("head_dim", []),
+]
+
+
+@PROPERTY
+@given(spec=valid_specs(), mutation=st.sampled_from(INVALID_FIELDS), position=st.integers(0, 2))
+def test_invalid_specs_raise_spec_error_and_write_nothing(
+    spec, mutation, position, tmp_path_factory
+):
+    """One bad entry among three valid ones: exit status 2, no output directory at all."""
+    from generator.cli import main
+
+    root = tmp_path_factory.mktemp("inv")
+    entries = [dict(spec.to_canonical()) for _ in range(3)]
+    for i, e in enumerate(entries):
+        del e["tile_auto"]
+        e["allow_spills"] = i == 1
+        e["instrument_io"] = i == 2
+    key, value = mutation
+    if key == "debug_keep_mask":
+        entries[position]["dropout"] = False
+    entries[position][key] = value
+    (root / "s.yaml").write_text(yaml.safe_dump({"kernels": entries}))
+    assert main(["generate", str(root / "s.yaml"), "-o", str(root / "gen")]) == 2
+    assert not (root / "gen").exists()
+    with pytest.raises(SpecError):
+        load_spec_text((root / "s.yaml").read_text(), "s.yaml")
