@@ -127,7 +127,10 @@ def test_python_dash_m_generator_runs_the_cli():
 
 
 def test_show_prints_resolved_spec_tile_smem_threads_and_name(spec_file, capsys, monkeypatch):
+    import verify
+
     monkeypatch.setitem(sys.modules, "verify.io_model", None)  # model unavailable
+    monkeypatch.delattr(verify, "io_model", raising=False)
     assert run("show", spec_file) == 0
     out = capsys.readouterr().out
     assert out.count("fa_fwd_d64_") >= 2
@@ -253,7 +256,10 @@ def test_verify_and_bench_dispatch_to_verify_gpu_cli(monkeypatch):
 
 
 def test_verify_without_gpu_cli_says_so(monkeypatch, capsys):
+    import verify
+
     monkeypatch.setitem(sys.modules, "verify.gpu_cli", None)
+    monkeypatch.delattr(verify, "gpu_cli", raising=False)
     assert run("verify") == 1
     assert "unavailable" in capsys.readouterr().err
 
