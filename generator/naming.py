@@ -25,6 +25,11 @@ TEMPLATES_DIR = REPO_ROOT / "templates"
 _digest_cache: dict[tuple, bytes] = {}
 
 
+def _ignored(rel: Path) -> bool:
+    """Editor/OS droppings that are not templates: hidden files and __pycache__."""
+    return any(part.startswith(".") or part == "__pycache__" for part in rel.parts)
+
+
 def templates_digest(templates_dir: Path | None = None) -> bytes:
     """sha256 over (relative path, bytes) of every file under `templates_dir`, sorted by path.
 
@@ -34,7 +39,7 @@ def templates_digest(templates_dir: Path | None = None) -> bytes:
     files = sorted(
         (p.relative_to(root).as_posix(), p)
         for p in root.rglob("*")
-        if p.is_file() and "__pycache__" not in p.parts
+        if p.is_file() and not _ignored(p.relative_to(root))
     )
     key_parts = []
     for rel, p in files:

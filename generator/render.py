@@ -17,7 +17,7 @@ import jinja2
 import yaml
 
 from generator import __version__
-from generator.naming import TEMPLATES_DIR, kernel_name
+from generator.naming import TEMPLATES_DIR, _ignored, kernel_name
 from generator.spec import KernelKind, KernelSpec
 
 __all__ = [
@@ -135,5 +135,5 @@ class Renderer:
         return {
             (INCLUDE_SUBDIR / p.relative_to(root)).as_posix(): p.read_bytes()
             for p in sorted(root.rglob("*"))
-            if p.is_file() and "__pycache__" not in p.parts
+            if p.is_file() and not _ignored(p.relative_to(root))
         }

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from generator.cli import main
+from generator.spec import Dtype, Target
+from generator.tiles import auto_tile
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -134,8 +136,13 @@ def test_show_prints_resolved_spec_tile_smem_threads_and_name(spec_file, capsys,
     assert run("show", spec_file) == 0
     out = capsys.readouterr().out
     assert out.count("fa_fwd_d64_") >= 2
-    assert "block_m 128, block_n 64, warps 4, stages 2 (auto)" in out
-    assert "threads:    128" in out and "55296 bytes" in out
+    t = auto_tile(Target.SM90, Dtype.FP16, 64)
+    smem = t.smem_bytes(64, Dtype.FP16)
+    assert (
+        f"block_m {t.block_m}, block_n {t.block_n}, warps {t.warps}, stages {t.stages} (auto)"
+        in out
+    )
+    assert f"threads:    {t.threads}" in out and f"{smem} bytes" in out
     assert "io model unavailable" in out
 
 
@@ -206,7 +213,8 @@ def test_compile_prints_a_resource_table(tmp_path, templates, spec_file, capsys)
     rc = run("compile", spec_file, "-o", tmp_path / "b", "--templates", templates, "--nvcc", nvcc)
     assert rc == 0
     out = capsys.readouterr().out
-    assert re.search(r"fa_fwd_d64_fp16_causalbr_\S+\s+sm_90\s+96\s+0\+55296\s+0\s+0/0\s+ok", out)
+    smem = auto_tile(Target.SM90, Dtype.FP16, 64).smem_bytes(64, Dtype.FP16)
+    assert re.search(rf"fa_fwd_d64_fp16_causalbr_\S+\s+sm_90\s+96\s+0\+{smem}\s+0\s+0/0\s+ok", out)
 
 
 def test_compile_fails_on_spills(tmp_path, templates, spec_file, capsys):

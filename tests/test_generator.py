@@ -110,7 +110,8 @@ NAME_CASES = [
      "gqa: true\ndropout: true\ndebug_keep_mask: true\nsparsity: block\ninstrument_io: true\n"
      "tile: {block_m: 64, block_n: 64, warps: 4, stages: 2}\ntarget: sm_86\n",
      "fa_fwd_d32_fp16_causaltl_win_varlen_gqa_drop_dropdbg_sparse_io_m64n64w4s2_sm86"),
-    ("dtype: bf16\nhead_dim: 256\ntile: auto\n", "fa_fwd_d256_bf16_m64n32w4s2_sm90"),
+    ("dtype: bf16\nhead_dim: 256\ntile: {block_m: 64, block_n: 32, warps: 4, stages: 2}\n",
+     "fa_fwd_d256_bf16_m64n32w4s2_sm90"),
 ]  # fmt: skip
 
 
@@ -152,7 +153,7 @@ def test_allow_spills_and_tile_auto_change_the_hash_but_not_the_readable_parts(t
     spills = auto.replace(allow_spills=True)
     names = {kernel_name(s, templates) for s in (auto, explicit, spills)}
     assert len(names) == 3
-    assert {n.rpartition("_")[0] for n in names} == {"fa_fwd_d128_bf16_m128n64w4s2_sm90"}
+    assert {n.rpartition("_")[0] for n in names} == {"_".join(readable_parts(auto))}
 
 
 def test_spec_name_property_uses_the_repo_templates():
@@ -167,7 +168,10 @@ def test_spec_name_property_uses_the_repo_templates():
 
 
 def test_context_has_exactly_the_documented_keys():
-    spec = spec_of("dtype: bf16\nhead_dim: 128\nmask: {causal: bottom_right}\n")
+    spec = spec_of(
+        "dtype: bf16\nhead_dim: 128\nmask: {causal: bottom_right}\n"
+        "tile: {block_m: 128, block_n: 64, warps: 4, stages: 2}\n"
+    )
     ctx = render_context(spec, "k")
     assert set(ctx) == {"spec", "name", "header_name", "banner", "cfg"}
     assert ctx["header_name"] == "k.h"
@@ -259,7 +263,10 @@ def test_failure_while_writing_leaves_no_partial_file(templates, out, monkeypatc
 
 
 def test_manifest_lists_every_kernel_with_entry_points_launch_and_status(templates, out):
-    specs = specs_of("dtype: bf16\nhead_dim: [64, 128]\nmask: {causal: bottom_right}\n")
+    specs = specs_of(
+        "dtype: bf16\nhead_dim: [64, 128]\nmask: {causal: bottom_right}\n"
+        "tile: {block_m: 128, block_n: 64, warps: 4, stages: 2}\n"
+    )
     plan = generate(specs, out, templates)
     raw = (out / MANIFEST_NAME).read_text()
     assert raw.endswith("}\n")

@@ -449,11 +449,23 @@ def test_family_error_points_at_the_bad_item_line():
 # --------------------------------------------------------------------------------------------
 
 
-def test_measured_defaults_take_priority_on_sm90():
-    assert auto_tile(Target.SM90, Dtype.BF16, 128) == Tile(128, 64, 4, 2)
-    assert auto_tile(Target.SM90, Dtype.FP16, 192) == Tile(64, 64, 4, 2)
-    assert auto_tile(Target.SM90, Dtype.FP16, 256) == Tile(64, 32, 4, 2)
-    assert auto_tile(Target.SM90, Dtype.FP16, 32) == Tile(128, 64, 4, 2)
+def test_measured_defaults_take_priority_when_they_fit():
+    for (target, d), tile in MEASURED_DEFAULTS.items():
+        for dtype in Dtype:
+            if tile_fits(tile, target, dtype, d):
+                assert auto_tile(target, dtype, d) == tile
+
+
+def test_a_measured_entry_overrides_the_paper_rule(monkeypatch):
+    assert (Target.SM80, 64) not in MEASURED_DEFAULTS
+    monkeypatch.setitem(MEASURED_DEFAULTS, (Target.SM80, 64), Tile(64, 32, 4, 1))
+    assert auto_tile(Target.SM80, Dtype.BF16, 64) == Tile(64, 32, 4, 1)
+
+
+def test_a_measured_entry_that_does_not_fit_is_shrunk(monkeypatch):
+    monkeypatch.setitem(MEASURED_DEFAULTS, (Target.SM86, 256), Tile(128, 128, 8, 3))
+    t = auto_tile(Target.SM86, Dtype.BF16, 256)
+    assert tile_fits(t, Target.SM86, Dtype.BF16, 256)
 
 
 def test_paper_rule_from_shared_memory_size():
