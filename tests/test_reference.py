@@ -474,3 +474,23 @@ def test_spec_window_rejects_a_window_for_a_spec_without_one():
     assert R.spec_window(spec, (-1, -1)) == (-1, -1)
     with pytest.raises(ValueError, match="mask.window"):
         R.spec_window(spec, (3, 0))
+
+
+def test_head_chunking_for_long_sequences_does_not_change_results(monkeypatch):
+    rng = np.random.default_rng(11)
+    cu = np.array([0, 5, 12])
+    q = rng.standard_normal((12, 6, 4))
+    k, v = rng.standard_normal((2, 12, 3, 4))
+    do = rng.standard_normal(q.shape)
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, causal="top_left",
+              block_mask=rng.random((6, 4, 4)) < 0.7, block_m=2, block_n=2,
+              keep_mask=rng.random((2, 6, 7, 7)) < 0.8, dropout_p=0.2)
+    o, lse = R.attention_forward(q, k, v, **kw)
+    grads = R.attention_backward(q, k, v, o, lse, do, **kw)
+    monkeypatch.setattr(R, "_CHUNK_ELEMENTS", 1)  # one head per chunk
+    o1, lse1 = R.attention_forward(q, k, v, **kw)
+    grads1 = R.attention_backward(q, k, v, o1, lse1, do, **kw)
+    assert_same(o1, o)
+    assert_same(lse1, lse)
+    for a, b in zip(grads1, grads, strict=True):
+        assert_same(a, b)

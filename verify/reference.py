@@ -308,18 +308,31 @@ def _check_p(dropout_p: float, keep_mask: Any) -> float:
 
 
 class SeqInputs(NamedTuple):
-    """What a numeric core sees for one sequence (all heads)."""
+    """What a numeric core sees: one sequence, a chunk of `h` of its query heads."""
 
-    q: np.ndarray  # (Sq, heads, d)
-    k: np.ndarray  # (Sk, heads, d): already expanded from kv_heads (GQA)
-    v: np.ndarray  # (Sk, heads, d)
-    visible: np.ndarray  # bool (heads, Sq, Sk)
-    keep: np.ndarray | None  # bool (heads, Sq, Sk)
+    q: np.ndarray  # (Sq, h, d)
+    k: np.ndarray  # (Sk, h, d): already expanded from kv_heads (GQA)
+    v: np.ndarray  # (Sk, h, d)
+    visible: np.ndarray  # bool (h, Sq, Sk)
+    keep: np.ndarray | None  # bool (h, Sq, Sk)
     dropout_p: float
     scale: float
 
 
-def _iter_sequences(
+# Score-sized temporaries per head chunk: about 2**24 elements (128 MiB in float64), at least
+# one head, so long sequences run in bounded memory.
+_CHUNK_ELEMENTS = 2**24
+
+
+class _Block(NamedTuple):
+    """One unit of work: a sequence and a chunk of its query heads."""
+
+    seq: _Seq
+    heads: slice  # query heads of the chunk
+    kv_index: np.ndarray  # the key/value head of each of them
+
+
+def _iter_blocks(
     q: np.ndarray,
     k: np.ndarray,
     v: np.ndarray,
@@ -333,20 +346,29 @@ def _iter_sequences(
     block_mask: Any,
     block_m: int | None,
     block_n: int | None,
-) -> Iterator[tuple[_Seq, SeqInputs]]:
+) -> Iterator[tuple[_Block, SeqInputs]]:
     group = pb.heads // pb.kv_heads
+    if block_mask is not None:
+        block_mask = _check_block_mask(block_mask, pb.heads, block_m, block_n)
     for seq in pb.seqs:
         qs, ks, vs = q[seq.q_rows], k[seq.k_rows], v[seq.k_rows]
         sq, sk = qs.shape[0], ks.shape[0]
-        vis = sequence_visible(
-            sq, sk, heads=pb.heads, causal=causal, window=window,
-            block_mask=block_mask, block_m=block_m, block_n=block_n,
-        )
         keep = _keep_for(keep_mask, pb, seq, sq, sk)
-        yield seq, SeqInputs(
-            qs, np.repeat(ks, group, axis=1), np.repeat(vs, group, axis=1),
-            vis, keep, dropout_p, scale,
-        )
+        chunk = max(1, _CHUNK_ELEMENTS // max(1, sq * sk))
+        for h0 in range(0, pb.heads, chunk):
+            hs = slice(h0, min(h0 + chunk, pb.heads))
+            kv_index = np.arange(hs.start, hs.stop) // group
+            layout = block_mask
+            if layout is not None and layout.shape[0] != 1:
+                layout = layout[hs]
+            vis = sequence_visible(
+                sq, sk, heads=hs.stop - hs.start, causal=causal, window=window,
+                block_mask=layout, block_m=block_m, block_n=block_n,
+            )
+            yield _Block(seq, hs, kv_index), SeqInputs(
+                qs[:, hs], ks[:, kv_index], vs[:, kv_index], vis,
+                None if keep is None else keep[hs], dropout_p, scale,
+            )
 
 
 def _default_scale(scale: float | None, d: int) -> float:
@@ -386,14 +408,14 @@ def run_forward(
     p = _check_p(dropout_p, keep_mask)
     o = np.zeros(q.shape, dtype=work_dtype)
     lse = np.full(pb.lse_shape, -np.inf, dtype=work_dtype)
-    for seq, inp in _iter_sequences(
+    for blk, inp in _iter_blocks(
         q, k, v, pb, scale=_default_scale(scale, pb.d), causal=causal, window=window,
         keep_mask=keep_mask, dropout_p=p, block_mask=block_mask, block_m=block_m,
         block_n=block_n,
     ):
         o_s, lse_s = core(inp)
-        o[seq.q_rows] = o_s
-        lse[seq.lse_index] = lse_s
+        o[blk.seq.q_rows][:, blk.heads] = o_s  # views: o[b] (dense) or o[start:stop] (varlen)
+        lse[blk.seq.lse_index][blk.heads] = lse_s
     return o, lse
 
 
@@ -418,7 +440,8 @@ def run_backward(
     block_m: int | None,
     block_n: int | None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Like `run_forward` for the backward pass; dk, dv are summed over each GQA group."""
+    """Like `run_forward` for the backward pass; dk, dv are summed over each GQA group
+    (in head order, in the working dtype)."""
     q, k, v, o, lse, do = (np.asarray(x, dtype=work_dtype) for x in (q, k, v, o, lse, do))
     pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if o.shape != q.shape or do.shape != q.shape:
@@ -426,20 +449,21 @@ def run_backward(
     if lse.shape != pb.lse_shape:
         raise ValueError(f"lse must have shape {pb.lse_shape}, got {lse.shape}")
     p = _check_p(dropout_p, keep_mask)
-    group = pb.heads // pb.kv_heads
     dq = np.zeros(q.shape, dtype=work_dtype)
     dk = np.zeros(k.shape, dtype=work_dtype)
     dv = np.zeros(v.shape, dtype=work_dtype)
-    for seq, inp in _iter_sequences(
+    for blk, inp in _iter_blocks(
         q, k, v, pb, scale=_default_scale(scale, pb.d), causal=causal, window=window,
         keep_mask=keep_mask, dropout_p=p, block_mask=block_mask, block_m=block_m,
         block_n=block_n,
     ):
-        dq_s, dk_s, dv_s = core(inp, o[seq.q_rows], lse[seq.lse_index], do[seq.q_rows])
-        sk = dk_s.shape[0]
-        dq[seq.q_rows] = dq_s
-        dk[seq.k_rows] = dk_s.reshape(sk, pb.kv_heads, group, pb.d).sum(axis=2)
-        dv[seq.k_rows] = dv_s.reshape(sk, pb.kv_heads, group, pb.d).sum(axis=2)
+        seq, hs, kv_index = blk
+        dq_s, dk_s, dv_s = core(
+            inp, o[seq.q_rows][:, hs], lse[seq.lse_index][hs], do[seq.q_rows][:, hs]
+        )
+        dq[seq.q_rows][:, hs] = dq_s
+        np.add.at(dk[seq.k_rows], (slice(None), kv_index), dk_s)  # views of dk, dv
+        np.add.at(dv[seq.k_rows], (slice(None), kv_index), dv_s)
     return dq, dk, dv
 
 
