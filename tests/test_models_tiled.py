@@ -165,13 +165,13 @@ def assert_model_equals_reference(case, result):
     np.testing.assert_allclose(result.o, o, rtol=0, atol=tol * max(vmax, 1e-300))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(model_cases())
 def test_tiled_model_equals_the_reference(case):
     assert_model_equals_reference(case, case.run_tiled())
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(model_cases())
 def test_io_model_equals_the_bytes_the_tiled_model_counts(case):
     counted = case.run_tiled().io

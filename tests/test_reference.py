@@ -129,7 +129,7 @@ def _forward(q, k, v, scale, causal, window, keep, p, block):
     )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(small_problems())
 def test_forward_equals_per_element_loops(problem):
     q, k, v, scale, causal, window, keep, p, block = problem
@@ -429,7 +429,7 @@ def gradient_problems(draw):
     return q, k, v, rng.standard_normal(q.shape), kw
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(gradient_problems())
 def test_backward_equals_central_finite_differences(problem):
     q, k, v, do, kw = problem
