@@ -33,10 +33,23 @@ def torch_params(kernel, q, k, v, o, lse, scale: float) -> dict:
     """fg_fwd_params for contiguous torch tensors q, k, v, o: (b, s, h, d); lse: (b, h, s)."""
     b, s, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    p = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(),
-         "lse": lse.data_ptr(), "batch": b, "heads": h, "kv_heads": hk, "seqlen_q": s,
-         "seqlen_k": sk, "softmax_scale": scale, "window_left": -1, "window_right": -1,
-         "lse_batch_stride": h * s, "lse_head_stride": s}
+    p = {
+        "q": q.data_ptr(),
+        "k": k.data_ptr(),
+        "v": v.data_ptr(),
+        "o": o.data_ptr(),
+        "lse": lse.data_ptr(),
+        "batch": b,
+        "heads": h,
+        "kv_heads": hk,
+        "seqlen_q": s,
+        "seqlen_k": sk,
+        "softmax_scale": scale,
+        "window_left": -1,
+        "window_right": -1,
+        "lse_batch_stride": h * s,
+        "lse_head_stride": s,
+    }
     for nm, t in (("q", q), ("k", k), ("v", v), ("o", o)):
         st = t.stride()
         p[f"{nm}_batch_stride"], p[f"{nm}_row_stride"], p[f"{nm}_head_stride"] = st[0], st[1], st[2]
@@ -60,8 +73,17 @@ def make_launcher(kernel, params: dict, grid: int):
     return launch
 
 
-def bench_case(kernel, d: int, causal: bool, n: int, tokens: int, hidden: int, backends,
-               flex: bool, check: bool) -> dict:
+def bench_case(
+    kernel,
+    d: int,
+    causal: bool,
+    n: int,
+    tokens: int,
+    hidden: int,
+    backends,
+    flex: bool,
+    check: bool,
+) -> dict:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -71,15 +93,24 @@ def bench_case(kernel, d: int, causal: bool, n: int, tokens: int, hidden: int, b
     heads = hidden // d
     scale = 1.0 / math.sqrt(d)
     torch.manual_seed(0)
-    q, k, v = (torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)
+    )
     o = torch.empty_like(q)
     lse = torch.empty(batch, heads, n, device="cuda", dtype=torch.float32)
     grid = kernel.grid(batch, heads, n)
     launch = make_launcher(kernel, torch_params(kernel, q, k, v, o, lse, scale), grid)
     fl = flops(batch, heads, n, d, causal)
-    row = {"d": d, "causal": causal, "seqlen": n, "batch": batch, "heads": heads,
-           "kernel": kernel.name, "ms": {}, "tflops": {}}
+    row = {
+        "d": d,
+        "causal": causal,
+        "seqlen": n,
+        "batch": batch,
+        "heads": heads,
+        "kernel": kernel.name,
+        "ms": {},
+        "tflops": {},
+    }
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
 
     def record(label: str, fn) -> None:
@@ -103,8 +134,15 @@ def bench_case(kernel, d: int, causal: bool, n: int, tokens: int, hidden: int, b
     for be in backends:
         if be == "MATH" and n > 4096:
             continue  # the N^2 score matrix of MATH at 8k+ is pure memory traffic; see anchors
-        sel = getattr(SDPBackend, {"FLASH": "FLASH_ATTENTION", "CUDNN": "CUDNN_ATTENTION",
-                                   "EFFICIENT": "EFFICIENT_ATTENTION", "MATH": "MATH"}[be])
+        sel = getattr(
+            SDPBackend,
+            {
+                "FLASH": "FLASH_ATTENTION",
+                "CUDNN": "CUDNN_ATTENTION",
+                "EFFICIENT": "EFFICIENT_ATTENTION",
+                "MATH": "MATH",
+            }[be],
+        )
 
         def run_sdpa(sel=sel):
             with sdpa_kernel(sel):
@@ -120,8 +158,11 @@ def bench_case(kernel, d: int, causal: bool, n: int, tokens: int, hidden: int, b
             bm = create_block_mask(lambda b_, h_, i, j: j <= i, None, None, n, n, device="cuda")
         record("FLEX", lambda: fa(qt, kt, vt, block_mask=bm))
     ours = row["tflops"].get("flashgen")
-    row["ratio"] = {be: (ours / t if ours and t else None)
-                    for be, t in row["tflops"].items() if be != "flashgen"}
+    row["ratio"] = {
+        be: (ours / t if ours and t else None)
+        for be, t in row["tflops"].items()
+        if be != "flashgen"
+    }
     return row
 
 
@@ -129,10 +170,15 @@ def environment() -> dict:
     import torch
 
     props = torch.cuda.get_device_properties(0)
-    env = {"gpu": props.name, "sm_count": props.multi_processor_count,
-           "torch": torch.__version__, "cuda": torch.version.cuda,
-           "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),
-           "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    env = {
+        "gpu": props.name,
+        "sm_count": props.multi_processor_count,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "python": platform.python_version(),
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
     try:
         import pycuda.driver as cuda
 
@@ -159,10 +205,18 @@ def main(argv: list[str] | None = None) -> int:
     from generator.load import load_paths
     from verify.runner import load_kernel
 
-    specs = [s for s in load_paths(args.specs)
-             if s.dtype.yaml == "bf16" and s.head_dim in args.head_dims and not s.mask.window
-             and not s.mask.varlen and not s.dropout and not s.sparse and not s.instrument_io
-             and s.mask.causal.yaml in ("none", "bottom_right")]
+    specs = [
+        s
+        for s in load_paths(args.specs)
+        if s.dtype.yaml == "bf16"
+        and s.head_dim in args.head_dims
+        and not s.mask.window
+        and not s.mask.varlen
+        and not s.dropout
+        and not s.sparse
+        and not s.instrument_io
+        and s.mask.causal.yaml in ("none", "bottom_right")
+    ]
     if not specs:
         print("flashgen bench: no bf16 dense forward spec matches", file=sys.stderr)
         return 2
@@ -171,13 +225,25 @@ def main(argv: list[str] | None = None) -> int:
         kernel = load_kernel(spec, args.cubins)
         causal = spec.mask.causal.yaml != "none"
         for n in args.seqlens:
-            row = bench_case(kernel, spec.head_dim, causal, n, args.tokens, args.hidden,
-                             args.backends, not args.no_flex, args.check)
+            row = bench_case(
+                kernel,
+                spec.head_dim,
+                causal,
+                n,
+                args.tokens,
+                args.hidden,
+                args.backends,
+                not args.no_flex,
+                args.check,
+            )
             rows.append(row)
             cells = "  ".join(f"{be}={t:6.1f}" for be, t in row["tflops"].items() if t)
             print(f"d={spec.head_dim:3d} causal={int(causal)} n={n:5d}  {cells}", flush=True)
-    result = {"environment": environment(), "convention": "TFLOP/s = 4*b*h*n^2*d (/2 causal) / time",
-              "rows": rows}
+    result = {
+        "environment": environment(),
+        "convention": "TFLOP/s = 4*b*h*n^2*d (/2 causal) / time",
+        "rows": rows,
+    }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
@@ -193,8 +259,11 @@ def format_table(rows: list[dict]) -> str:
         cells = [f"{r['tflops'][c]:.0f}" if r["tflops"].get(c) else "-" for c in cols]
         ratio = r["ratio"].get("FLASH")
         ratio_s = f"{ratio:.2f}x" if ratio else "-"
-        lines.append(f"| {r['d']} | {'yes' if r['causal'] else 'no'} | {r['seqlen']} | "
-                     + " | ".join(cells) + f" | {ratio_s} |")
+        lines.append(
+            f"| {r['d']} | {'yes' if r['causal'] else 'no'} | {r['seqlen']} | "
+            + " | ".join(cells)
+            + f" | {ratio_s} |"
+        )
     return "\n".join(lines)
 
 

@@ -21,12 +21,15 @@ __all__ = ["MEASURED_DEFAULTS", "auto_tile", "fit_tile", "paper_tile", "tile_fit
 _T = Tile  # short alias for the table below
 
 MEASURED_DEFAULTS: dict[tuple[Target, int], Tile] = {
-    # sm_90 (H100): starting points, to be replaced by measured winners.
+    # sm_90, measured on an H200 side by side with SDPA FLASH (bench/results/v2_tiles.json,
+    # docs/benchmarks.md): the fastest tile per head dim among those that do not spill.
     **{(Target.SM90, d): _T(128, 64, 4, 2) for d in (16, 32, 48, 64)},
-    (Target.SM90, 96): _T(128, 64, 4, 2),
-    (Target.SM90, 128): _T(128, 64, 4, 2),
-    (Target.SM90, 192): _T(64, 64, 4, 2),
-    (Target.SM90, 256): _T(64, 32, 4, 2),
+    (Target.SM90, 80): _T(128, 64, 8, 2),
+    (Target.SM90, 96): _T(128, 64, 8, 2),
+    (Target.SM90, 112): _T(128, 64, 8, 2),
+    (Target.SM90, 128): _T(128, 64, 8, 2),
+    (Target.SM90, 192): _T(128, 64, 8, 2),
+    (Target.SM90, 256): _T(128, 32, 8, 2),
 }
 
 

@@ -41,18 +41,45 @@ IO_TENSORS = ("Q", "K", "V", "O", "LSE", "META", "KEEP_MASK")
 # fg_fwd_params, in declaration order (templates/include/flashgen/params.h); every field is
 # 8 bytes, so the struct is these values packed as little-endian 64-bit words.
 PARAM_FIELDS = (
-    "q", "k", "v", "o", "lse",
-    "q_batch_stride", "q_row_stride", "q_head_stride",
-    "k_batch_stride", "k_row_stride", "k_head_stride",
-    "v_batch_stride", "v_row_stride", "v_head_stride",
-    "o_batch_stride", "o_row_stride", "o_head_stride",
-    "lse_batch_stride", "lse_head_stride",
-    "batch", "heads", "kv_heads", "seqlen_q", "seqlen_k",
-    "cu_seqlens_q", "cu_seqlens_k",
-    "softmax_scale", "window_left", "window_right",
-    "dropout_p", "seed", "offset", "keep_mask",
-    "blk_full_count", "blk_full_idx", "blk_part_count", "blk_part_idx",
-    "blk_layout_heads", "blk_max_blocks",
+    "q",
+    "k",
+    "v",
+    "o",
+    "lse",
+    "q_batch_stride",
+    "q_row_stride",
+    "q_head_stride",
+    "k_batch_stride",
+    "k_row_stride",
+    "k_head_stride",
+    "v_batch_stride",
+    "v_row_stride",
+    "v_head_stride",
+    "o_batch_stride",
+    "o_row_stride",
+    "o_head_stride",
+    "lse_batch_stride",
+    "lse_head_stride",
+    "batch",
+    "heads",
+    "kv_heads",
+    "seqlen_q",
+    "seqlen_k",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "softmax_scale",
+    "window_left",
+    "window_right",
+    "dropout_p",
+    "seed",
+    "offset",
+    "keep_mask",
+    "blk_full_count",
+    "blk_full_idx",
+    "blk_part_count",
+    "blk_part_idx",
+    "blk_layout_heads",
+    "blk_max_blocks",
     "io_counters",
 )
 DOUBLE_FIELDS = {"softmax_scale", "dropout_p"}
@@ -104,8 +131,19 @@ class Problem:
     cu_seqlens_k: np.ndarray | None
 
 
-def validate(spec, q, k, v, *, softmax_scale=None, window=None, cu_seqlens_q=None,
-             cu_seqlens_k=None, dropout_p=0.0, layout=None) -> Problem:
+def validate(
+    spec,
+    q,
+    k,
+    v,
+    *,
+    softmax_scale=None,
+    window=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    dropout_p=0.0,
+    layout=None,
+) -> Problem:
     """Check the arguments against the spec; raise RunnerError naming the first problem."""
     d = spec.head_dim
     varlen = spec.mask.varlen
@@ -131,17 +169,23 @@ def validate(spec, q, k, v, *, softmax_scale=None, window=None, cu_seqlens_q=Non
     elif kv_heads != heads:
         raise RunnerError(
             f"k/v have {kv_heads} heads but q has {heads}; this spec has gqa: false "
-            "(generate one with gqa: true for grouped-query attention)")
+            "(generate one with gqa: true for grouped-query attention)"
+        )
     if varlen:
         if cu_seqlens_q is None or cu_seqlens_k is None:
             raise RunnerError("this spec has mask.varlen: true: pass cu_seqlens_q and cu_seqlens_k")
         cu_q = np.asarray(cu_seqlens_q)
         cu_k = np.asarray(cu_seqlens_k)
-        for nm, cu, total in (("cu_seqlens_q", cu_q, q.shape[0]), ("cu_seqlens_k", cu_k, k.shape[0])):
+        for nm, cu, total in (
+            ("cu_seqlens_q", cu_q, q.shape[0]),
+            ("cu_seqlens_k", cu_k, k.shape[0]),
+        ):
             if cu.ndim != 1 or cu.size < 2:
                 raise RunnerError(f"{nm} must be 1-D with batch + 1 >= 2 entries, got {cu.shape}")
             if cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] != total:
-                raise RunnerError(f"{nm} must start at 0, not decrease, and end at {total}; got {cu}")
+                raise RunnerError(
+                    f"{nm} must start at 0, not decrease, and end at {total}; got {cu}"
+                )
         if cu_q.size != cu_k.size:
             raise RunnerError("cu_seqlens_q and cu_seqlens_k must have the same length")
         if cu_q[-1] > np.iinfo(np.int32).max or cu_k[-1] > np.iinfo(np.int32).max:
@@ -171,7 +215,9 @@ def validate(spec, q, k, v, *, softmax_scale=None, window=None, cu_seqlens_q=Non
     if not (0.0 <= dropout_p < 1.0):
         raise RunnerError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if spec.sparse and layout is None:
-        raise RunnerError("this spec has sparsity: block: pass layout= (verify.blocksparse.compact_layout)")
+        raise RunnerError(
+            "this spec has sparsity: block: pass layout= (verify.blocksparse.compact_layout)"
+        )
     if layout is not None and not spec.sparse:
         raise RunnerError("layout given but this spec has sparsity: none")
     return Problem(batch, heads, kv_heads, sq, sk, d, varlen, scale, win, cu_q, cu_k)
@@ -292,7 +338,8 @@ class FwdKernel:
         self.cubin = Path(cubin)
         if not self.cubin.exists():
             raise RunnerError(
-                f"no cubin for {self.name} at {self.cubin}: run `flashgen compile` for its spec")
+                f"no cubin for {self.name} at {self.cubin}: run `flashgen compile` for its spec"
+            )
         self.gpu = _Gpu.get()
         self.fn = self.gpu.function(self.cubin, f"{self.name}_kernel")
         self.smem = spec.smem_bytes
@@ -312,20 +359,49 @@ class FwdKernel:
         if grid == 0:
             return
         words = pack_params(params)
-        self.fn(*[np.uint64(w) for w in words], block=(self.threads, 1, 1), grid=(grid, 1),
-                shared=self.smem)
+        self.fn(
+            *[np.uint64(w) for w in words],
+            block=(self.threads, 1, 1),
+            grid=(grid, 1),
+            shared=self.smem,
+        )
         self.gpu.context.synchronize()
 
-    def run(self, q, k, v, *, softmax_scale=None, window=None, cu_seqlens_q=None,
-            cu_seqlens_k=None, dropout_p=0.0, seed=0, offset=0, layout=None,
-            memory_layout: str = "bshd", pad: int = 0) -> FwdResult:
+    def run(
+        self,
+        q,
+        k,
+        v,
+        *,
+        softmax_scale=None,
+        window=None,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        dropout_p=0.0,
+        seed=0,
+        offset=0,
+        layout=None,
+        memory_layout: str = "bshd",
+        pad: int = 0,
+    ) -> FwdResult:
         spec = self.spec
-        pb = validate(spec, q, k, v, softmax_scale=softmax_scale, window=window,
-                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                      dropout_p=dropout_p, layout=layout)
+        pb = validate(
+            spec,
+            q,
+            k,
+            v,
+            softmax_scale=softmax_scale,
+            window=window,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            dropout_p=dropout_p,
+            layout=layout,
+        )
         dt = spec.dtype.yaml
-        bits = {nm: to_dtype_bits(np.asarray(t, dtype=np.float32), dt)
-                for nm, t in (("q", q), ("k", k), ("v", v))}
+        bits = {
+            nm: to_dtype_bits(np.asarray(t, dtype=np.float32), dt)
+            for nm, t in (("q", q), ("k", k), ("v", v))
+        }
         inputs = {nm: from_dtype_bits(b_, dt) for nm, b_ in bits.items()}
         gpu = self.gpu
         bufs: list[DeviceBuffer] = []
@@ -335,33 +411,53 @@ class FwdKernel:
                 buf, strides = _strided_upload(gpu, bits[nm], memory_layout, pad)
                 bufs.append(buf)
                 params[nm] = buf.ptr
-                params[f"{nm}_batch_stride"], params[f"{nm}_row_stride"], \
-                    params[f"{nm}_head_stride"] = strides
+                (
+                    params[f"{nm}_batch_stride"],
+                    params[f"{nm}_row_stride"],
+                    params[f"{nm}_head_stride"],
+                ) = strides
             o_shape = q.shape
             o_buf = DeviceBuffer(gpu, int(np.prod(o_shape)) * 2)
             bufs.append(o_buf)
             params["o"] = o_buf.ptr
             if pb.varlen:
                 params["o_batch_stride"] = 0
-                params["o_row_stride"], params["o_head_stride"] = pb.heads * pb.head_dim, pb.head_dim
+                params["o_row_stride"], params["o_head_stride"] = (
+                    pb.heads * pb.head_dim,
+                    pb.head_dim,
+                )
                 lse_shape = (pb.heads, q.shape[0])
                 params["lse_batch_stride"], params["lse_head_stride"] = 0, q.shape[0]
             else:
                 s = q.shape[1]
                 params["o_batch_stride"] = s * pb.heads * pb.head_dim
-                params["o_row_stride"], params["o_head_stride"] = pb.heads * pb.head_dim, pb.head_dim
+                params["o_row_stride"], params["o_head_stride"] = (
+                    pb.heads * pb.head_dim,
+                    pb.head_dim,
+                )
                 lse_shape = (pb.batch, pb.heads, s)
                 params["lse_batch_stride"], params["lse_head_stride"] = pb.heads * s, s
             lse_buf = DeviceBuffer(gpu, int(np.prod(lse_shape)) * 4)
             bufs.append(lse_buf)
             params["lse"] = lse_buf.ptr
-            params.update(batch=pb.batch, heads=pb.heads, kv_heads=pb.kv_heads,
-                          seqlen_q=pb.seqlen_q, seqlen_k=pb.seqlen_k,
-                          softmax_scale=pb.scale, window_left=pb.window[0],
-                          window_right=pb.window[1], dropout_p=dropout_p,
-                          seed=int(seed) & (2**64 - 1), offset=int(offset) & (2**64 - 1))
+            params.update(
+                batch=pb.batch,
+                heads=pb.heads,
+                kv_heads=pb.kv_heads,
+                seqlen_q=pb.seqlen_q,
+                seqlen_k=pb.seqlen_k,
+                softmax_scale=pb.scale,
+                window_left=pb.window[0],
+                window_right=pb.window[1],
+                dropout_p=dropout_p,
+                seed=int(seed) & (2**64 - 1),
+                offset=int(offset) & (2**64 - 1),
+            )
             if pb.varlen:
-                for nm, cu in (("cu_seqlens_q", pb.cu_seqlens_q), ("cu_seqlens_k", pb.cu_seqlens_k)):
+                for nm, cu in (
+                    ("cu_seqlens_q", pb.cu_seqlens_q),
+                    ("cu_seqlens_k", pb.cu_seqlens_k),
+                ):
                     buf = DeviceBuffer(gpu, cu.nbytes)
                     buf.upload(cu)
                     bufs.append(buf)
@@ -378,7 +474,8 @@ class FwdKernel:
                 if lh not in (1, pb.heads) or layout.full_count.shape[1] != n_qt:
                     raise RunnerError(
                         f"layout has shape {layout.full_count.shape}; expected (1 or {pb.heads}, "
-                        f"{n_qt}) query tiles of block_m={spec.tile.block_m}")
+                        f"{n_qt}) query tiles of block_m={spec.tile.block_m}"
+                    )
                 for nm in ("full_count", "full_idx", "part_count", "part_idx"):
                     arr = np.ascontiguousarray(getattr(layout, nm), dtype=np.int32)
                     buf = DeviceBuffer(gpu, arr.nbytes)

@@ -58,9 +58,10 @@ class Recorder:
         self.kernels: dict[str, dict] = {}
 
     def add(self, spec, verdicts: dict, test: str) -> None:
-        rec = self.kernels.setdefault(spec.name, {
-            "kernel": spec.name, "examples": 0, "worst_ratio": {}, "failures": 0,
-            "tests": {}})
+        rec = self.kernels.setdefault(
+            spec.name,
+            {"kernel": spec.name, "examples": 0, "worst_ratio": {}, "failures": 0, "tests": {}},
+        )
         rec["examples"] += 1
         rec["tests"][test] = rec["tests"].get(test, 0) + 1
         for out, v in verdicts.items():
@@ -69,8 +70,10 @@ class Recorder:
                 rec["failures"] += 1
 
     def fail(self, spec, test: str) -> None:
-        rec = self.kernels.setdefault(spec.name, {
-            "kernel": spec.name, "examples": 0, "worst_ratio": {}, "failures": 0, "tests": {}})
+        rec = self.kernels.setdefault(
+            spec.name,
+            {"kernel": spec.name, "examples": 0, "worst_ratio": {}, "failures": 0, "tests": {}},
+        )
         rec["failures"] += 1
         rec["tests"][test] = rec["tests"].get(test, 0)
 
@@ -93,10 +96,12 @@ def _environment() -> dict:
 
     gpu = _Gpu.get()
     cuda = gpu.cuda
-    env = {"gpu": gpu.device.name(),
-           "compute_capability": "%d.%d" % gpu.device.compute_capability(),
-           "driver": cuda.get_driver_version(),
-           "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")}
+    env = {
+        "gpu": gpu.device.name(),
+        "compute_capability": "%d.%d" % gpu.device.compute_capability(),
+        "driver": cuda.get_driver_version(),
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"),
+    }
     try:
         out = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, check=False)
         env["nvcc"] = out.stdout.strip().splitlines()[-1] if out.stdout else "unknown"

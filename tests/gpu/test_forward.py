@@ -22,8 +22,13 @@ from .conftest import CUBIN_DIR, shipped_specs
 
 EXAMPLES = int(os.environ.get("FLASHGEN_GPU_EXAMPLES", "200"))
 SPECS = [s for s in shipped_specs() if s.kernel.yaml == "forward"]
-SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None,
-                    suppress_health_check=list(HealthCheck), print_blob=True)
+SETTINGS = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+    print_blob=True,
+)
 
 
 def _kernel(spec):
@@ -34,8 +39,9 @@ def _kernel(spec):
 def runtime_case(draw, spec, max_len: int = 160):
     """A runtime problem for `spec`: shapes, lengths, window, values, memory layout."""
     rng_seed = draw(st.integers(0, 2**32 - 1))
-    lens = st.one_of(st.sampled_from([1, 2, 7, 15, 16, 17, 63, 64, 65, 97, 128, 129]),
-                     st.integers(1, max_len))
+    lens = st.one_of(
+        st.sampled_from([1, 2, 7, 15, 16, 17, 63, 64, 65, 97, 128, 129]), st.integers(1, max_len)
+    )
     if spec.gqa:
         kv_heads = draw(st.integers(1, 2))
         heads = kv_heads * draw(st.integers(1, 3))
@@ -51,8 +57,10 @@ def runtime_case(draw, spec, max_len: int = 160):
         case["sq"] = draw(lens)
         case["sk"] = draw(lens)
     if spec.mask.window:
-        case["window"] = (draw(st.sampled_from([-1, 0, 1, 5, 33, 100])),
-                          draw(st.sampled_from([-1, 0, 1, 5, 33, 100])))
+        case["window"] = (
+            draw(st.sampled_from([-1, 0, 1, 5, 33, 100])),
+            draw(st.sampled_from([-1, 0, 1, 5, 33, 100])),
+        )
     case["values"] = draw(st.sampled_from(["normal", "normal", "large", "wide"]))
     case["memory_layout"] = draw(st.sampled_from(["bshd", "bhsd"]))
     case["pad"] = draw(st.sampled_from([0, 0, 8, 24]))
@@ -70,7 +78,7 @@ def make_inputs(spec, case):
         shapes = ((b, case["sq"], h, d), (b, case["sk"], hk, d), (b, case["sk"], hk, d))
     q, k, v = (rng.standard_normal(s).astype(np.float32) for s in shapes)
     if case["values"] == "large":  # scores up to ~1e4 after scaling: a near-hard softmax
-        q *= np.float32(2500.0)  # scale * q.k ~ N(0, 5000^2)
+        q *= np.float32(1250.0)  # scale * q.k ~ N(0, 2500^2): scores reach +-1e4
         k *= np.float32(2.0)
     elif case["values"] == "wide":
         v *= np.float32(100.0)
@@ -96,10 +104,13 @@ def check_against_reference(spec, res, q, k, v, kwargs, recorder, test):
     rk = reference_kwargs(spec, kwargs)
     qi, ki, vi = res.inputs["q"], res.inputs["k"], res.inputs["v"]
     o64, lse64 = reference.attention_forward(qi, ki, vi, **rk, **_sparse_dropout_kwargs(res))
-    ob, lseb = baseline.attention_forward(qi, ki, vi, dtype=spec.dtype.yaml, **rk,
-                                          **_sparse_dropout_kwargs(res))
-    verdicts = {"o": passrule.check(res.o, o64, ob, spec.dtype.yaml),
-                "lse": passrule.check(res.lse, lse64, lseb, "fp32")}
+    ob, lseb = baseline.attention_forward(
+        qi, ki, vi, dtype=spec.dtype.yaml, **rk, **_sparse_dropout_kwargs(res)
+    )
+    verdicts = {
+        "o": passrule.check(res.o, o64, ob, spec.dtype.yaml),
+        "lse": passrule.check(res.lse, lse64, lseb, "fp32"),
+    }
     recorder.add(spec, verdicts, test)
     assert res.stats["margins_intact"], "a write landed outside an output buffer"
     for out, verdict in verdicts.items():
@@ -111,8 +122,9 @@ def _sparse_dropout_kwargs(res):
     return res.stats.get("reference_kwargs", {})
 
 
-@pytest.mark.parametrize("spec", [s for s in SPECS if not s.dropout and not s.sparse],
-                         ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "spec", [s for s in SPECS if not s.dropout and not s.sparse], ids=lambda s: s.name
+)
 def test_shipped_forward_matches_reference(spec, specs, recorder):  # noqa: ARG001
     kernel = _kernel(spec)
 
@@ -130,18 +142,33 @@ def test_shipped_forward_matches_reference(spec, specs, recorder):  # noqa: ARG0
         raise
 
 
-@pytest.mark.parametrize("spec", [s for s in SPECS if not s.dropout and not s.sparse
-                                  and not s.mask.varlen][:6], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "spec",
+    [s for s in SPECS if not s.dropout and not s.sparse and not s.mask.varlen][:6],
+    ids=lambda s: s.name,
+)
 def test_long_sequences_match_reference(spec, specs, recorder):  # noqa: ARG001
     """Fewer, longer cases: many K/V tiles, pipelines wrapping around, 1025-style tails."""
     kernel = _kernel(spec)
 
     @settings(max_examples=max(3, EXAMPLES // 40), deadline=None, database=None)
-    @given(sq=st.sampled_from([1, 255, 1025, 1500]), sk=st.sampled_from([1, 513, 1025, 2000]),
-           seed=st.integers(0, 2**32 - 1))
+    @given(
+        sq=st.sampled_from([1, 255, 1025, 1500]),
+        sk=st.sampled_from([1, 513, 1025, 2000]),
+        seed=st.integers(0, 2**32 - 1),
+    )
     def prop(sq, sk, seed):
-        case = {"heads": 1, "kv_heads": 1, "seed": seed, "batch": 1, "sq": sq, "sk": sk,
-                "values": "normal", "memory_layout": "bshd", "pad": 0}
+        case = {
+            "heads": 1,
+            "kv_heads": 1,
+            "seed": seed,
+            "batch": 1,
+            "sq": sq,
+            "sk": sk,
+            "values": "normal",
+            "memory_layout": "bshd",
+            "pad": 0,
+        }
         if spec.mask.window:
             case["window"] = (-1, -1)
         q, k, v, kwargs = make_inputs(spec, case)
@@ -166,15 +193,28 @@ def _one_hot_problem(spec, sq, sk, seed):
     return q, k, v, target
 
 
-@pytest.mark.parametrize("spec", [s for s in SPECS if s.mask.causal.yaml == "none"
-                                  and not s.mask.varlen and not s.mask.window
-                                  and not s.dropout and not s.sparse], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "spec",
+    [
+        s
+        for s in SPECS
+        if s.mask.causal.yaml == "none"
+        and not s.mask.varlen
+        and not s.mask.window
+        and not s.dropout
+        and not s.sparse
+    ],
+    ids=lambda s: s.name,
+)
 def test_one_hot_rows_return_their_v_row_exactly(spec, specs, recorder):  # noqa: ARG001
     kernel = _kernel(spec)
 
     @settings(max_examples=10, deadline=None, database=None)
-    @given(sq=st.integers(1, 130), sk=st.integers(1, min(spec.head_dim, 130)),
-           seed=st.integers(0, 2**32 - 1))
+    @given(
+        sq=st.integers(1, 130),
+        sk=st.integers(1, min(spec.head_dim, 130)),
+        seed=st.integers(0, 2**32 - 1),
+    )
     def prop(sq, sk, seed):
         q, k, v, target = _one_hot_problem(spec, sq, sk, seed)
         res = kernel.run(q, k, v)
@@ -183,9 +223,18 @@ def test_one_hot_rows_return_their_v_row_exactly(spec, specs, recorder):  # noqa
     prop()
 
 
-@pytest.mark.parametrize("spec", [s for s in SPECS if s.mask.causal.yaml == "bottom_right"
-                                  and not s.mask.varlen and not s.dropout and not s.sparse],
-                         ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "spec",
+    [
+        s
+        for s in SPECS
+        if s.mask.causal.yaml == "bottom_right"
+        and not s.mask.varlen
+        and not s.dropout
+        and not s.sparse
+    ],
+    ids=lambda s: s.name,
+)
 def test_fully_masked_rows_give_zero_and_minus_inf(spec, specs):  # noqa: ARG001
     """bottom_right causal with seqlen_q > seqlen_k: the first Sq - Sk rows see no key."""
     kernel = _kernel(spec)
@@ -205,8 +254,17 @@ def test_fully_masked_rows_give_zero_and_minus_inf(spec, specs):  # noqa: ARG001
 @pytest.mark.parametrize("spec", SPECS[:4], ids=lambda s: s.name)
 def test_repeated_runs_are_bitwise_identical(spec, specs):  # noqa: ARG001
     kernel = _kernel(spec)
-    case = {"heads": 2, "kv_heads": 2 if not spec.gqa else 1, "seed": 3, "batch": 2, "sq": 300,
-            "sk": 257, "values": "normal", "lens_q": [5, 300], "lens_k": [257, 1]}
+    case = {
+        "heads": 2,
+        "kv_heads": 2 if not spec.gqa else 1,
+        "seed": 3,
+        "batch": 2,
+        "sq": 300,
+        "sk": 257,
+        "values": "normal",
+        "lens_q": [5, 300],
+        "lens_k": [257, 1],
+    }
     if spec.mask.window:
         case["window"] = (40, 7)
     q, k, v, kwargs = make_inputs(spec, case)

@@ -161,14 +161,20 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
         rows, io, kV);
   };
 
+  // Explicit initialisation: with kMT = 2, nvcc 13.0 left st[1][*].m at 0 instead of the
+  // member initialiser's -inf (seen on an H200: rows of the second m16 tile whose scores were
+  // all negative came out empty), so the state is set here, not by a default initialiser.
   RowState st[C::kMT][2];
   float acc_o[C::kMT][C::kDT][4];
 #pragma unroll
-  for (int mt = 0; mt < C::kMT; ++mt)
+  for (int mt = 0; mt < C::kMT; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) st[mt][r] = RowState{-INFINITY, 0.f};
 #pragma unroll
     for (int dt = 0; dt < C::kDT; ++dt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+  }
 
   const int warp_row0 = warp * 16 * C::kMT;
   const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);

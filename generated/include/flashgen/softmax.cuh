@@ -41,7 +41,7 @@ __device__ __forceinline__ void online_softmax_update(RowState (&st)[2], float (
     float mx = -INFINITY;
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-    mx = quad_max(mx) * scale_log2;
+    mx = __fmul_rn(quad_max(mx), scale_log2);
     const float m_new = fmaxf(st[r].m, mx);
     const float base = m_new == -INFINITY ? 0.f : m_new;
     alpha[r] = exp2_approx(st[r].m - base);
@@ -50,7 +50,9 @@ __device__ __forceinline__ void online_softmax_update(RowState (&st)[2], float (
     for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
       for (int e = 2 * r; e < 2 * r + 2; ++e) {
-        s[nt][e] = exp2_approx(fmaf(s[nt][e], scale_log2, -base));
+        // Rounded multiply, then subtract (not one fma): the row's max gives 2^0 = 1 exactly,
+        // so a one-key or one-hot row returns its V row bit for bit.
+        s[nt][e] = exp2_approx(__fsub_rn(__fmul_rn(s[nt][e], scale_log2), base));
         sum += s[nt][e];
       }
     }
