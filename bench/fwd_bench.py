@@ -198,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--backends", nargs="*", default=list(BACKENDS))
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--flex-min-seqlen", type=int, default=0,
+                    help="run FlexAttention only from this seqlen up (each shape compiles)")
     ap.add_argument("--check", action="store_true", help="compare each output with SDPA FLASH")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)

@@ -83,6 +83,7 @@ PARAM_FIELDS = (
     "io_counters",
 )
 DOUBLE_FIELDS = {"softmax_scale", "dropout_p"}
+UNSIGNED_FIELDS = {"seed", "offset"}
 
 
 class RunnerError(ValueError):
@@ -99,6 +100,8 @@ def pack_params(values: dict[str, Any]) -> np.ndarray:
         val = values.get(name, 0)
         if name in DOUBLE_FIELDS:
             words[idx] = np.array(float(val), dtype=np.float64).view(np.uint64)
+        elif name in UNSIGNED_FIELDS:
+            words[idx] = np.uint64(int(val) & (2**64 - 1))
         else:
             words[idx] = np.array(int(val), dtype=np.int64).view(np.uint64)
     return words

@@ -1,0 +1,87 @@
+"""compute-sanitizer over a sample of shipped kernels (one per feature family).
+
+    compute-sanitizer --tool memcheck python3 bench/sanitize.py run
+    compute-sanitizer --tool racecheck python3 bench/sanitize.py run
+    python3 bench/sanitize.py merge memcheck.txt racecheck.txt   # into verify/records/*.json
+
+`run` launches each sampled kernel on small odd-length problems; `merge` reads the tools'
+summaries ("ERROR SUMMARY: N errors" / "RACECHECK SUMMARY: N hazards") and stores them in the
+records of the sampled kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def sample_specs():
+    from generator.load import load_paths
+
+    picked, seen = [], set()
+    for s in load_paths([REPO / "specs"]):
+        family = (s.tile.warps, s.mask.window, s.mask.varlen, s.dropout, s.sparse,
+                  s.instrument_io, s.mask.causal.yaml != "none")
+        if family not in seen:
+            seen.add(family)
+            picked.append(s)
+    return picked
+
+
+def run() -> None:
+    from verify.blocksparse import compact_layout_for_spec
+    from verify.runner import load_kernel
+
+    rng = np.random.default_rng(0)
+    for spec in sample_specs():
+        kernel = load_kernel(spec)
+        d, sq, sk = spec.head_dim, 131, 77
+        kw = {}
+        if spec.mask.varlen:
+            q, k, v = (rng.standard_normal((n, 2, d)).astype(np.float32) for n in (131, 77, 77))
+            kw.update(cu_seqlens_q=np.array([0, 31, 131], np.int32),
+                      cu_seqlens_k=np.array([0, 70, 77], np.int32))
+        else:
+            q = rng.standard_normal((2, sq, 2, d)).astype(np.float32)
+            k, v = (rng.standard_normal((2, sk, 2, d)).astype(np.float32) for _ in range(2))
+        if spec.mask.window:
+            kw["window"] = (20, 3)
+        if spec.dropout:
+            kw.update(dropout_p=0.3, seed=5, offset=6)
+        if spec.sparse:
+            tr, tc = -(-sq // spec.tile.block_m), -(-sk // spec.tile.block_n)
+            mask = rng.random((1, tr, tc)) < 0.6
+            kw["layout"] = compact_layout_for_spec(mask, spec, seqlen_q=sq, seqlen_k=sk)
+        kernel.run(q, k, v, **kw)
+        print("ran", spec.name, flush=True)
+
+
+def merge(paths: list[str]) -> None:
+    verdicts = {}
+    for p in paths:
+        text = Path(p).read_text()
+        tool = "racecheck" if "RACECHECK" in text or "racecheck" in Path(p).name else "memcheck"
+        m = re.search(r"(ERROR|RACECHECK) SUMMARY: (\d+) (errors|hazards)", text)
+        verdicts[tool] = m.group(0) if m else "no summary (tool did not finish)"
+    records = REPO / "verify" / "records"
+    for spec in sample_specs():
+        path = records / f"{spec.name}.json"
+        if path.exists():
+            rec = json.loads(path.read_text())
+            rec["sanitizer"] = verdicts
+            path.write_text(json.dumps(rec, indent=2, sort_keys=True) + "\n")
+    print(json.dumps(verdicts))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "run":
+        run()
+    else:
+        merge(sys.argv[2:])

@@ -1,0 +1,218 @@
+"""Dropout, block sparsity and IO counting on a GPU, each checked exactly where it can be:
+keep-masks bit for bit against verify.dropout, p = 0 bitwise equal to the dense kernel,
+block-sparse outputs by the pass rule under the same layout, and IO byte counts to the byte
+against verify.io_model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verify import baseline, dropout, io_model, passrule, reference
+from verify.blocksparse import compact_layout_for_spec
+from verify.runner import load_kernel
+from verify.strategies import block_layouts
+
+from .conftest import CUBIN_DIR, shipped_specs
+from .test_forward import EXAMPLES, SETTINGS, _scale, make_inputs, runtime_case
+
+SPECS = shipped_specs()
+DROPOUT = [s for s in SPECS if s.dropout]
+SPARSE = [s for s in SPECS if s.sparse]
+IO = [s for s in SPECS if s.instrument_io]
+
+
+def _verdicts(spec, res, **ref_kwargs):
+    qi, ki, vi = res.inputs["q"], res.inputs["k"], res.inputs["v"]
+    o64, lse64 = reference.attention_forward(qi, ki, vi, **ref_kwargs)
+    ob, lseb = baseline.attention_forward(qi, ki, vi, dtype=spec.dtype.yaml, **ref_kwargs)
+    return {
+        "o": passrule.check(res.o, o64, ob, spec.dtype.yaml),
+        "lse": passrule.check(
+            res.lse, lse64, lseb, "fp32", extra_floor=passrule.score_floor(qi, ki, _scale(spec))
+        ),
+    }
+
+
+def _assert_pass(spec, verdicts, recorder, test, res):
+    recorder.add(spec, verdicts, test)
+    assert res.stats["margins_intact"], "a write landed outside an output buffer"
+    for out, v in verdicts.items():
+        assert v.passed, f"{spec.name} {out}: {v.message}"
+
+
+@pytest.mark.parametrize("spec", [s for s in DROPOUT if s.debug_keep_mask], ids=lambda s: s.name)
+def test_dropout_keep_mask_is_bit_exact_and_output_passes(spec, specs, recorder):  # noqa: ARG001
+    kernel = load_kernel(spec, CUBIN_DIR)
+
+    @SETTINGS
+    @given(
+        case=runtime_case(spec),
+        p=st.sampled_from([0.0, 0.1, 0.5, 0.9]),
+        seed=st.integers(0, 2**64 - 1),
+        offset=st.integers(0, 2**32 - 1),
+    )
+    def prop(case, p, seed, offset):
+        q, k, v, kw = make_inputs(spec, case)
+        res = kernel.run(q, k, v, dropout_p=p, seed=seed, offset=offset, **kw)
+        b, sq, h, _ = q.shape
+        sk = k.shape[1]
+        keep = dropout.keep_mask(seed, offset, b, h, sq, sk, p)
+        written = res.keep_mask != 2
+        np.testing.assert_array_equal(res.keep_mask[written], keep[written].astype(np.uint8))
+        visible = reference.visible_mask(b, h, sq, sk, causal=spec.mask.causal.yaml)
+        assert np.all(written[visible]), "the kernel skipped a visible element's keep bit"
+        verdicts = _verdicts(spec, res, causal=spec.mask.causal.yaml, keep_mask=keep, dropout_p=p)
+        _assert_pass(spec, verdicts, recorder, "dropout", res)
+
+    try:
+        prop()
+    except BaseException:
+        recorder.fail(spec, "dropout")
+        raise
+
+
+@pytest.mark.parametrize(
+    "spec", [s for s in DROPOUT if s.debug_keep_mask][:1], ids=lambda s: s.name
+)
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_keep_rate_is_within_binomial_bounds(spec, p, specs):  # noqa: ARG001
+    kernel = load_kernel(spec, CUBIN_DIR)
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((2, 300, 2, spec.head_dim)).astype(np.float32) for _ in range(3))
+    res = kernel.run(q, k, v, dropout_p=p, seed=1234567890123, offset=77)
+    n = res.keep_mask.size
+    kept = int((res.keep_mask == 1).sum())
+    assert int((res.keep_mask == 2).sum()) == 0
+    mean, sd = n * (1 - p), np.sqrt(n * p * (1 - p))
+    assert abs(kept - mean) < 5 * sd, (kept, mean, sd)
+
+
+@pytest.mark.parametrize(
+    "spec", [s for s in DROPOUT if not s.debug_keep_mask], ids=lambda s: s.name
+)
+def test_dropout_p0_is_bitwise_the_dense_kernel(spec, specs):  # noqa: ARG001
+    dense = [
+        s
+        for s in SPECS
+        if not s.dropout
+        and not s.sparse
+        and not s.instrument_io
+        and not s.mask.window
+        and not s.mask.varlen
+        and not s.gqa
+        and s.mask.causal == spec.mask.causal
+        and s.head_dim == spec.head_dim
+        and s.dtype == spec.dtype
+        and s.tile == spec.tile
+    ]
+    assert dense, "no dense kernel with the same tile to compare with"
+    kd, kp = load_kernel(dense[0], CUBIN_DIR), load_kernel(spec, CUBIN_DIR)
+    rng = np.random.default_rng(11)
+    for sq, sk in ((1, 1), (97, 300), (513, 129)):
+        q = rng.standard_normal((2, sq, 2, spec.head_dim)).astype(np.float32)
+        k = rng.standard_normal((2, sk, 2, spec.head_dim)).astype(np.float32)
+        v = rng.standard_normal((2, sk, 2, spec.head_dim)).astype(np.float32)
+        a, b = kd.run(q, k, v), kp.run(q, k, v, dropout_p=0.0, seed=99)
+        assert np.array_equal(a.o.view(np.uint32), b.o.view(np.uint32))
+        assert np.array_equal(a.lse.view(np.uint32), b.lse.view(np.uint32))
+
+
+@st.composite
+def sparse_case(draw, spec):
+    case = draw(runtime_case(spec, max_len=400))
+    tr = -(-case["sq"] // spec.tile.block_m)
+    tc = -(-case["sk"] // spec.tile.block_n)
+    lh = draw(st.sampled_from([1, case["heads"]]))
+    case["block_mask"] = draw(block_layouts(lh, tr, tc))
+    return case
+
+
+@pytest.mark.parametrize("spec", [s for s in SPARSE if not s.instrument_io], ids=lambda s: s.name)
+def test_block_sparse_matches_reference_under_the_same_layout(spec, specs, recorder):  # noqa: ARG001
+    kernel = load_kernel(spec, CUBIN_DIR)
+
+    @SETTINGS
+    @given(case=sparse_case(spec))
+    def prop(case):
+        q, k, v, kw = make_inputs(spec, case)
+        layout = compact_layout_for_spec(
+            case["block_mask"], spec, seqlen_q=case["sq"], seqlen_k=case["sk"]
+        )
+        res = kernel.run(q, k, v, layout=layout, **kw)
+        verdicts = _verdicts(
+            spec,
+            res,
+            causal=spec.mask.causal.yaml,
+            block_mask=case["block_mask"],
+            block_m=spec.tile.block_m,
+            block_n=spec.tile.block_n,
+        )
+        _assert_pass(spec, verdicts, recorder, "sparse", res)
+
+    try:
+        prop()
+    except BaseException:
+        recorder.fail(spec, "sparse")
+        raise
+
+
+@pytest.mark.parametrize("spec", IO, ids=lambda s: s.name)
+def test_io_counters_equal_the_io_model_to_the_byte(spec, specs, recorder):  # noqa: ARG001
+    kernel = load_kernel(spec, CUBIN_DIR)
+    strategy = sparse_case(spec) if spec.sparse else runtime_case(spec, max_len=400)
+
+    @settings(max_examples=max(20, EXAMPLES // 4), deadline=None, database=None)
+    @given(case=strategy)
+    def prop(case):
+        q, k, v, kw = make_inputs(spec, case)
+        layout = None
+        if spec.sparse:
+            layout = compact_layout_for_spec(
+                case["block_mask"], spec, seqlen_q=case["sq"], seqlen_k=case["sk"]
+            )
+            kw["layout"] = layout
+        res = kernel.run(q, k, v, **kw)
+        if spec.mask.varlen:
+            cu_q, cu_k = kw["cu_seqlens_q"], kw["cu_seqlens_k"]
+            shape = dict(
+                batch=len(cu_q) - 1,
+                seqlen_q=int(np.diff(cu_q).max()),
+                seqlen_k=int(np.diff(cu_k).max()),
+                cu_seqlens_q=cu_q,
+                cu_seqlens_k=cu_k,
+            )
+        else:
+            shape = dict(batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1])
+        want = io_model.forward_bytes(
+            spec,
+            heads=q.shape[-2],
+            kv_heads=k.shape[-2],
+            window=kw.get("window", (-1, -1)),
+            layout=layout,
+            **shape,
+        )
+        want = {key: val for key, val in want.items() if key != "total"}
+        assert res.io == want
+        ref_kwargs = {
+            key: kw[key] for key in ("cu_seqlens_q", "cu_seqlens_k", "window") if key in kw
+        }
+        if spec.sparse:
+            ref_kwargs.update(
+                block_mask=case["block_mask"], block_m=spec.tile.block_m, block_n=spec.tile.block_n
+            )
+        _assert_pass(
+            spec,
+            _verdicts(spec, res, causal=spec.mask.causal.yaml, **ref_kwargs),
+            recorder,
+            "io",
+            res,
+        )
+
+    try:
+        prop()
+    except BaseException:
+        recorder.fail(spec, "io")
+        raise
