@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.tokens,
                 args.hidden,
                 args.backends,
-                not args.no_flex,
+                not args.no_flex and n >= args.flex_min_seqlen,
                 args.check,
             )
             rows.append(row)
