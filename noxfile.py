@@ -80,3 +80,14 @@ def bench(session: nox.Session) -> None:
         session.skip("no CUDA GPU found (nvidia-smi -L lists none): skipping benchmarks")
     _install(session, "dev,gpu,bench")
     session.run("flashgen", "bench", *session.posargs)
+
+
+@nox.session
+def figures(session: nox.Session) -> None:
+    """The extras' figures (block size, block sparsity, GPT-2 HBM bytes); needs a GPU, torch,
+    Nsight Compute. Writes bench/results/*_h200.json and docs/*_h200.png."""
+    if not _have_gpu():
+        session.skip("no CUDA GPU found (nvidia-smi -L lists none): skipping the figures")
+    _install(session, "dev,gpu,bench")
+    session.run("flashgen", "compile", "specs/", "bench/specs/blocksize.yaml")
+    session.run("bash", "bench/run_figures.sh", external=True)

@@ -177,6 +177,12 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
   }
 
   const int warp_row0 = warp * 16 * C::kMT;
+  // Per-lane shared addresses of the ldmatrix loads (see LaneOffsets); tiles add constants.
+  constexpr uint32_t kElemBytes = sizeof(Elem);
+  constexpr uint32_t kSlotBytes = C::kBlockN * C::kStride * kElemBytes;
+  const uint32_t q_lane = smem_addr(sQ) + ((warp_row0 + lo.a_row) * C::kStride + lo.a_col) * kElemBytes;
+  const uint32_t k_lane = smem_addr(sK) + (lo.b_row * C::kStride + lo.b_col) * kElemBytes;
+  const uint32_t v_lane = smem_addr(sV) + (lo.a_row * C::kStride + lo.a_col) * kElemBytes;
   const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
   DropoutRng rng{};
   float drop_scale = 1.f;
@@ -206,7 +212,7 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
 #pragma unroll
         for (int kk = 0; kk < C::kKS; ++kk)
           ldmatrix_x4(qf[C::kQInRegs ? mt : 0][C::kQInRegs ? kk : 0],
-                      sQ + (warp_row0 + mt * 16 + lo.a_row) * C::kStride + kk * 16 + lo.a_col);
+                      q_lane + (mt * 16 * C::kStride + kk * 16) * kElemBytes);
     }
 
     for (int it = 0; it < n_iter; ++it) {
@@ -225,8 +231,8 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
       }
 
       const int slot = it % C::kStages;
-      const Elem* sKs = sK + slot * C::kBlockN * C::kStride;
-      const Elem* sVs = sV + slot * C::kBlockN * C::kStride;
+      const uint32_t k_slot = k_lane + slot * kSlotBytes;
+      const uint32_t v_slot = v_lane + slot * kSlotBytes;
       const int64_t n = C::kSparse ? s_tile[slot] : n_hi - 1 - it;
       const bool masked = C::kSparse ? it >= n_full : mask.tile_needs_mask(r0, r1, n, C::kBlockN);
 
@@ -247,13 +253,13 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) a[mt][e] = qf[C::kQInRegs ? mt : 0][C::kQInRegs ? kk : 0][e];
           } else {
-            ldmatrix_x4(a[mt], sQ + (warp_row0 + mt * 16 + lo.a_row) * C::kStride + kk * 16 + lo.a_col);
+            ldmatrix_x4(a[mt], q_lane + (mt * 16 * C::kStride + kk * 16) * kElemBytes);
           }
         }
 #pragma unroll
         for (int np = 0; np < C::kNT / 2; ++np) {
           uint32_t bk[4];
-          ldmatrix_x4(bk, sKs + (np * 16 + lo.b_row) * C::kStride + kk * 16 + lo.b_col);
+          ldmatrix_x4(bk, k_slot + (np * 16 * C::kStride + kk * 16) * kElemBytes);
 #pragma unroll
           for (int mt = 0; mt < C::kMT; ++mt) {
             MmaT::run(acc_s[mt][2 * np], a[mt], bk[0], bk[1]);
@@ -323,7 +329,7 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
 #pragma unroll
         for (int dp = 0; dp < C::kDT / 2; ++dp) {
           uint32_t bv[4];
-          ldmatrix_x4_trans(bv, sVs + (ks * 16 + lo.a_row) * C::kStride + dp * 16 + lo.a_col);
+          ldmatrix_x4_trans(bv, v_slot + (ks * 16 * C::kStride + dp * 16) * kElemBytes);
 #pragma unroll
           for (int mt = 0; mt < C::kMT; ++mt) {
             MmaT::run(acc_o[mt][2 * dp], a[mt], bv[0], bv[1]);
