@@ -60,8 +60,9 @@ def make_launcher(kernel, params: dict, grid: int):
     """A no-argument callable launching the kernel on the legacy default stream (no sync)."""
     import numpy as np
 
-    from verify.runner import pack_params
+    from verify.runner import check_device_params, pack_params
 
+    check_device_params(kernel.spec, params)
     words = [np.uint64(w) for w in pack_params(params)]
     fn = kernel.fn
     fn.prepare("Q" * len(words))

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from verify.numerics import round_to
 from verify.reference import (
     SeqInputs,
     masked_softmax,
@@ -38,16 +39,6 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
-def _round_bf16(x32: np.ndarray) -> np.ndarray:
-    """Round-to-nearest-even of float32 to its top 16 bits (bfloat16), as float32."""
-    u = x32.view(np.uint32).astype(np.uint64)
-    rounded = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    # NaN keeps its sign and becomes a quiet NaN (the increment could carry it to inf).
-    nan = np.isnan(x32)
-    rounded = np.where(nan, (u & 0xFFFF0000) | 0x00400000, rounded)
-    return rounded.astype(np.uint32).view(np.float32)
-
-
 def round_to_dtype(x: Any, dtype: Any) -> np.ndarray:
     """`x` rounded to fp16, bf16 or fp32 (nearest even), returned as a float32 array.
 
@@ -61,7 +52,7 @@ def round_to_dtype(x: Any, dtype: Any) -> np.ndarray:
     if name == "fp16":
         with np.errstate(over="ignore"):
             return x32.astype(np.float16).astype(np.float32)
-    return _round_bf16(np.array(x32, order="C"))  # a copy: keeps 0-d shapes, contiguous
+    return round_to(x32, "bf16")
 
 
 def _forward_core(name: str):

@@ -16,12 +16,11 @@ def to_dtype_bits(x: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "fp16":
         return x.astype(np.float16).view(np.uint16)
     if dtype == "bf16":
-        u = x.view(np.uint32).astype(np.uint64)
+        u = np.array(x, order="C").view(np.uint32).astype(np.uint64)  # 0-d stays 0-d
         rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-        out = rounded.astype(np.uint16)
-        nan = np.isnan(x)
-        out[nan] = 0x7FC0
-        return out
+        # NaN keeps its sign and becomes a quiet NaN (the increment could carry it to inf).
+        rounded = np.where(np.isnan(x), (u >> 16) | 0x0040, rounded)
+        return rounded.astype(np.uint16)
     raise ValueError(f"dtype must be 'fp16' or 'bf16', got {dtype!r}")
 
 

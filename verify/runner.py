@@ -226,6 +226,36 @@ def validate(
     return Problem(batch, heads, kv_heads, sq, sk, d, varlen, scale, win, cu_q, cu_k)
 
 
+def check_device_params(spec, params: dict[str, Any]) -> None:
+    """The C launcher's rules (include/flashgen/launch.cuh) for raw device pointers, in Python:
+    raise RunnerError naming the first field that the kernel cannot take."""
+    for nm in ("q", "k", "v", "o", "lse"):
+        if not params.get(nm):
+            raise RunnerError(f"{nm} must be a non-null device pointer")
+    for nm in ("q", "k", "v", "o"):
+        if int(params[nm]) % 16:
+            raise RunnerError(
+                f"{nm} = {int(params[nm]):#x} is not 16-byte aligned (the kernel loads 16-byte "
+                "chunks with cp.async); allocate or offset it to a multiple of 16 bytes"
+            )
+        for part in ("batch", "row", "head"):
+            stride = int(params.get(f"{nm}_{part}_stride", 0))
+            if stride % 8:
+                raise RunnerError(
+                    f"{nm}_{part}_stride = {stride} is not a multiple of 8 elements (16 bytes)"
+                )
+    if spec.mask.varlen and not (params.get("cu_seqlens_q") and params.get("cu_seqlens_k")):
+        raise RunnerError("this spec has mask.varlen: true: cu_seqlens_q/k must be device pointers")
+    if spec.debug_keep_mask and not params.get("keep_mask"):
+        raise RunnerError("this spec has debug_keep_mask: true: pass a keep_mask buffer")
+    if spec.instrument_io and not params.get("io_counters"):
+        raise RunnerError("this spec has instrument_io: true: pass 7 uint64 io_counters")
+    if spec.sparse and not all(
+        params.get(f"blk_{nm}") for nm in ("full_count", "full_idx", "part_count", "part_idx")
+    ):
+        raise RunnerError("this spec has sparsity: block: pass all four layout arrays")
+
+
 class _Gpu:
     """PyCUDA on the device's primary context (shared with PyTorch when both are loaded)."""
 
@@ -359,6 +389,7 @@ class FwdKernel:
 
     def launch_raw(self, params: dict[str, Any], grid: int) -> None:
         """Launch with explicit device pointers (fg_fwd_params fields) and wait for it."""
+        check_device_params(self.spec, params)
         if grid == 0:
             return
         words = pack_params(params)

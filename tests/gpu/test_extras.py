@@ -10,37 +10,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from verify import baseline, dropout, io_model, passrule, reference
+from verify import dropout, io_model, reference
 from verify.blocksparse import compact_layout_for_spec
 from verify.runner import load_kernel
 from verify.strategies import block_layouts
 
+from .checks import assert_pass, verdicts
 from .conftest import CUBIN_DIR, shipped_specs
-from .test_forward import SETTINGS, _scale, make_inputs, runtime_case
+from .test_forward import SETTINGS, make_inputs, runtime_case
 
 SPECS = shipped_specs()
 DROPOUT = [s for s in SPECS if s.dropout]
 SPARSE = [s for s in SPECS if s.sparse]
 IO = [s for s in SPECS if s.instrument_io]
-
-
-def _verdicts(spec, res, **ref_kwargs):
-    qi, ki, vi = res.inputs["q"], res.inputs["k"], res.inputs["v"]
-    o64, lse64 = reference.attention_forward(qi, ki, vi, **ref_kwargs)
-    ob, lseb = baseline.attention_forward(qi, ki, vi, dtype=spec.dtype.yaml, **ref_kwargs)
-    return {
-        "o": passrule.check(res.o, o64, ob, spec.dtype.yaml),
-        "lse": passrule.check(
-            res.lse, lse64, lseb, "fp32", extra_floor=passrule.score_floor(qi, ki, _scale(spec))
-        ),
-    }
-
-
-def _assert_pass(spec, verdicts, recorder, test, res):
-    recorder.add(spec, verdicts, test)
-    assert res.stats["margins_intact"], "a write landed outside an output buffer"
-    for out, v in verdicts.items():
-        assert v.passed, f"{spec.name} {out}: {v.message}"
 
 
 @pytest.mark.parametrize("spec", DROPOUT, ids=lambda s: s.name)
@@ -68,8 +50,8 @@ def test_dropout_keep_mask_is_bit_exact_and_output_passes(spec, specs, recorder)
             np.testing.assert_array_equal(res.keep_mask[written], keep[written].astype(np.uint8))
             visible = reference.visible_mask(b, h, sq, sk, causal=spec.mask.causal.yaml)
             assert np.all(written[visible]), "the kernel skipped a visible element's keep bit"
-        verdicts = _verdicts(spec, res, causal=spec.mask.causal.yaml, keep_mask=keep, dropout_p=p)
-        _assert_pass(spec, verdicts, recorder, "dropout", res)
+        found = verdicts(spec, res, causal=spec.mask.causal.yaml, keep_mask=keep, dropout_p=p)
+        assert_pass(spec, found, recorder, "dropout", res)
 
     try:
         prop()
@@ -122,7 +104,7 @@ def test_dropout_p0_is_bitwise_the_dense_kernel(spec, specs, recorder):  # noqa:
         a, b = kd.run(q, k, v), kp.run(q, k, v, dropout_p=0.0, seed=99)
         assert np.array_equal(a.o.view(np.uint32), b.o.view(np.uint32))
         assert np.array_equal(a.lse.view(np.uint32), b.lse.view(np.uint32))
-        _assert_pass(spec, _verdicts(spec, b, causal=spec.mask.causal.yaml), recorder, "p0", b)
+        assert_pass(spec, verdicts(spec, b, causal=spec.mask.causal.yaml), recorder, "p0", b)
 
 
 @st.composite
@@ -147,7 +129,7 @@ def test_block_sparse_matches_reference_under_the_same_layout(spec, specs, recor
             case["block_mask"], spec, seqlen_q=case["sq"], seqlen_k=case["sk"]
         )
         res = kernel.run(q, k, v, layout=layout, **kw)
-        verdicts = _verdicts(
+        found = verdicts(
             spec,
             res,
             causal=spec.mask.causal.yaml,
@@ -155,7 +137,7 @@ def test_block_sparse_matches_reference_under_the_same_layout(spec, specs, recor
             block_m=spec.tile.block_m,
             block_n=spec.tile.block_n,
         )
-        _assert_pass(spec, verdicts, recorder, "sparse", res)
+        assert_pass(spec, found, recorder, "sparse", res)
 
     try:
         prop()
@@ -208,9 +190,9 @@ def test_io_counters_equal_the_io_model_to_the_byte(spec, specs, recorder):  # n
             ref_kwargs.update(
                 block_mask=case["block_mask"], block_m=spec.tile.block_m, block_n=spec.tile.block_n
             )
-        _assert_pass(
+        assert_pass(
             spec,
-            _verdicts(spec, res, causal=spec.mask.causal.yaml, **ref_kwargs),
+            verdicts(spec, res, causal=spec.mask.causal.yaml, **ref_kwargs),
             recorder,
             "io",
             res,

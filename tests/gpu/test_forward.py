@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from verify import baseline, passrule, reference
 from verify.runner import RunnerError, load_kernel
 
+from .checks import assert_pass, verdicts
 from .conftest import CUBIN_DIR, shipped_specs
 
 EXAMPLES = int(os.environ.get("FLASHGEN_GPU_EXAMPLES", "200"))
@@ -100,28 +100,8 @@ def reference_kwargs(spec, kwargs):
     return out
 
 
-def check_against_reference(spec, res, q, k, v, kwargs, recorder, test):
-    rk = reference_kwargs(spec, kwargs)
-    qi, ki, vi = res.inputs["q"], res.inputs["k"], res.inputs["v"]
-    o64, lse64 = reference.attention_forward(qi, ki, vi, **rk, **_sparse_dropout_kwargs(res))
-    ob, lseb = baseline.attention_forward(
-        qi, ki, vi, dtype=spec.dtype.yaml, **rk, **_sparse_dropout_kwargs(res)
-    )
-    verdicts = {
-        "o": passrule.check(res.o, o64, ob, spec.dtype.yaml),
-        "lse": passrule.check(
-            res.lse, lse64, lseb, "fp32", extra_floor=passrule.score_floor(qi, ki, _scale(spec))
-        ),
-    }
-    recorder.add(spec, verdicts, test)
-    assert res.stats["margins_intact"], "a write landed outside an output buffer"
-    for out, verdict in verdicts.items():
-        assert verdict.passed, f"{spec.name} {out}: {verdict.message}"
-    return o64, lse64
-
-
-def _sparse_dropout_kwargs(res):
-    return res.stats.get("reference_kwargs", {})
+def check_against_reference(spec, res, kwargs, recorder, test):
+    assert_pass(spec, verdicts(spec, res, **reference_kwargs(spec, kwargs)), recorder, test, res)
 
 
 @pytest.mark.parametrize(
@@ -135,7 +115,7 @@ def test_shipped_forward_matches_reference(spec, specs, recorder):  # noqa: ARG0
     def prop(case):
         q, k, v, kwargs = make_inputs(spec, case)
         res = kernel.run(q, k, v, memory_layout=case["memory_layout"], pad=case["pad"], **kwargs)
-        check_against_reference(spec, res, q, k, v, kwargs, recorder, "reference")
+        check_against_reference(spec, res, kwargs, recorder, "reference")
 
     try:
         prop()
@@ -175,7 +155,7 @@ def test_long_sequences_match_reference(spec, specs, recorder):  # noqa: ARG001
             case["window"] = (-1, -1)
         q, k, v, kwargs = make_inputs(spec, case)
         res = kernel.run(q, k, v, **kwargs)
-        check_against_reference(spec, res, q, k, v, kwargs, recorder, "long")
+        check_against_reference(spec, res, kwargs, recorder, "long")
 
     prop()
 
@@ -295,7 +275,3 @@ def test_record_dir_is_writable():
 
     RECORDS_DIR.mkdir(parents=True, exist_ok=True)
     assert Path(RECORDS_DIR).is_dir()
-
-
-def _scale(spec) -> float:
-    return 1.0 / float(np.sqrt(spec.head_dim))

@@ -1,0 +1,69 @@
+"""The runner's argument checks, which need no GPU: they run before anything is launched."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from generator.load import load_spec_text
+from verify.runner import PARAM_FIELDS, RunnerError, check_device_params, pack_params, validate
+
+DENSE = load_spec_text("dtype: bf16\nhead_dim: 64\n")[0]
+VARLEN_GQA = load_spec_text("dtype: fp16\nhead_dim: 64\nmask: {varlen: true}\ngqa: true\n")[0]
+
+
+def _qkv(b=1, s=8, h=2, d=64, hk=None):
+    hk = h if hk is None else hk
+    return (np.zeros((b, s, h, d), np.float32), np.zeros((b, s, hk, d), np.float32),
+            np.zeros((b, s, hk, d), np.float32))
+
+
+def test_params_pack_to_one_word_per_field_with_unsigned_seed():
+    words = pack_params({"seed": 2**64 - 1, "softmax_scale": 0.125, "window_left": -1})
+    assert words.shape == (len(PARAM_FIELDS),)
+    assert int(words[PARAM_FIELDS.index("seed")]) == 2**64 - 1
+    assert words[PARAM_FIELDS.index("softmax_scale")].view(np.float64) == 0.125
+    assert words[PARAM_FIELDS.index("window_left")].view(np.int64) == -1
+
+
+def test_unknown_param_field_is_refused():
+    with pytest.raises(KeyError, match="unknown fg_fwd_params fields"):
+        pack_params({"qq": 1})
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        (_qkv(d=32), {}, "head_dim 32, the kernel was generated for 64"),
+        (_qkv(hk=1), {}, "gqa: false"),
+        ((np.zeros((8, 2, 64), np.float32),) * 3, {}, r"shape \(batch, seqlen, heads, head_dim\)"),
+        (_qkv(), {"softmax_scale": 0.0}, "softmax_scale must be finite and > 0"),
+        (_qkv(), {"window": (3, 3)}, "mask.window: false"),
+        (_qkv(), {"dropout_p": 0.1}, "dropout: false"),
+        (_qkv(), {"cu_seqlens_q": [0, 8], "cu_seqlens_k": [0, 8]}, "mask.varlen: false"),
+    ],
+)
+def test_dense_kernel_refuses_what_it_cannot_take(args, kwargs, message):
+    with pytest.raises(RunnerError, match=message):
+        validate(DENSE, *args, **kwargs)
+
+
+def test_varlen_lengths_must_cover_the_packed_rows():
+    q = np.zeros((10, 4, 64), np.float32)
+    k = np.zeros((7, 2, 64), np.float32)
+    with pytest.raises(RunnerError, match="end at 10"):
+        validate(VARLEN_GQA, q, k, k, cu_seqlens_q=[0, 4, 9], cu_seqlens_k=[0, 3, 7])
+    pb = validate(VARLEN_GQA, q, k, k, cu_seqlens_q=[0, 4, 10], cu_seqlens_k=[0, 3, 7])
+    assert (pb.batch, pb.seqlen_q, pb.seqlen_k, pb.heads, pb.kv_heads) == (2, 6, 4, 4, 2)
+
+
+def test_raw_device_pointers_must_be_aligned_and_strides_whole_chunks():
+    good = {"q": 0x1000, "k": 0x2000, "v": 0x3000, "o": 0x4000, "lse": 0x5000,
+            "q_row_stride": 128}
+    check_device_params(DENSE, good)
+    with pytest.raises(RunnerError, match="k = 0x2008 is not 16-byte aligned"):
+        check_device_params(DENSE, {**good, "k": 0x2008})
+    with pytest.raises(RunnerError, match="q_row_stride = 100 is not a multiple of 8"):
+        check_device_params(DENSE, {**good, "q_row_stride": 100})
+    with pytest.raises(RunnerError, match="lse must be a non-null"):
+        check_device_params(DENSE, {**good, "lse": 0})
