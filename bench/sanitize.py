@@ -27,8 +27,8 @@ def sample_specs():
 
     picked, seen = [], set()
     for s in load_paths([REPO / "specs"]):
-        family = (s.tile.warps, s.mask.window, s.mask.varlen, s.dropout, s.sparse,
-                  s.instrument_io, s.mask.causal.yaml != "none")
+        family = (s.tile.warps, s.mask.window, s.mask.varlen, s.dropout, s.debug_keep_mask,
+                  s.sparse, s.instrument_io, s.mask.causal.yaml != "none", s.head_dim > 128)
         if family not in seen:
             seen.add(family)
             picked.append(s)
@@ -42,12 +42,14 @@ def run() -> None:
     rng = np.random.default_rng(0)
     for spec in sample_specs():
         kernel = load_kernel(spec)
-        d, sq, sk = spec.head_dim, 131, 77
+        # sk spans at least 3 K/V tiles past the pipeline depth, so the smem ring wraps
+        d, sq, sk = spec.head_dim, 257, (spec.tile.stages + 3) * spec.tile.block_n + 13
         kw = {}
         if spec.mask.varlen:
-            q, k, v = (rng.standard_normal((n, 2, d)).astype(np.float32) for n in (131, 77, 77))
-            kw.update(cu_seqlens_q=np.array([0, 31, 131], np.int32),
-                      cu_seqlens_k=np.array([0, 70, 77], np.int32))
+            q = rng.standard_normal((sq, 2, d)).astype(np.float32)
+            k, v = (rng.standard_normal((sk, 2, d)).astype(np.float32) for _ in range(2))
+            kw.update(cu_seqlens_q=np.array([0, 31, sq], np.int32),
+                      cu_seqlens_k=np.array([0, sk - 7, sk], np.int32))
         else:
             q = rng.standard_normal((2, sq, 2, d)).astype(np.float32)
             k, v = (rng.standard_normal((2, sk, 2, d)).astype(np.float32) for _ in range(2))
@@ -58,7 +60,8 @@ def run() -> None:
         if spec.sparse:
             tr, tc = -(-sq // spec.tile.block_m), -(-sk // spec.tile.block_n)
             mask = rng.random((1, tr, tc)) < 0.6
-            kw["layout"] = compact_layout_for_spec(mask, spec, seqlen_q=sq, seqlen_k=sk)
+            kw["layout"] = compact_layout_for_spec(mask, spec, seqlen_q=sq, seqlen_k=sk,
+                                                   window=kw.get("window", (-1, -1)))
         kernel.run(q, k, v, **kw)
         print("ran", spec.name, flush=True)
 

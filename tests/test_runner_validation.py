@@ -59,7 +59,8 @@ def test_varlen_lengths_must_cover_the_packed_rows():
 
 def test_raw_device_pointers_must_be_aligned_and_strides_whole_chunks():
     good = {"q": 0x1000, "k": 0x2000, "v": 0x3000, "o": 0x4000, "lse": 0x5000,
-            "q_row_stride": 128}
+            "q_row_stride": 128, "batch": 1, "heads": 2, "kv_heads": 2, "seqlen_q": 3,
+            "seqlen_k": 4, "softmax_scale": 0.125}
     check_device_params(DENSE, good)
     with pytest.raises(RunnerError, match="k = 0x2008 is not 16-byte aligned"):
         check_device_params(DENSE, {**good, "k": 0x2008})
@@ -67,3 +68,28 @@ def test_raw_device_pointers_must_be_aligned_and_strides_whole_chunks():
         check_device_params(DENSE, {**good, "q_row_stride": 100})
     with pytest.raises(RunnerError, match="lse must be a non-null"):
         check_device_params(DENSE, {**good, "lse": 0})
+    with pytest.raises(RunnerError, match="kv_heads must divide heads"):
+        check_device_params(DENSE, {**good, "kv_heads": 1})
+    with pytest.raises(RunnerError, match="softmax_scale"):
+        check_device_params(DENSE, {**good, "softmax_scale": float("nan")})
+
+
+SPARSE = load_spec_text("dtype: bf16\nhead_dim: 64\nsparsity: block\n")[0]
+
+
+def test_sparse_layout_must_match_the_lengths_and_name_real_tiles():
+    from verify.blocksparse import compact_layout_for_spec
+
+    q = np.zeros((1, 130, 2, 64), np.float32)
+    k = np.zeros((1, 100, 2, 64), np.float32)
+    tr, tc = -(-130 // SPARSE.tile.block_m), -(-100 // SPARSE.tile.block_n)
+    ok = compact_layout_for_spec(np.ones((1, tr, tc), bool), SPARSE, seqlen_q=130, seqlen_k=100)
+    validate(SPARSE, q, k, k, layout=ok)
+    other = compact_layout_for_spec(np.ones((1, tr, tc), bool), SPARSE, seqlen_q=130,
+                                    seqlen_k=128)
+    with pytest.raises(RunnerError, match=r"built for \(seqlen_q, seqlen_k\) = \(130, 128\)"):
+        validate(SPARSE, q, k, k, layout=other)
+    ok.full_idx[0, 0, 0] = -1
+    ok.full_count[0, 0] = max(int(ok.full_count[0, 0]), 1)
+    with pytest.raises(RunnerError, match="full_idx names K/V tiles outside"):
+        validate(SPARSE, q, k, k, layout=ok)

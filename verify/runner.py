@@ -179,6 +179,9 @@ def validate(
             raise RunnerError("this spec has mask.varlen: true: pass cu_seqlens_q and cu_seqlens_k")
         cu_q = np.asarray(cu_seqlens_q)
         cu_k = np.asarray(cu_seqlens_k)
+        for nm, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+            if not np.issubdtype(cu.dtype, np.integer):
+                raise RunnerError(f"{nm} must hold integers, got {cu.dtype}")
         for nm, cu, total in (
             ("cu_seqlens_q", cu_q, q.shape[0]),
             ("cu_seqlens_k", cu_k, k.shape[0]),
@@ -223,7 +226,58 @@ def validate(
         )
     if layout is not None and not spec.sparse:
         raise RunnerError("layout given but this spec has sparsity: none")
+    if layout is not None:
+        lens_q = np.diff(cu_q) if varlen else [sq]
+        lens_k = np.diff(cu_k) if varlen else [sk]
+        check_layout(
+            spec,
+            layout,
+            heads=heads,
+            seqlen_q=sq,
+            seqlen_k=sk,
+            lens_q=lens_q,
+            lens_k=lens_k,
+        )
     return Problem(batch, heads, kv_heads, sq, sk, d, varlen, scale, win, cu_q, cu_k)
+
+
+def check_layout(spec, layout, *, heads, seqlen_q, seqlen_k, lens_q, lens_k) -> None:
+    """A CompactLayout is only valid for the tile sizes and lengths it was built for (its
+    full/partial split depends on them, and on the mask and window, which it does not record:
+    build it with the run's window) and its indices must name real K/V tiles."""
+    bm, bn = spec.tile.block_m, spec.tile.block_n
+    if (getattr(layout, "block_m", bm), getattr(layout, "block_n", bn)) != (bm, bn):
+        raise RunnerError(
+            f"layout was built for {layout.block_m}x{layout.block_n} tiles; this "
+            f"kernel's are {bm}x{bn}"
+        )
+    for sq_i, sk_i in zip(lens_q, lens_k):
+        if (int(sq_i), int(sk_i)) != (layout.seqlen_q, layout.seqlen_k):
+            raise RunnerError(
+                f"layout was built for (seqlen_q, seqlen_k) = ({layout.seqlen_q}, "
+                f"{layout.seqlen_k}) but a sequence has ({int(sq_i)}, {int(sk_i)}); build one "
+                "with verify.blocksparse.compact_layout_for_spec for these lengths (varlen: every "
+                "sequence must have the layout's lengths)"
+            )
+    n_qt, n_kt = -(-seqlen_q // bm), -(-seqlen_k // bn)
+    fc, fi = np.asarray(layout.full_count), np.asarray(layout.full_idx)
+    pc, pi = np.asarray(layout.part_count), np.asarray(layout.part_idx)
+    lh = fc.shape[0]
+    if lh not in (1, heads) or fc.shape != (lh, n_qt) or pc.shape != fc.shape:
+        raise RunnerError(f"layout counts have shape {fc.shape}; expected (1 or {heads}, {n_qt})")
+    if fi.shape != pi.shape or fi.shape[:2] != fc.shape or fi.ndim != 3:
+        raise RunnerError(
+            f"layout index arrays have shapes {fi.shape} and {pi.shape}; expected "
+            f"({lh}, {n_qt}, max_blocks) each"
+        )
+    width = fi.shape[2]
+    for nm, cnt, idx in (("full", fc, fi), ("part", pc, pi)):
+        if np.any(cnt < 0) or np.any(cnt > width):
+            raise RunnerError(f"layout {nm}_count entries must lie in [0, {width}]")
+        listed = np.arange(width)[None, None, :] < cnt[..., None]
+        bad = listed & ((idx < 0) | (idx >= n_kt))
+        if np.any(bad):
+            raise RunnerError(f"layout {nm}_idx names K/V tiles outside [0, {n_kt})")
 
 
 def check_device_params(spec, params: dict[str, Any]) -> None:
@@ -232,6 +286,26 @@ def check_device_params(spec, params: dict[str, Any]) -> None:
     for nm in ("q", "k", "v", "o", "lse"):
         if not params.get(nm):
             raise RunnerError(f"{nm} must be a non-null device pointer")
+    batch, heads, kv_heads = (int(params.get(nm, 0)) for nm in ("batch", "heads", "kv_heads"))
+    if batch < 0 or int(params.get("seqlen_q", 0)) < 0 or int(params.get("seqlen_k", 0)) < 0:
+        raise RunnerError("batch, seqlen_q and seqlen_k must be >= 0")
+    if heads < 1 or kv_heads < 1 or heads % kv_heads or (not spec.gqa and kv_heads != heads):
+        raise RunnerError(
+            f"heads = {heads}, kv_heads = {kv_heads}: kv_heads must divide heads "
+            "(and equal it unless the spec has gqa: true)"
+        )
+    scale = float(params.get("softmax_scale", 0.0))
+    if not (math.isfinite(scale) and scale > 0):
+        raise RunnerError(f"softmax_scale = {scale} must be finite and > 0")
+    if min(int(params.get("window_left", -1)), int(params.get("window_right", -1))) < -1:
+        raise RunnerError("window sizes must be >= 0, or -1 for unbounded")
+    if not 0.0 <= float(params.get("dropout_p", 0.0)) < 1.0:
+        raise RunnerError("dropout_p must be in [0, 1)")
+    if spec.sparse and (
+        int(params.get("blk_layout_heads", 0)) not in (1, heads)
+        or int(params.get("blk_max_blocks", 0)) < 1
+    ):
+        raise RunnerError("blk_layout_heads must be 1 or heads, blk_max_blocks >= 1")
     for nm in ("q", "k", "v", "o"):
         if int(params[nm]) % 16:
             raise RunnerError(
@@ -387,9 +461,11 @@ class FwdKernel:
             raise RunnerError("grid too large: ceil(seqlen_q/block_m)*heads*batch > 2^31-1")
         return g
 
-    def launch_raw(self, params: dict[str, Any], grid: int) -> None:
-        """Launch with explicit device pointers (fg_fwd_params fields) and wait for it."""
+    def launch_raw(self, params: dict[str, Any]) -> None:
+        """Launch with explicit device pointers (fg_fwd_params fields) and wait for it. The
+        grid is derived from the parameters, never taken from the caller."""
         check_device_params(self.spec, params)
+        grid = self.grid(int(params["batch"]), int(params["heads"]), int(params["seqlen_q"]))
         if grid == 0:
             return
         words = pack_params(params)
@@ -431,6 +507,12 @@ class FwdKernel:
             dropout_p=dropout_p,
             layout=layout,
         )
+        if not 0 <= int(seed) < 2**64:
+            raise RunnerError(f"seed must be in [0, 2^64), got {seed}")
+        if not 0 <= int(offset) < 2**32:
+            raise RunnerError(
+                f"offset must be in [0, 2^32) (the Philox counter's word), got {offset}"
+            )
         dt = spec.dtype.yaml
         bits = {
             nm: to_dtype_bits(np.asarray(t, dtype=np.float32), dt)
@@ -485,7 +567,7 @@ class FwdKernel:
                 window_right=pb.window[1],
                 dropout_p=dropout_p,
                 seed=int(seed) & (2**64 - 1),
-                offset=int(offset) & (2**64 - 1),
+                offset=int(offset),
             )
             if pb.varlen:
                 for nm, cu in (
@@ -503,13 +585,7 @@ class FwdKernel:
                 bufs.append(keep_buf)
                 params["keep_mask"] = keep_buf.ptr
             if spec.sparse:
-                n_qt = -(-pb.seqlen_q // spec.tile.block_m)
                 lh = layout.full_count.shape[0]
-                if lh not in (1, pb.heads) or layout.full_count.shape[1] != n_qt:
-                    raise RunnerError(
-                        f"layout has shape {layout.full_count.shape}; expected (1 or {pb.heads}, "
-                        f"{n_qt}) query tiles of block_m={spec.tile.block_m}"
-                    )
                 for nm in ("full_count", "full_idx", "part_count", "part_idx"):
                     arr = np.ascontiguousarray(getattr(layout, nm), dtype=np.int32)
                     buf = DeviceBuffer(gpu, arr.nbytes)
@@ -523,7 +599,7 @@ class FwdKernel:
                 io_buf = DeviceBuffer(gpu, 8 * len(IO_TENSORS), fill=0)
                 bufs.append(io_buf)
                 params["io_counters"] = io_buf.ptr
-            self.launch_raw(params, self.grid(pb.batch, pb.heads, pb.seqlen_q))
+            self.launch_raw(params)
             stats = {"margins_intact": all(b_.margins_intact() for b_ in (o_buf, lse_buf))}
             o = from_dtype_bits(o_buf.download(np.uint16, o_shape), dt)
             lse = lse_buf.download(np.float32, lse_shape)

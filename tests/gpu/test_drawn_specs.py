@@ -21,6 +21,7 @@ from verify import dropout, io_model
 from verify.blocksparse import compact_layout_for_spec
 from verify.runner import load_kernel
 from verify.strategies import block_layouts, valid_specs
+from verify.tiled_model import tiled_forward
 
 from .checks import verdicts
 from .conftest import REPO
@@ -64,10 +65,19 @@ def _check_case(spec, kernel, data) -> None:
         else:
             keep = dropout.keep_mask(seed, offset, batch, heads, sq, sk, p)
         ref.update(keep_mask=keep, dropout_p=p)
-    res = kernel.run(q, k, v, **kw)
-    if spec.debug_keep_mask:
-        written = res.keep_mask != 2
-        np.testing.assert_array_equal(res.keep_mask[written], keep[written].astype(np.uint8))
+    res = kernel.run(q, k, v, memory_layout=case["memory_layout"], pad=case["pad"], **kw)
+    if spec.debug_keep_mask:  # every element of every visited tile, and nothing else
+        model = tiled_forward(
+            spec,
+            res.inputs["q"],
+            res.inputs["k"],
+            res.inputs["v"],
+            layout=layout,
+            keep_mask=keep,
+            dropout_p=kw["dropout_p"],
+            **{key: kw[key] for key in ("cu_seqlens_q", "cu_seqlens_k", "window") if key in kw},
+        )
+        np.testing.assert_array_equal(res.keep_mask, model.debug_keep_mask)
     if spec.instrument_io:
         shape = {"batch": batch, "seqlen_q": sq, "seqlen_k": sk}
         if spec.mask.varlen:

@@ -10,10 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from verify import dropout, io_model, reference
+from verify import dropout, io_model
 from verify.blocksparse import compact_layout_for_spec
 from verify.runner import load_kernel
 from verify.strategies import block_layouts
+from verify.tiled_model import tiled_forward
 
 from .checks import assert_pass, verdicts
 from .conftest import CUBIN_DIR, shipped_specs
@@ -41,15 +42,25 @@ def test_dropout_keep_mask_is_bit_exact_and_output_passes(spec, specs, recorder)
     )
     def prop(case, p, seed, offset):
         q, k, v, kw = make_inputs(spec, case)
-        res = kernel.run(q, k, v, dropout_p=p, seed=seed, offset=offset, **kw)
+        res = kernel.run(
+            q,
+            k,
+            v,
+            dropout_p=p,
+            seed=seed,
+            offset=offset,
+            memory_layout=case["memory_layout"],
+            pad=case["pad"],
+            **kw,
+        )
         b, sq, h, _ = q.shape
         sk = k.shape[1]
         keep = dropout.keep_mask(seed, offset, b, h, sq, sk, p)
-        if spec.debug_keep_mask:
-            written = res.keep_mask != 2
-            np.testing.assert_array_equal(res.keep_mask[written], keep[written].astype(np.uint8))
-            visible = reference.visible_mask(b, h, sq, sk, causal=spec.mask.causal.yaml)
-            assert np.all(written[visible]), "the kernel skipped a visible element's keep bit"
+        if spec.debug_keep_mask:  # every element of every visited tile, and nothing else
+            model = tiled_forward(
+                spec, res.inputs["q"], res.inputs["k"], res.inputs["v"], keep_mask=keep, dropout_p=p
+            )
+            np.testing.assert_array_equal(res.keep_mask, model.debug_keep_mask)
         found = verdicts(spec, res, causal=spec.mask.causal.yaml, keep_mask=keep, dropout_p=p)
         assert_pass(spec, found, recorder, "dropout", res)
 
@@ -128,7 +139,9 @@ def test_block_sparse_matches_reference_under_the_same_layout(spec, specs, recor
         layout = compact_layout_for_spec(
             case["block_mask"], spec, seqlen_q=case["sq"], seqlen_k=case["sk"]
         )
-        res = kernel.run(q, k, v, layout=layout, **kw)
+        res = kernel.run(
+            q, k, v, layout=layout, memory_layout=case["memory_layout"], pad=case["pad"], **kw
+        )
         found = verdicts(
             spec,
             res,

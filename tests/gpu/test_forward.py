@@ -8,14 +8,13 @@ lengths, 1, seqlen_q != seqlen_k both ways, memory layouts, values from normal t
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from verify.runner import RunnerError, load_kernel
+from verify.runner import load_kernel
 
 from .checks import assert_pass, verdicts
 from .conftest import CUBIN_DIR, shipped_specs
@@ -233,7 +232,10 @@ def test_fully_masked_rows_give_zero_and_minus_inf(spec, specs):  # noqa: ARG001
     assert np.all(np.isfinite(res.lse[:, :, empty:]))
 
 
-@pytest.mark.parametrize("spec", SPECS[:4], ids=lambda s: s.name)
+REPEAT_SPECS = [s for s in SPECS if s.mask.window or s.mask.varlen or s.gqa][:4] + SPECS[:2]
+
+
+@pytest.mark.parametrize("spec", REPEAT_SPECS, ids=lambda s: s.name)
 def test_repeated_runs_are_bitwise_identical(spec, specs):  # noqa: ARG001
     kernel = _kernel(spec)
     case = {
@@ -255,23 +257,3 @@ def test_repeated_runs_are_bitwise_identical(spec, specs):  # noqa: ARG001
         again = kernel.run(q, k, v, **kwargs)
         assert np.array_equal(first.o.view(np.uint32), again.o.view(np.uint32))
         assert np.array_equal(first.lse.view(np.uint32), again.lse.view(np.uint32))
-
-
-@pytest.mark.parametrize("spec", SPECS[:1], ids=lambda s: s.name)
-def test_bad_arguments_are_refused_before_launch(spec, specs):  # noqa: ARG001
-    kernel = _kernel(spec)
-    d = spec.head_dim
-    q = np.zeros((1, 4, 2, d), np.float32)
-    with pytest.raises(RunnerError, match="head_dim"):
-        kernel.run(q[..., :-16], q[..., :-16], q[..., :-16])
-    with pytest.raises(RunnerError, match="gqa"):
-        kernel.run(q, q[:, :, :1], q[:, :, :1])
-    with pytest.raises(RunnerError, match="shape"):
-        kernel.run(q[0], q[0], q[0])
-
-
-def test_record_dir_is_writable():
-    from .conftest import RECORDS_DIR
-
-    RECORDS_DIR.mkdir(parents=True, exist_ok=True)
-    assert Path(RECORDS_DIR).is_dir()

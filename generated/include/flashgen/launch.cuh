@@ -20,6 +20,7 @@ const char* check_fwd_params(const fg_fwd_params& p) {
   const uintptr_t misaligned = reinterpret_cast<uintptr_t>(p.q) | reinterpret_cast<uintptr_t>(p.k) |
                                reinterpret_cast<uintptr_t>(p.v) | reinterpret_cast<uintptr_t>(p.o);
   if (misaligned % 16 != 0) return "q, k, v and o must be 16-byte aligned";
+  if (reinterpret_cast<uintptr_t>(p.lse) % 4 != 0) return "lse must be 4-byte aligned";
   const int64_t strides[] = {p.q_batch_stride, p.q_row_stride, p.q_head_stride,
                              p.k_batch_stride, p.k_row_stride, p.k_head_stride,
                              p.v_batch_stride, p.v_row_stride, p.v_head_stride,
@@ -36,6 +37,9 @@ const char* check_fwd_params(const fg_fwd_params& p) {
     return "window sizes must be >= 0, or -1 for unbounded";
   if (C::kVarlen && (!p.cu_seqlens_q || !p.cu_seqlens_k))
     return "varlen needs cu_seqlens_q and cu_seqlens_k";
+  if (C::kVarlen && ((reinterpret_cast<uintptr_t>(p.cu_seqlens_q) |
+                      reinterpret_cast<uintptr_t>(p.cu_seqlens_k)) % 4 != 0))
+    return "cu_seqlens_q and cu_seqlens_k must be 4-byte aligned int32 arrays";
   if (C::kDropout && !(p.dropout_p >= 0.0 && p.dropout_p < 1.0))
     return "dropout_p must be in [0, 1)";
   if (C::kKeepMaskOut && !p.keep_mask) return "debug_keep_mask needs a keep_mask buffer";
@@ -46,9 +50,13 @@ const char* check_fwd_params(const fg_fwd_params& p) {
       return "blk_layout_heads must be 1 or heads";
     if (p.blk_max_blocks < 1) return "blk_max_blocks must be >= 1";
   }
-  if (C::kInstrumentIo && !p.io_counters) return "instrument_io needs 7 io_counters";
+  if (C::kInstrumentIo && (!p.io_counters || reinterpret_cast<uintptr_t>(p.io_counters) % 8 != 0))
+    return "instrument_io needs 7 8-byte aligned uint64 io_counters";
+  // Each factor is below 2^31 before the product is formed, so the product cannot overflow.
   const int64_t num_qt = (p.seqlen_q + C::kBlockM - 1) / C::kBlockM;
-  if (num_qt * p.heads * p.batch > INT32_MAX) return "grid too large: ceil(seqlen_q/block_m)*heads*batch > 2^31-1";
+  if (num_qt > INT32_MAX || p.heads > INT32_MAX || p.batch > INT32_MAX ||
+      num_qt * p.heads > INT32_MAX || num_qt * p.heads * p.batch > INT32_MAX)
+    return "grid too large: ceil(seqlen_q/block_m)*heads*batch > 2^31-1";
   return nullptr;
 }
 

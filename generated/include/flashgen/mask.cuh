@@ -38,9 +38,10 @@ struct MaskPolicy {
       : sq(sq_), sk(sk_),
         // A window without causal is bottom_right aligned, as in FlashAttention-2.
         shift(kCausal == Causal::kTopLeft ? 0 : sk_ - sq_),
-        left(kWindow ? left_ : -1), right(kWindow ? right_ : -1) {}
-
-  static constexpr bool kHasDiagonal = kCausal != Causal::kNone || kWindow;
+        // Window sizes beyond Sq + Sk mean the same as that bound; clamping keeps every sum
+        // below far from int64 overflow.
+        left(kWindow && left_ >= 0 ? min(left_, sq_ + sk_) : -1),
+        right(kWindow && right_ >= 0 ? min(right_, sq_ + sk_) : -1) {}
 
   // The rules restricted to one tile, in int32 offsets from its corner (i0, j0): visible iff
   // jl < col_end and lo <= jl - il <= hi. Built once per tile, so the per-element test is

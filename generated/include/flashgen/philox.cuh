@@ -5,7 +5,7 @@
 //   ctr     4 x uint32 counter (j >> 2, i, b * heads + h, offset)
 //   key     2 x uint32 key (seed low word, seed high word)
 //   word    output word j & 3 of philox(ctr, key); kept iff word >= threshold
-//   threshold  floor(p * 2^32), computed by the launcher in double precision
+//   threshold  floor(p * 2^32), computed once per CTA in double precision from dropout_p
 #pragma once
 
 #include <stdint.h>

@@ -89,6 +89,7 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
   const int64_t qt_raw = bid % num_qt;
   bid /= num_qt;
   const int64_t h = bid % p.heads, b = bid / p.heads;
+  if (b >= p.batch) return;  // a grid larger than the problem's (the launcher never makes one)
   // With a causal mask the last query tiles visit the most K/V tiles: start them first.
   const int64_t qt = C::kCausal != Causal::kNone ? num_qt - 1 - qt_raw : qt_raw;
 
@@ -234,7 +235,11 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
       const uint32_t k_slot = k_lane + slot * kSlotBytes;
       const uint32_t v_slot = v_lane + slot * kSlotBytes;
       const int64_t n = C::kSparse ? s_tile[slot] : n_hi - 1 - it;
-      const bool masked = C::kSparse ? it >= n_full : mask.tile_needs_mask(r0, r1, n, C::kBlockN);
+      // A sparse "full" tile still gets the tail mask if it reaches past Sk (a layout built
+      // for other lengths, or a varlen batch's shorter sequence), so no zero-filled key is
+      // ever scored.
+      const bool masked = C::kSparse ? (it >= n_full || (n + 1) * C::kBlockN > sk)
+                                     : mask.tile_needs_mask(r0, r1, n, C::kBlockN);
 
       // S = Q K^T
       float acc_s[C::kMT][C::kNT][4];
