@@ -355,13 +355,7 @@ def _expand_entry(entry: LineDict, file: str, where: str) -> list[KernelSpec]:
     def err(msg: str, fld: str | None, line: int | None) -> SpecError:
         return SpecError(msg, file=file, line=line or entry.line or None, field=fld)
 
-    for key in entry:
-        if key not in FIELDS:
-            raise err(
-                f"unknown key {key!r} (allowed: {', '.join(FIELDS)})" + _did_you_mean(key, FIELDS),
-                str(key),
-                entry.key_lines.get(key),
-            )
+    _reject_unknown_keys(entry, FIELDS, "", None, err)
     for key in REQUIRED:
         if key not in entry:
             raise err(f"required field is missing (e.g. {key}: {_EXAMPLES[key]})", key, None)
@@ -383,14 +377,7 @@ def _expand_entry(entry: LineDict, file: str, where: str) -> list[KernelSpec]:
             if not isinstance(raw, Mapping):
                 raise err(f"expected a mapping, got {_kind(raw)}", "mask", line)
             raw = _as_linedict(raw)
-            for sub in raw:
-                if sub not in MASK_FIELDS:
-                    raise err(
-                        f"unknown key {sub!r} (allowed: {', '.join(MASK_FIELDS)})"
-                        + _did_you_mean(sub, MASK_FIELDS),
-                        f"mask.{sub}",
-                        raw.key_lines.get(sub, line),
-                    )
+            _reject_unknown_keys(raw, MASK_FIELDS, "mask.", line, err)
             for sub in MASK_FIELDS:
                 sub_line = raw.key_lines.get(sub, line)
                 value = raw.get(sub, MASK_DEFAULTS[sub])
@@ -542,14 +529,7 @@ def _tile_alts(raw: Any, line: int, err: Any) -> list[_Alt]:
                 item_line,
             )
         item = _as_linedict(item)
-        for sub in item:
-            if sub not in TILE_FIELDS:
-                raise err(
-                    f"unknown key {sub!r} (allowed: {', '.join(TILE_FIELDS)})"
-                    + _did_you_mean(sub, TILE_FIELDS),
-                    f"{fld}.{sub}",
-                    item.key_lines.get(sub, item_line),
-                )
+        _reject_unknown_keys(item, TILE_FIELDS, f"{fld}.", item_line, err)
         per_field: list[list[tuple[int, int]]] = []
         for sub in TILE_FIELDS:
             if sub not in item:
@@ -586,6 +566,21 @@ def _tile_alts(raw: Any, line: int, err: Any) -> list[_Alt]:
 # --------------------------------------------------------------------------------------------
 
 _EXAMPLES = {"dtype": "bf16", "head_dim": 128}
+
+
+def _reject_unknown_keys(
+    mapping: LineDict, allowed: Sequence[str], prefix: str, line: int | None, err: Any
+) -> None:
+    """SpecError (through `err`) for the first key of `mapping` not in `allowed`, with the
+    allowed keys and a did-you-mean; `prefix` makes the field path (`mask.`, `tile.`)."""
+    for key in mapping:
+        if key not in allowed:
+            raise err(
+                f"unknown key {key!r} (allowed: {', '.join(allowed)})"
+                + _did_you_mean(key, allowed),
+                f"{prefix}{key}",
+                mapping.key_lines.get(key, line),
+            )
 
 
 def _did_you_mean(text: Any, choices: Sequence[str]) -> str:
