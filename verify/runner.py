@@ -31,12 +31,14 @@ from typing import Any
 
 import numpy as np
 
+from verify.io_model import IO_KEYS
 from verify.numerics import from_dtype_bits, to_dtype_bits
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CUBIN_DIR = REPO / "build" / "kernels"
 MARGIN_BYTES = 512
-IO_TENSORS = ("Q", "K", "V", "O", "LSE", "META", "KEEP_MASK")
+# the kernel's counter order (docs/conventions.md), the IO model's keys
+IO_TENSORS = IO_KEYS
 
 # fg_fwd_params, in declaration order (templates/include/flashgen/params.h); every field is
 # 8 bytes, so the struct is these values packed as little-endian 64-bit words.

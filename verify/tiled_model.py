@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 
 from verify.blocksparse import CompactLayout
+from verify.io_model import IO_KEYS
 from verify.reference import causal_name, element_visible, shift_for, spec_window
 
 __all__ = ["IO_KEYS", "TiledResult", "dense_tile_range", "tiled_forward"]
 
-IO_KEYS = ("Q", "K", "V", "O", "LSE", "META", "KEEP_MASK")
 LOG2E = 1.0 / math.log(2.0)
 
 
