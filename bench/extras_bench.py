@@ -1,9 +1,9 @@
 """Benchmarks of the FlashAttention paper's extras, side by side in one run (needs a GPU).
 
-    python -m bench.extras_bench sparse   --out bench/results/sparse_h200.json
-    python -m bench.extras_bench blocksize --out bench/results/blocksize_h200.json
-    python -m bench.extras_bench gpt2     (one forward at the paper's GPT-2-medium shape; run
-                                           under Nsight Compute by bench/ncu_io.sh)
+    python -m flashgen.bench.extras_bench sparse   --out bench/results/sparse_h200.json
+    python -m flashgen.bench.extras_bench blocksize --out bench/results/blocksize_h200.json
+    python -m flashgen.bench.extras_bench gpt2     (one forward at the paper's GPT-2-medium
+        shape; run under Nsight Compute by bench/ncu_io.sh)
 
 sparse: block-sparse forward at seqlen 8k, d = 64, batch 2 x 32 heads, bf16, a random block
   layout at 128 x 128 granularity with the diagonal kept (shared by all heads), densities
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.fwd_bench import environment, flops, make_launcher, torch_params  # noqa: E402
+from flashgen.bench.fwd_bench import environment, flops, make_launcher, torch_params  # noqa: E402
 
 
 def _layout_params(layout, torch):
@@ -44,21 +44,24 @@ def _layout_params(layout, torch):
 
 def sparse(args) -> dict:
     import torch
+    from flashgen.verify.blocksparse import compact_layout_for_spec
+    from flashgen.verify.runner import load_kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     from triton.testing import do_bench
 
-    from verify.blocksparse import compact_layout_for_spec
-    from verify.runner import load_kernel
-
-    spec = [s for s in _all("specs/fwd_extras.yaml")
-            if s.sparse and not s.instrument_io and s.mask.causal.yaml == "none"][0]
+    spec = [
+        s
+        for s in _all("specs/fwd_extras.yaml")
+        if s.sparse and not s.instrument_io and s.mask.causal.yaml == "none"
+    ][0]
     kernel = load_kernel(spec)
     n, d, batch, heads, blk = args.seqlen, spec.head_dim, 2, 32, 128
     bm, bn = spec.tile.block_m, spec.tile.block_n
     assert blk % bm == 0 and blk % bn == 0
     torch.manual_seed(0)
-    q, k, v = (torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)
+    )
     o = torch.empty_like(q)
     lse = torch.empty(batch, heads, n, device="cuda", dtype=torch.float32)
     scale = 1.0 / math.sqrt(d)
@@ -83,8 +86,12 @@ def sparse(args) -> dict:
             return blocks[qi // blk, kj // blk]
 
         bmask = create_block_mask(mask_mod, None, None, n, n, device="cuda", BLOCK_SIZE=blk)
-        ms_flex = do_bench(lambda bmask=bmask: flex(qt, kt, vt, block_mask=bmask), warmup=25,
-                           rep=100, return_mode="median")
+        ms_flex = do_bench(
+            lambda bmask=bmask: flex(qt, kt, vt, block_mask=bmask),
+            warmup=25,
+            rep=100,
+            return_mode="median",
+        )
         if args.check:  # same layout, same function: compare outputs
             launch()
             ref = flex(qt, kt, vt, block_mask=bmask).transpose(1, 2)
@@ -92,49 +99,76 @@ def sparse(args) -> dict:
             diff = float((o.float() - ref.float()).abs().max())
         else:
             diff = None
-        rows.append({"density": float(density), "actual_density": float(coarse.mean()),
-                     "flashgen_ms": ms_ours, "flex_ms": ms_flex, "max_abs_diff_vs_flex": diff})
-        print(f"density {density:.3f} (actual {coarse.mean():.3f}): flashgen {ms_ours:.3f} ms, "
-              f"flex {ms_flex:.3f} ms, diff {diff}", flush=True)
+        rows.append(
+            {
+                "density": float(density),
+                "actual_density": float(coarse.mean()),
+                "flashgen_ms": ms_ours,
+                "flex_ms": ms_flex,
+                "max_abs_diff_vs_flex": diff,
+            }
+        )
+        print(
+            f"density {density:.3f} (actual {coarse.mean():.3f}): flashgen {ms_ours:.3f} ms, "
+            f"flex {ms_flex:.3f} ms, diff {diff}",
+            flush=True,
+        )
         del keep
     dense_ms = next(r["flashgen_ms"] for r in rows if r["density"] >= 1.0)
     for r in rows:
         r["speedup_vs_dense"] = dense_ms / r["flashgen_ms"]
         r["ratio_vs_flex"] = r["flex_ms"] / r["flashgen_ms"]
-    return {"kind": "sparse", "kernel": kernel.name, "seqlen": n, "d": d, "batch": batch,
-            "heads": heads, "block": blk, "rows": rows}
+    return {
+        "kind": "sparse",
+        "kernel": kernel.name,
+        "seqlen": n,
+        "d": d,
+        "batch": batch,
+        "heads": heads,
+        "block": blk,
+        "rows": rows,
+    }
 
 
 def _all(path):
-    from generator.load import load_paths
+    from flashgen.generator.load import load_paths
 
     return load_paths([REPO / path])
 
 
 def blocksize(args) -> dict:
     import torch
+    from flashgen.verify import io_model
+    from flashgen.verify.runner import load_kernel
     from triton.testing import do_bench
-
-    from verify import io_model
-    from verify.runner import load_kernel
 
     n, batch, heads = 4096, 4, 16
     rows = []
     for spec in _all("bench/specs/blocksize.yaml"):
         kernel = load_kernel(spec)
         d = spec.head_dim
-        q, k, v = (torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16)
-                   for _ in range(3))
+        q, k, v = (
+            torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)
+        )
         o = torch.empty_like(q)
         lse = torch.empty(batch, heads, n, device="cuda", dtype=torch.float32)
-        launch = make_launcher(kernel, torch_params(kernel, q, k, v, o, lse, d ** -0.5),
-                               kernel.grid(batch, heads, n))
+        launch = make_launcher(
+            kernel, torch_params(kernel, q, k, v, o, lse, d**-0.5), kernel.grid(batch, heads, n)
+        )
         ms = do_bench(launch, warmup=25, rep=100, return_mode="median")
-        hbm = io_model.forward_bytes(spec, batch=batch, heads=heads, kv_heads=heads,
-                                     seqlen_q=n, seqlen_k=n)
-        rows.append({"kernel": kernel.name, "block_m": spec.tile.block_m,
-                     "block_n": spec.tile.block_n, "ms": ms, "model_bytes": hbm["total"],
-                     "tflops": flops(batch, heads, n, d, False) / (ms * 1e-3) / 1e12})
+        hbm = io_model.forward_bytes(
+            spec, batch=batch, heads=heads, kv_heads=heads, seqlen_q=n, seqlen_k=n
+        )
+        rows.append(
+            {
+                "kernel": kernel.name,
+                "block_m": spec.tile.block_m,
+                "block_n": spec.tile.block_n,
+                "ms": ms,
+                "model_bytes": hbm["total"],
+                "tflops": flops(batch, heads, n, d, False) / (ms * 1e-3) / 1e12,
+            }
+        )
         print(rows[-1], flush=True)
     return {"kind": "blocksize", "seqlen": n, "batch": batch, "heads": heads, "rows": rows}
 
@@ -143,28 +177,36 @@ def gpt2(args) -> dict:
     """One flashgen and one SDPA MATH forward at batch 64, seqlen 1024, 16 heads, d 64, fp16."""
     import torch
     import torch.nn.functional as F
+    from flashgen.verify import io_model
+    from flashgen.verify.runner import load_kernel
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from verify import io_model
-    from verify.runner import load_kernel
-
-    spec = [s for s in _all("specs/fwd_dense.yaml")
-            if s.head_dim == 64 and s.dtype.yaml == "fp16" and s.mask.causal.yaml == "none"][0]
+    spec = [
+        s
+        for s in _all("specs/fwd_dense.yaml")
+        if s.head_dim == 64 and s.dtype.yaml == "fp16" and s.mask.causal.yaml == "none"
+    ][0]
     kernel = load_kernel(spec)
     b, n, h, d = 64, 1024, 16, 64
     q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.float16) for _ in range(3))
     o = torch.empty_like(q)
     lse = torch.empty(b, h, n, device="cuda", dtype=torch.float32)
-    launch = make_launcher(kernel, torch_params(kernel, q, k, v, o, lse, d ** -0.5),
-                           kernel.grid(b, h, n))
+    launch = make_launcher(
+        kernel, torch_params(kernel, q, k, v, o, lse, d**-0.5), kernel.grid(b, h, n)
+    )
     launch()
     with sdpa_kernel(SDPBackend.MATH):
         F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
     torch.cuda.synchronize()
     model = io_model.forward_bytes(spec, batch=b, heads=h, kv_heads=h, seqlen_q=n, seqlen_k=n)
     std = io_model.standard_attention_bytes(b, h, n, n, d, elt=2)
-    return {"kind": "gpt2", "kernel": kernel.name, "shape": [b, n, h, d],
-            "model_bytes": model, "standard_model_bytes": std}
+    return {
+        "kind": "gpt2",
+        "kernel": kernel.name,
+        "shape": [b, n, h, d],
+        "model_bytes": model,
+        "standard_model_bytes": std,
+    }
 
 
 def main(argv=None) -> int:

@@ -42,8 +42,9 @@ def main(results: str, out: str) -> None:
     ax.axhline(dense, ls="--", color="gray", label="flashgen, full layout")
     ax.set_xlabel("block density (128x128 blocks, diagonal kept)")
     ax.set_ylabel("forward ms")
-    ax.set_title(f"seqlen {sp['seqlen']}, d={sp['d']}, {sp['batch']}x{sp['heads']} heads",
-                 fontsize=9)
+    ax.set_title(
+        f"seqlen {sp['seqlen']}, d={sp['d']}, {sp['batch']}x{sp['heads']} heads", fontsize=9
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(dst / "sparse_h200.png", dpi=110)
@@ -52,8 +53,10 @@ def main(results: str, out: str) -> None:
     fig, ax = plt.subplots(figsize=(5, 3.4))
     names = ["standard attention", "flashgen"]
     model = [g["model_bytes_standard"]["total"] / 1e9, g["model_bytes_flashgen"]["total"] / 1e9]
-    meas = [g["measured_dram_bytes"]["standard (SDPA MATH)"] / 1e9,
-            g["measured_dram_bytes"]["flashgen"] / 1e9]
+    meas = [
+        g["measured_dram_bytes"]["standard (SDPA MATH)"] / 1e9,
+        g["measured_dram_bytes"]["flashgen"] / 1e9,
+    ]
     x = range(2)
     ax.bar([i - 0.2 for i in x], model, 0.4, label="model")
     ax.bar([i + 0.2 for i in x], meas, 0.4, label="measured (Nsight Compute DRAM)")

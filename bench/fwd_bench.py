@@ -6,7 +6,7 @@ FlexAttention; times are medians of `triton.testing.do_bench`. TFLOP/s count 4*b
 halved when causal (the FlashAttention papers' convention). batch * seqlen = 16k tokens,
 hidden = heads * head_dim = 2048.
 
-    python -m bench.fwd_bench --specs specs/fwd_dense.yaml --out bench/results/fwd.json
+    python -m flashgen.bench.fwd_bench --specs specs/fwd_dense.yaml --out bench/results/fwd.json
 
 Needs a GPU, PyTorch, Triton and PyCUDA; the cubins come from `flashgen compile`.
 """
@@ -59,8 +59,7 @@ def torch_params(kernel, q, k, v, o, lse, scale: float) -> dict:
 def make_launcher(kernel, params: dict, grid: int):
     """A no-argument callable launching the kernel on the legacy default stream (no sync)."""
     import numpy as np
-
-    from verify.runner import check_device_params, pack_params
+    from flashgen.verify.runner import check_device_params, pack_params
 
     check_device_params(kernel.spec, params)
     words = [np.uint64(w) for w in pack_params(params)]
@@ -199,14 +198,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--backends", nargs="*", default=list(BACKENDS))
     ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--flex-min-seqlen", type=int, default=0,
-                    help="run FlexAttention only from this seqlen up (each shape compiles)")
+    ap.add_argument(
+        "--flex-min-seqlen",
+        type=int,
+        default=0,
+        help="run FlexAttention only from this seqlen up (each shape compiles)",
+    )
     ap.add_argument("--check", action="store_true", help="compare each output with SDPA FLASH")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
 
-    from generator.load import load_paths
-    from verify.runner import load_kernel
+    from flashgen.generator.load import load_paths
+    from flashgen.verify.runner import load_kernel
 
     specs = [
         s

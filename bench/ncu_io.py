@@ -1,7 +1,7 @@
 """Measured DRAM bytes (Nsight Compute) against verify/io_model.py at the paper's GPT-2 shape.
 
     ncu --clock-control none --csv --metrics dram__bytes_read.sum,dram__bytes_write.sum \\
-        python3 -m bench.extras_bench gpt2 --out gpt2.json > ncu.csv
+        python3 -m flashgen.bench.extras_bench gpt2 --out gpt2.json > ncu.csv
     python3 bench/ncu_io.py ncu.csv gpt2.json bench/results/hbm_gpt2_h200.json
 
 Kernels are grouped by name: `fa_fwd*` is flashgen; random-number and fill kernels that make
@@ -33,8 +33,15 @@ def main(csv_path: str, model_path: str, out_path: str) -> None:
             val = float(r["Metric Value"].replace(",", ""))
         except (KeyError, ValueError):
             continue
-        scale = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6,
-                 "GB": 1e9}.get(unit, 1)
+        scale = {
+            "byte": 1,
+            "Kbyte": 1e3,
+            "Mbyte": 1e6,
+            "Gbyte": 1e9,
+            "KB": 1e3,
+            "MB": 1e6,
+            "GB": 1e9,
+        }.get(unit, 1)
         if any(s in name.lower() for s in SKIP):
             continue
         g = "flashgen" if name.startswith("fa_fwd") else "standard (SDPA MATH)"
@@ -43,10 +50,14 @@ def main(csv_path: str, model_path: str, out_path: str) -> None:
             split["read" if "read" in r.get("Metric Name", "") else "write"] += val * scale
         kernels[g].append(name[:60])
     model = json.load(open(model_path))
-    out = {"shape (batch, seqlen, heads, d)": model["shape"], "kernel": model["kernel"],
-           "measured_dram_bytes": groups, "model_bytes_flashgen": model["model_bytes"],
-           "model_bytes_standard": model["standard_model_bytes"],
-           "kernels": {g: sorted(set(v)) for g, v in kernels.items()}}
+    out = {
+        "shape (batch, seqlen, heads, d)": model["shape"],
+        "kernel": model["kernel"],
+        "measured_dram_bytes": groups,
+        "model_bytes_flashgen": model["model_bytes"],
+        "model_bytes_standard": model["standard_model_bytes"],
+        "kernels": {g: sorted(set(v)) for g, v in kernels.items()},
+    }
     m, pred = groups["flashgen"], model["model_bytes"]["total"]
     mb = model["model_bytes"]
     kv_once = 2 * mb["Q"]  # K and V read once each (same shape as Q here)

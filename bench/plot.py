@@ -1,6 +1,6 @@
 """Plot a forward benchmark JSON (bench/fwd_bench.py --out) as TFLOP/s against seqlen.
 
-    python3 bench/plot.py bench/results/fwd_h200.json docs/fwd_h200.png
+python3 bench/plot.py bench/results/fwd_h200.json docs/fwd_h200.png
 """
 
 from __future__ import annotations
@@ -20,14 +20,23 @@ def main(src: str, dst: str) -> None:
     panels = sorted({(r["d"], r["causal"]) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), sharey=True)
     for ax, (d, causal) in zip(axes, panels):
-        sel = sorted((r for r in rows if r["d"] == d and r["causal"] == causal),
-                     key=lambda r: r["seqlen"])
-        labels = [k for k in ("flashgen", "FLASH", "CUDNN", "FLEX", "EFFICIENT", "MATH")
-                  if any(r["tflops"].get(k) for r in sel)]
+        sel = sorted(
+            (r for r in rows if r["d"] == d and r["causal"] == causal), key=lambda r: r["seqlen"]
+        )
+        labels = [
+            k
+            for k in ("flashgen", "FLASH", "CUDNN", "FLEX", "EFFICIENT", "MATH")
+            if any(r["tflops"].get(k) for r in sel)
+        ]
         for lab in labels:
             pts = [(r["seqlen"], r["tflops"][lab]) for r in sel if r["tflops"].get(lab)]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                    lw=2.5 if lab == "flashgen" else 1.2, label=lab)
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker="o",
+                lw=2.5 if lab == "flashgen" else 1.2,
+                label=lab,
+            )
         ax.set_xscale("log", base=2)
         ax.set_title(f"d={d}, {'causal' if causal else 'non-causal'}")
         ax.set_xlabel("seqlen (batch*seqlen = 16k)")

@@ -17,18 +17,28 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from flashgen.generator.naming import kernel_name
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
 def sample_specs():
-    from generator.load import load_paths
+    from flashgen.generator.load import load_paths
 
     picked, seen = [], set()
     for s in load_paths([REPO / "specs"]):
-        family = (s.tile.warps, s.mask.window, s.mask.varlen, s.dropout, s.debug_keep_mask,
-                  s.sparse, s.instrument_io, s.mask.causal.yaml != "none", s.head_dim > 128)
+        family = (
+            s.tile.warps,
+            s.mask.window,
+            s.mask.varlen,
+            s.dropout,
+            s.debug_keep_mask,
+            s.sparse,
+            s.instrument_io,
+            s.mask.causal.yaml != "none",
+            s.head_dim > 128,
+        )
         if family not in seen:
             seen.add(family)
             picked.append(s)
@@ -36,8 +46,8 @@ def sample_specs():
 
 
 def run() -> None:
-    from verify.blocksparse import compact_layout_for_spec
-    from verify.runner import load_kernel
+    from flashgen.verify.blocksparse import compact_layout_for_spec
+    from flashgen.verify.runner import load_kernel
 
     rng = np.random.default_rng(0)
     for spec in sample_specs():
@@ -48,8 +58,10 @@ def run() -> None:
         if spec.mask.varlen:
             q = rng.standard_normal((sq, 2, d)).astype(np.float32)
             k, v = (rng.standard_normal((sk, 2, d)).astype(np.float32) for _ in range(2))
-            kw.update(cu_seqlens_q=np.array([0, 31, sq], np.int32),
-                      cu_seqlens_k=np.array([0, sk - 7, sk], np.int32))
+            kw.update(
+                cu_seqlens_q=np.array([0, 31, sq], np.int32),
+                cu_seqlens_k=np.array([0, sk - 7, sk], np.int32),
+            )
         else:
             q = rng.standard_normal((2, sq, 2, d)).astype(np.float32)
             k, v = (rng.standard_normal((2, sk, 2, d)).astype(np.float32) for _ in range(2))
@@ -60,10 +72,11 @@ def run() -> None:
         if spec.sparse:
             tr, tc = -(-sq // spec.tile.block_m), -(-sk // spec.tile.block_n)
             mask = rng.random((1, tr, tc)) < 0.6
-            kw["layout"] = compact_layout_for_spec(mask, spec, seqlen_q=sq, seqlen_k=sk,
-                                                   window=kw.get("window", (-1, -1)))
+            kw["layout"] = compact_layout_for_spec(
+                mask, spec, seqlen_q=sq, seqlen_k=sk, window=kw.get("window", (-1, -1))
+            )
         kernel.run(q, k, v, **kw)
-        print("ran", spec.name, flush=True)
+        print("ran", kernel_name(spec), flush=True)
 
 
 def merge(paths: list[str]) -> None:
@@ -75,7 +88,7 @@ def merge(paths: list[str]) -> None:
         verdicts[tool] = m.group(0) if m else "no summary (tool did not finish)"
     records = REPO / "verify" / "records"
     for spec in sample_specs():
-        path = records / f"{spec.name}.json"
+        path = records / f"{kernel_name(spec)}.json"
         if path.exists():
             rec = json.loads(path.read_text())
             rec["sanitizer"] = verdicts

@@ -1,5 +1,5 @@
 import sys
 
-from generator.cli import main
+from flashgen.generator.cli import main
 
 sys.exit(main())

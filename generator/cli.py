@@ -9,15 +9,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jinja2
-
-from generator import __version__
-from generator.load import expand_paths, load_paths
-from generator.naming import REPO_ROOT
-from generator.spec import KernelSpec, SpecError, Target
+from flashgen.generator import __version__
+from flashgen.generator.families import family
+from flashgen.generator.load import expand_paths, load_paths
+from flashgen.generator.naming import kernel_name
+from flashgen.generator.paths import checkout_root
+from flashgen.generator.spec import FIELDS, KernelSpec, SpecError, Target
 
 __all__ = ["main"]
 
-README = REPO_ROOT / "README.md"
 DEFAULT_GENERATED = Path("generated")
 
 
@@ -32,13 +32,17 @@ def _err(msg: str) -> None:
 
 def _default_readme(outdir: Path) -> Path | None:
     """The repo README is kept in sync only when generating into the repo's `generated/`."""
-    if outdir.resolve() == (REPO_ROOT / "generated").resolve() and README.is_file():
-        return README
+    root = checkout_root()
+    if root is None:
+        return None
+    readme = root / "README.md"
+    if outdir.resolve() == (root / "generated").resolve() and readme.is_file():
+        return readme
     return None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from generator.writer import apply_plan, check_plan, plan_generate
+    from flashgen.generator.writer import apply_plan, check_plan, plan_generate
 
     files = expand_paths(args.specs)
     specs = load_paths(files)
@@ -75,44 +79,40 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _describe(spec: KernelSpec) -> list[str]:
-    t = spec.tile
+    from flashgen.generator.writer import spec_summary
+
+    name = kernel_name(spec)
     info = spec.target.info
+    canonical = spec.to_canonical()
+    summary = spec_summary(canonical)
+    core = ", ".join(
+        f"{f.path} {f.yaml_value(f.get(spec))}"
+        for f in FIELDS
+        if f.path in ("kernel", "dtype", "head_dim", "target")
+    )
+    entries = ", ".join(family(spec).entry_points(name).values())
     return [
-        spec.name,
+        name,
         f"  source:     {spec.source}",
-        f"  kernel:     {spec.kernel.yaml}, {spec.dtype.yaml}, head_dim {spec.head_dim}, "
-        f"target {spec.target.yaml}",
-        f"  mask:       causal {spec.mask.causal.yaml}, window {str(spec.mask.window).lower()}, "
-        f"varlen {str(spec.mask.varlen).lower()}",
-        "  features:   "
-        + (
-            ", ".join(
-                n
-                for n, on in (
-                    ("dropout", spec.dropout),
-                    ("debug_keep_mask", spec.debug_keep_mask),
-                    ("block sparse", spec.sparse),
-                    ("gqa", spec.gqa),
-                    ("instrument_io", spec.instrument_io),
-                    ("allow_spills", spec.allow_spills),
-                )
-                if on
-            )
-            or "-"
-        ),
-        f"  tile:       block_m {t.block_m}, block_n {t.block_n}, warps {t.warps}, "
-        f"stages {t.stages}" + (" (auto)" if spec.tile_auto else ""),
+        f"  spec:       {core}",
+        f"  mask:       {summary['mask']}",
+        f"  features:   {summary['features']}",
+        f"  tile:       {summary['tile']}",
         f"  threads:    {spec.threads}",
         f"  smem:       {spec.smem_bytes} bytes of {info.max_smem_per_block} per block",
-        f"  entry:      {spec.name}_kernel, launcher {spec.name}_launch",
+        f"  entries:    {entries}",
     ]
 
 
 def _io_lines(spec: KernelSpec, args: argparse.Namespace) -> list[str]:
     """Predicted HBM bytes of one call (verify.io_model), and the unfused baseline."""
+    module, _, func = family(spec).io_model.partition(":")
     try:
-        from verify import io_model
-    except ImportError:
+        import importlib
+
+        io_model = importlib.import_module(module)
+        predict = getattr(io_model, func)
+    except (ImportError, AttributeError):
         return ["  io:         io model unavailable"]
     if spec.sparse:
         return ["  io:         not predicted: block-sparse traffic depends on the runtime layout"]
@@ -128,7 +128,7 @@ def _io_lines(spec: KernelSpec, args: argparse.Namespace) -> list[str]:
     shown = ", ".join(f"{k}={v}" for k, v in {**shape, "kv_heads": kv_heads, **extra}.items())
     out = [f"  io ({shown}), HBM bytes of one call:"]
     try:
-        fb = dict(io_model.forward_bytes(spec, kv_heads=kv_heads, **shape, **extra))
+        fb = dict(predict(spec, kv_heads=kv_heads, **shape, **extra))
     except Exception as e:  # the model is someone else's code: report, don't crash
         return [f"  io:         io model failed: {type(e).__name__}: {e}"]
     total = int(fb.pop("total", sum(int(v) for v in fb.values())))
@@ -159,7 +159,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from generator.compile import compile_specs
+    from flashgen.generator.compile import compile_specs
 
     specs = load_paths(args.specs)
     arch = Target.from_yaml(args.arch) if args.arch else None
@@ -215,7 +215,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 def _dispatch_gpu(which: str, argv: list[str]) -> int:
     try:
-        from verify import gpu_cli
+        from flashgen.verify import gpu_cli
     except ImportError as e:
         _err(f"`flashgen {which}` is unavailable: verify.gpu_cli cannot be imported ({e})")
         return 1

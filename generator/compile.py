@@ -1,8 +1,11 @@
 """nvcc compilation of generated kernels, with a cache and a ptxas resource report.
 
-Each kernel compiles to `<out>/<name>.cubin` with its report `<out>/<name>.json`. The cache
-key ("stamp") is sha256 of the kernel name (which already hashes spec, templates and
-generator version), the nvcc version and the flags; a cubin whose report carries the same
+Each kernel compiles to a host shared library `<out>/<name>.so` (the device code embedded as
+machine code for its target plus PTX, and the generated C launcher `<name>_check` /
+`<name>_launch`), with its report `<out>/<name>.json`. Python runs kernels through that
+library (`verify.launch`), so tests, benchmarks and users take one launch path. The cache
+key ("stamp") is sha256 of the kernel name (which already hashes spec, sources and
+generator version), the nvcc version and the flags; a library whose report carries the same
 stamp is not rebuilt. No GPU is needed.
 """
 
@@ -21,9 +24,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from generator.render import Renderer
-from generator.spec import KernelSpec, Target
-from generator.writer import write_if_different
+from flashgen.generator import paths
+from flashgen.generator.render import Renderer
+from flashgen.generator.spec import KernelSpec, SpecError, Target
+from flashgen.generator.writer import write_if_different
 
 __all__ = [
     "CompileResult",
@@ -34,7 +38,7 @@ __all__ = [
     "parse_ptxas",
 ]
 
-DEFAULT_OUTDIR = Path("build") / "kernels"
+LIB_SUFFIX = ".so"
 
 
 @dataclass
@@ -91,14 +95,16 @@ def nvcc_version(nvcc: str = "nvcc") -> str:
     return lines[-1] if lines else "unknown"
 
 
-def nvcc_flags(cc: int) -> list[str]:
+def nvcc_flags(target: Target) -> list[str]:
     """Flags of every kernel compile (besides -o and the source)."""
     return [
-        "-cubin",
+        "-shared",
+        "-Xcompiler",
+        "-fPIC",
         "-O3",
         "-std=c++17",
         "-gencode",
-        f"arch=compute_{cc},code=sm_{cc}",
+        target.gencode,
         "-Xptxas",
         "-v",
         "-lineinfo",
@@ -184,12 +190,12 @@ def _compile_one(
     result = CompileResult(
         kernel=name, arch=target.arch, allow_spills=spec.allow_spills, smem_dynamic=spec.smem_bytes
     )
-    cubin = out_dir / f"{name}.cubin"
+    lib = out_dir / f"{name}{LIB_SUFFIX}"
     report = out_dir / f"{name}.json"
-    flags = nvcc_flags(target.cc)
+    flags = nvcc_flags(target)
     stamp = hashlib.sha256("\0".join([name, version, *flags]).encode()).hexdigest()[:16]
-    command = [nvcc, *flags, "-o", str(cubin.resolve()), f"{name}.cu"]
-    if cubin.is_file():
+    command = [nvcc, *flags, "-o", str(lib.resolve()), f"{name}.cu"]
+    if lib.is_file():
         try:
             doc = json.loads(report.read_text())
         except (OSError, ValueError):
@@ -203,10 +209,10 @@ def _compile_one(
     if proc.returncode != 0:
         result.ok = False
         result.error = text.strip() or f"nvcc exited with status {proc.returncode}"
-        cubin.unlink(missing_ok=True)
+        lib.unlink(missing_ok=True)
         return result
     _fill(result, parse_ptxas(text))
-    shown = ["nvcc", *flags, "-o", f"{name}.cubin", f"{name}.cu"]
+    shown = ["nvcc", *flags, "-o", f"{name}{LIB_SUFFIX}", f"{name}.cu"]
     write_if_different(report, _report(result, stamp, shown, version))
     return result
 
@@ -233,9 +239,30 @@ class _Progress:
         sys.stderr.flush()
 
 
+def retarget(specs: Sequence[KernelSpec], arch: Target) -> list[KernelSpec]:
+    """The specs built for another target: new specs (so new names, never another kernel's
+    cache entry), validated against that target's limits (SpecError naming the kernel)."""
+    out = []
+    for s in specs:
+        try:
+            out.append(s.replace(target=arch))
+        except SpecError as e:
+            raise SpecError(
+                f"cannot build for {arch.yaml}: {e.message}",
+                file=s.source_file or None,
+                field=e.field,
+            ) from None
+    return out
+
+
+def library_path(name: str, out_dir: Path | str | None = None) -> Path:
+    """Where `compile_specs` puts the kernel's host library."""
+    return Path(out_dir or paths.build_dir()) / f"{name}{LIB_SUFFIX}"
+
+
 def compile_specs(
     specs: Sequence[KernelSpec],
-    out_dir: Path | str = DEFAULT_OUTDIR,
+    out_dir: Path | str | None = None,
     *,
     arch: Target | None = None,
     jobs: int | None = None,
@@ -244,14 +271,16 @@ def compile_specs(
     progress: bool = True,
     on_result: Callable[[CompileResult], None] | None = None,
 ) -> list[CompileResult]:
-    """Render `specs` into `<out_dir>/src/`, compile each to `<out_dir>/<name>.cubin` in parallel.
+    """Render `specs` into `<out_dir>/src/`, compile each to `<out_dir>/<name>.so` in parallel.
 
-    `arch` overrides each spec's target. Results come back in the order of `specs`.
+    `arch` retargets every spec (`retarget`). Results come back in the order of `specs`.
     Raises FileNotFoundError when nvcc is missing.
     """
     if shutil.which(nvcc) is None:
         raise FileNotFoundError(f"{nvcc} not found on PATH")
-    out_dir = Path(out_dir)
+    if arch is not None:
+        specs = retarget(specs, arch)
+    out_dir = Path(out_dir or paths.build_dir())
     src_dir = out_dir / "src"
     renderer = Renderer(templates_dir)
     rendered = [renderer.render(s) for s in specs]
@@ -267,7 +296,7 @@ def compile_specs(
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = {
             pool.submit(
-                _compile_one, r.spec, r.name, src_dir, out_dir, arch or r.spec.target, nvcc, version
+                _compile_one, r.spec, r.name, src_dir, out_dir, r.spec.target, nvcc, version
             ): r.name
             for r in rendered
         }

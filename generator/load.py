@@ -18,24 +18,22 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from generator.naming import REPO_ROOT
-from generator.spec import (
-    Causal,
-    Dtype,
+from flashgen.generator.families import family
+from flashgen.generator.paths import checkout_root
+from flashgen.generator.spec import (
+    FIELD_BY_PATH,
+    FIELDS,
+    REQUIRED,
+    FieldKind,
     KernelKind,
     KernelSpec,
-    Mask,
-    Sparsity,
     SpecError,
-    Target,
     Tile,
-    _Spelled,
+    build_spec,
 )
-from generator.tiles import auto_tile
 
 __all__ = [
-    "FIELDS",
+    "TOP_KEYS",
     "display_path",
     "expand_paths",
     "load_paths",
@@ -44,52 +42,14 @@ __all__ = [
     "specs_from_mapping",
 ]
 
-FIELDS = (
-    "kernel",
-    "dtype",
-    "head_dim",
-    "tile",
-    "mask",
-    "dropout",
-    "debug_keep_mask",
-    "sparsity",
-    "gqa",
-    "target",
-    "instrument_io",
-    "allow_spills",
-)
-REQUIRED = ("dtype", "head_dim")
-DEFAULTS: dict[str, Any] = {
-    "kernel": "forward",
-    "tile": "auto",
-    "mask": {},
-    "dropout": False,
-    "debug_keep_mask": False,
-    "sparsity": "none",
-    "gqa": False,
-    "target": "sm_90",
-    "instrument_io": False,
-    "allow_spills": False,
+# Every table below is derived from spec.FIELDS.
+TOP_KEYS = tuple(dict.fromkeys(f.top for f in FIELDS))
+SUB_KEYS = {
+    top: tuple(f.sub for f in FIELDS if f.top == top and f.sub)
+    for top in TOP_KEYS
+    if any(f.top == top and f.sub for f in FIELDS)
 }
-MASK_FIELDS = ("causal", "window", "varlen")
-MASK_DEFAULTS: dict[str, Any] = {"causal": "none", "window": False, "varlen": False}
-TILE_FIELDS = ("block_m", "block_n", "warps", "stages")
-ENUM_FIELDS: dict[str, type[_Spelled]] = {
-    "kernel": KernelKind,
-    "dtype": Dtype,
-    "sparsity": Sparsity,
-    "target": Target,
-    "mask.causal": Causal,
-}
-BOOL_FIELDS = (
-    "dropout",
-    "debug_keep_mask",
-    "gqa",
-    "instrument_io",
-    "allow_spills",
-    "mask.window",
-    "mask.varlen",
-)
+TILE_FIELDS = Tile.FIELDS
 _AUTO = "auto"
 
 
@@ -194,7 +154,9 @@ def display_path(path: str | Path) -> str:
     """`path` relative to the repository root if inside it, else to the cwd, else as given."""
     p = Path(path)
     resolved = p.resolve()
-    for base in (REPO_ROOT, Path.cwd().resolve()):
+    for base in (checkout_root(), Path.cwd().resolve()):
+        if base is None:
+            continue
         try:
             return resolved.relative_to(base).as_posix()
         except ValueError:
@@ -355,35 +317,39 @@ def _expand_entry(entry: LineDict, file: str, where: str) -> list[KernelSpec]:
     def err(msg: str, fld: str | None, line: int | None) -> SpecError:
         return SpecError(msg, file=file, line=line or entry.line or None, field=fld)
 
-    _reject_unknown_keys(entry, FIELDS, "", None, err)
+    _reject_unknown_keys(entry, TOP_KEYS, "", None, err)
     for key in REQUIRED:
         if key not in entry:
             raise err(f"required field is missing (e.g. {key}: {_EXAMPLES[key]})", key, None)
 
     axes: list[tuple[str, list[_Alt]]] = []
-    for key in FIELDS:
-        line = entry.key_lines.get(key, entry.line)
-        raw = entry.get(key, DEFAULTS.get(key))
-        if key == "tile":
-            axes.append(("tile", _tile_alts(raw, line, err)))
-        elif key == "mask":
+    for top in TOP_KEYS:
+        line = entry.key_lines.get(top, entry.line)
+        if top in SUB_KEYS:  # a mapping of sub-fields (mask)
+            raw = entry.get(top, {})
             if isinstance(raw, list):
                 raise err(
                     "expected a mapping; to declare a family put lists inside it "
-                    "(e.g. mask: {causal: [none, bottom_right]})",
-                    "mask",
+                    f"(e.g. {top}: {{{SUB_KEYS[top][0]}: [a, b]}})",
+                    top,
                     line,
                 )
             if not isinstance(raw, Mapping):
-                raise err(f"expected a mapping, got {_kind(raw)}", "mask", line)
+                raise err(f"expected a mapping, got {_kind(raw)}", top, line)
             raw = _as_linedict(raw)
-            _reject_unknown_keys(raw, MASK_FIELDS, "mask.", line, err)
-            for sub in MASK_FIELDS:
+            _reject_unknown_keys(raw, SUB_KEYS[top], f"{top}.", line, err)
+            for sub in SUB_KEYS[top]:
+                f = FIELD_BY_PATH[f"{top}.{sub}"]
                 sub_line = raw.key_lines.get(sub, line)
-                value = raw.get(sub, MASK_DEFAULTS[sub])
-                axes.append((f"mask.{sub}", _scalar_alts(f"mask.{sub}", value, sub_line, err)))
+                value = raw.get(sub, f.yaml_value(f.default))
+                axes.append((f.path, _scalar_alts(f.path, value, sub_line, err)))
+            continue
+        f = FIELD_BY_PATH[top]
+        raw = entry.get(top, f.yaml_value(f.default))
+        if f.kind is FieldKind.TILE:
+            axes.append((top, _tile_alts(raw, line, err)))
         else:
-            axes.append((key, _scalar_alts(key, raw, line, err)))
+            axes.append((top, _scalar_alts(top, raw, line, err)))
 
     varying = {name for name, alts in axes if len(alts) > 1}
     source = f"{file}:{entry.line}" if entry.line else file
@@ -422,32 +388,21 @@ def _expand_entry(entry: LineDict, file: str, where: str) -> list[KernelSpec]:
 
 
 def _build(values: dict[str, Any], source: str) -> KernelSpec:
-    dtype, head_dim, target = values["dtype"], values["head_dim"], values["target"]
-    tile = values["tile"]
-    tile_auto = tile == _AUTO
+    tile_auto = values["tile"] == _AUTO
     if tile_auto:
-        # An invalid head_dim is reported by KernelSpec; any legal tile stands in meanwhile.
-        tile = (
-            auto_tile(target, dtype, head_dim)
-            if head_dim in range(16, 257, 16)
-            else Tile(64, 64, 4, 2)
-        )
-    return KernelSpec(
-        kernel=values["kernel"],
-        dtype=dtype,
-        head_dim=head_dim,
-        tile=tile,
-        tile_auto=tile_auto,
-        mask=Mask(values["mask.causal"], values["mask.window"], values["mask.varlen"]),
-        dropout=values["dropout"],
-        debug_keep_mask=values["debug_keep_mask"],
-        sparsity=values["sparsity"],
-        gqa=values["gqa"],
-        target=target,
-        instrument_io=values["instrument_io"],
-        allow_spills=values["allow_spills"],
-        source=source,
-    )
+        kind: KernelKind = values["kernel"]
+        try:
+            fam = family(kind)
+        except SpecError as e:
+            raise SpecError(e.message, field="kernel") from None
+        # An invalid head_dim is reported by the family; a legal tile stands in meanwhile.
+        if fam.head_dim_ok(values["head_dim"]):
+            values["tile"] = fam.auto_tile(
+                values["target"], values["dtype"], values["head_dim"], values
+            )
+        else:
+            values["tile"] = Tile(64, 64, 4, 2)
+    return build_spec(values, tile_auto=tile_auto, source=source)
 
 
 def _line_for(fld: str, lines: dict[str, int]) -> int | None:
@@ -482,23 +437,23 @@ def _scalar_alts(fld: str, value: Any, line: int, err: Any) -> list[_Alt]:
 
 def _parse_scalar(fld: str, v: Any, line: int, idx: str, err: Any) -> Any:
     shown = fld + idx
+    f = FIELD_BY_PATH[fld]
     if isinstance(v, (list, Mapping)):
         what = "a nested list" if idx and isinstance(v, list) else _kind(v)
         raise err(f"expected a single value, got {what}", shown, line)
-    if fld in ENUM_FIELDS:
-        cls = ENUM_FIELDS[fld]
-        allowed = ", ".join(cls.allowed())
+    if f.kind is FieldKind.ENUM:
+        allowed = ", ".join(f.enum.allowed())
         if not isinstance(v, str):
             raise err(f"{_show(v)} is {_kind(v)}, expected one of: {allowed}", shown, line)
         try:
-            return cls.from_yaml(v)
+            return f.enum.from_yaml(v)
         except SpecError as e:
             raise err(e.message, shown, line) from None
-    if fld in BOOL_FIELDS:
+    if f.kind is FieldKind.BOOL:
         if not isinstance(v, bool):
             raise err(f"{_show(v)} is {_kind(v)}, expected true or false", shown, line)
         return v
-    if fld == "head_dim":
+    if f.kind is FieldKind.INT:
         if isinstance(v, bool) or not isinstance(v, int):
             raise err(
                 f"{_show(v)} is {_kind(v)}, expected an integer (allowed: multiples of 16 "
@@ -641,7 +596,11 @@ def _merge(defaults: LineDict, entry: LineDict) -> LineDict:
     out.line = entry.line
     for src in (defaults, entry):
         for k, v in src.items():
-            if k in ("mask", "tile") and isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            if (
+                k in (*SUB_KEYS, "tile")
+                and isinstance(v, Mapping)
+                and isinstance(out.get(k), Mapping)
+            ):
                 merged = LineDict()
                 merged.line = getattr(v, "line", 0)
                 for part in (_as_linedict(out[k]), _as_linedict(v)):

@@ -1,90 +1,123 @@
-"""Kernel names: readable parts plus a hash of everything that determines the generated code.
+"""Kernel names: readable parts plus a hash of exactly what determines the generated code.
 
-`fa_fwd_d128_bf16_causalbr_m128n64w4s2_sm90_1a2b3c4d`: kind, head dim, dtype, the features
-that are on (causal short, `win`, `varlen`, `gqa`, `drop`, `dropdbg`, `sparse`, `io`), tile,
-target, then 8 hex digits of sha256(canonical spec JSON with sorted keys, the bytes of every
-file under `templates/` in sorted relative-path order, the generator version). Any template
-edit therefore renames every kernel; the same string names the files, the exported symbols
-(`<name>_kernel`, `<name>_launch`), the compile cache entry and the verification record.
+`fa_fwd_d128_bf16_causalbr_m128n64w4s2_sm90_1a2b3c4d`: the name part of every spec field
+that has one, in `spec.FIELDS` order (kind, head dim, dtype, features that are on, tile,
+target), then 8 hex digits of sha256 over
+
+- the canonical spec (JSON, sorted keys),
+- the generator version,
+- the bytes of the kernel's family templates (`templates/<family>/`) and of every header
+  they include, transitively (`#include "include/flashgen/X"` in a template, `#include "X"`
+  in a header), in sorted path order.
+
+So editing a backward-only header renames backward kernels and leaves forward names (and
+their verification records) alone, while a shared header renames every family that
+includes it. The same string names the files, the exported symbols (`<name>_kernel`,
+`<name>_launch`), the compile cache entry and the verification record.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
-from generator import __version__
-from generator.spec import KernelSpec
+from flashgen.generator import __version__
+from flashgen.generator.families import family
+from flashgen.generator.paths import PACKAGE_ROOT, TEMPLATES_DIR
+from flashgen.generator.spec import FIELDS, KernelSpec
 
-__all__ = ["TEMPLATES_DIR", "REPO_ROOT", "kernel_name", "spec_hash", "templates_digest"]
+__all__ = [
+    "PACKAGE_ROOT",
+    "TEMPLATES_DIR",
+    "INCLUDE_SUBDIR",
+    "kernel_name",
+    "kernel_sources",
+    "readable_parts",
+    "spec_hash",
+]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-TEMPLATES_DIR = REPO_ROOT / "templates"
+INCLUDE_SUBDIR = Path("include") / "flashgen"
 
-_digest_cache: dict[tuple, bytes] = {}
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+_sources_cache: dict[tuple, tuple[tuple[str, bytes], ...]] = {}
 
 
-def _ignored(rel: Path) -> bool:
+def ignored(rel: Path) -> bool:
     """Editor/OS droppings that are not templates: hidden files and __pycache__."""
     return any(part.startswith(".") or part == "__pycache__" for part in rel.parts)
 
 
-def templates_digest(templates_dir: Path | None = None) -> bytes:
-    """sha256 over (relative path, bytes) of every file under `templates_dir`, sorted by path.
+def _stat_key(paths: list[Path]) -> tuple:
+    out = []
+    for p in paths:
+        try:
+            st = p.stat()
+            out.append((str(p), st.st_size, st.st_mtime_ns))
+        except OSError:
+            out.append((str(p), -1, -1))
+    return tuple(out)
 
-    Cached on the (path, size, mtime) listing, so an edited template is rehashed.
-    """
+
+def kernel_sources(spec: KernelSpec, templates_dir: Path | None = None) -> list[tuple[str, bytes]]:
+    """(path relative to the templates dir, bytes) of every file the kernel's code comes
+    from: its family's templates and the transitive closure of the headers they include."""
     root = Path(templates_dir or TEMPLATES_DIR).resolve()
-    files = sorted(
-        (p.relative_to(root).as_posix(), p)
-        for p in root.rglob("*")
-        if p.is_file() and not _ignored(p.relative_to(root))
+    fam = family(spec)
+    folder = root / fam.templates
+    tmpl = (
+        sorted(p for p in folder.rglob("*") if p.is_file() and not ignored(p.relative_to(root)))
+        if folder.is_dir()
+        else []
     )
-    key_parts = []
-    for rel, p in files:
-        st = p.stat()
-        key_parts.append((rel, st.st_size, st.st_mtime_ns))
-    key = (str(root), tuple(key_parts))
-    cached = _digest_cache.get(key)
+    include_root = root / INCLUDE_SUBDIR
+    headers = sorted(include_root.rglob("*")) if include_root.is_dir() else []
+    key = (str(root), fam.templates, _stat_key(tmpl), _stat_key(headers))
+    cached = _sources_cache.get(key)
     if cached is not None:
-        return cached
-    h = hashlib.sha256()
-    for rel, p in files:
-        data = p.read_bytes()
-        h.update(f"{rel}\0{len(data)}\0".encode())
-        h.update(data)
-    digest = h.digest()
-    _digest_cache[key] = digest
-    return digest
+        return list(cached)
+    found: dict[str, bytes] = {}
+    pending = list(tmpl)
+    while pending:
+        path = pending.pop()
+        rel = path.relative_to(root).as_posix()
+        if rel in found:
+            continue
+        data = path.read_bytes()
+        found[rel] = data
+        for inc in _INCLUDE_RE.findall(data.decode("utf-8", "replace")):
+            if inc.startswith("include/flashgen/"):
+                target = root / inc
+            else:  # a header including a sibling header
+                target = (path.parent / inc) if path.is_relative_to(include_root) else None
+            if target is not None and target.is_file():
+                pending.append(target.resolve())
+    out = tuple(sorted(found.items()))
+    _sources_cache[key] = out
+    return list(out)
 
 
 def spec_hash(spec: KernelSpec, templates_dir: Path | None = None) -> str:
-    """8 hex digits identifying (canonical spec, templates, generator version)."""
+    """8 hex digits identifying (canonical spec, generator version, kernel sources)."""
     h = hashlib.sha256()
     h.update(json.dumps(spec.to_canonical(), sort_keys=True, separators=(",", ":")).encode())
     h.update(b"\0")
-    h.update(templates_digest(templates_dir))
-    h.update(b"\0")
     h.update(__version__.encode())
+    for rel, data in kernel_sources(spec, templates_dir):
+        h.update(f"\0{rel}\0{len(data)}\0".encode())
+        h.update(data)
     return h.hexdigest()[:8]
 
 
 def readable_parts(spec: KernelSpec) -> list[str]:
     """The name without its hash, as a list of parts."""
-    parts = ["fa", spec.kernel.short, f"d{spec.head_dim}", spec.dtype.short]
-    features = [
-        spec.mask.causal.short,
-        "win" if spec.mask.window else "",
-        "varlen" if spec.mask.varlen else "",
-        "gqa" if spec.gqa else "",
-        "drop" if spec.dropout else "",
-        "dropdbg" if spec.debug_keep_mask else "",
-        spec.sparsity.short,
-        "io" if spec.instrument_io else "",
-    ]
-    parts += [f for f in features if f]
-    parts += [spec.tile.short, spec.target.short]
+    parts = ["fa"]
+    for f in FIELDS:
+        if f.part is not None:
+            part = f.part(f.get(spec))
+            if part:
+                parts.append(part)
     return parts
 
 

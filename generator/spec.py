@@ -3,17 +3,22 @@
 A YAML file becomes frozen `KernelSpec` objects in `generator.load`; they are validated when
 constructed (`KernelSpec.__post_init__`), so nothing downstream re-validates or re-parses.
 
+This is the bottom layer: it imports nothing of the project. The axes a spec names are the
+kernel kind (`forward`, `backward`, `decode`: one family each, `generator.families`), the
+architecture (`Target`, including `sm_90a`) and the features (mask, dropout, sparsity, GQA,
+...). `FIELDS` is the one table of fields that everything listing fields derives from.
+
 Notation (see docs/conventions.md): `block_m` query rows per CTA tile, `block_n` key/value
-rows per K/V tile, `warps` warps per CTA (each warp owns `16 * mt` query rows, `mt` in {1, 2}),
-`stages` K/V shared-memory pipeline depth.
+rows per K/V tile, `warps` warps per CTA, `stages` shared-memory pipeline depth.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 __all__ = [
     "Causal",
@@ -21,16 +26,19 @@ __all__ = [
     "KernelKind",
     "KernelSpec",
     "Mask",
-    "SMEM_ROW_PAD",
     "SpecError",
     "Sparsity",
     "Target",
     "TargetInfo",
     "Tile",
-    "HEAD_DIMS",
-    "TILE_WARPS",
-    "TILE_STAGES",
-    "IMPLEMENTED_KINDS",
+    "FIELDS",
+    "FIELD_BY_PATH",
+    "Field",
+    "FieldKind",
+    "build_spec",
+    "implemented_kinds",
+    "register_rules",
+    "rules_for",
 ]
 
 
@@ -122,15 +130,15 @@ class _KindRow(NamedTuple):
 
 
 class KernelKind(_Spelled):
+    """The kernel-kind axis: each kind is one family (`generator.families`)."""
+
     FORWARD = _KindRow("forward", "fwd")
     BACKWARD = _KindRow("backward", "bwd")
+    DECODE = _KindRow("decode", "dec")
 
     @property
     def short(self) -> str:
         return self.value.short
-
-
-IMPLEMENTED_KINDS = (KernelKind.FORWARD,)
 
 
 class _DtypeRow(NamedTuple):
@@ -208,14 +216,25 @@ class TargetInfo(NamedTuple):
 class _TargetRow(NamedTuple):
     yaml: str
     cc: int
+    suffix: str  # "" or "a": the architecture-specific feature set (wgmma, setmaxnreg)
     info: TargetInfo
 
 
+_SM90_INFO = TargetInfo(232448, 65536, 255, 132, 1024)
+
+
 class Target(_Spelled):
-    SM80 = _TargetRow("sm_80", 80, TargetInfo(166912, 65536, 255, 108, 1024))
-    SM86 = _TargetRow("sm_86", 86, TargetInfo(101376, 65536, 255, 84, 1024))
-    SM89 = _TargetRow("sm_89", 89, TargetInfo(101376, 65536, 255, 128, 1024))
-    SM90 = _TargetRow("sm_90", 90, TargetInfo(232448, 65536, 255, 132, 1024))
+    """The architecture axis: a compute capability plus an optional feature-set suffix.
+
+    `sm_90a` is the same chip as `sm_90` with Hopper's architecture-specific instructions
+    (wgmma, setmaxnreg) enabled; its code runs only on compute capability 9.0.
+    """
+
+    SM80 = _TargetRow("sm_80", 80, "", TargetInfo(166912, 65536, 255, 108, 1024))
+    SM86 = _TargetRow("sm_86", 86, "", TargetInfo(101376, 65536, 255, 84, 1024))
+    SM89 = _TargetRow("sm_89", 89, "", TargetInfo(101376, 65536, 255, 128, 1024))
+    SM90 = _TargetRow("sm_90", 90, "", _SM90_INFO)
+    SM90A = _TargetRow("sm_90a", 90, "a", _SM90_INFO)
 
     @property
     def cc(self) -> int:
@@ -227,7 +246,14 @@ class Target(_Spelled):
 
     @property
     def short(self) -> str:
-        return f"sm{self.value.cc}"
+        return f"sm{self.value.cc}{self.value.suffix}"
+
+    @property
+    def gencode(self) -> str:
+        """nvcc's -gencode value: machine code for the target plus its PTX (so a newer GPU
+        can still run the kernel through the driver's JIT)."""
+        v = f"{self.value.cc}{self.value.suffix}"
+        return f"arch=compute_{v},code=[sm_{v},compute_{v}]"
 
     @property
     def info(self) -> TargetInfo:
@@ -237,12 +263,6 @@ class Target(_Spelled):
 # --------------------------------------------------------------------------------------------
 # Spec objects.
 # --------------------------------------------------------------------------------------------
-
-HEAD_DIMS = tuple(range(16, 257, 16))
-TILE_WARPS = (1, 2, 4, 8)
-TILE_STAGES = (1, 2, 3)
-TILE_MT = (1, 2)  # 16-row MMA tiles per warp along the query dimension
-SMEM_ROW_PAD = 8  # the kernel pads each shared-memory row by 8 elements (bank conflicts)
 
 
 def _check_int(value: Any, fld: str) -> None:
@@ -264,12 +284,18 @@ def _check_enum(value: Any, cls: type[_Spelled], fld: str) -> None:
 
 @dataclass(frozen=True)
 class Tile:
-    """CTA tile: `block_m` query rows, `block_n` K/V rows per step, `warps`, `stages`."""
+    """CTA tile: `block_m` query rows, `block_n` K/V rows, `warps`, `stages` (pipeline depth).
+
+    What each number may be, and what it costs in shared memory, is the family's business
+    (`generator.families`): the same four numbers describe a forward, backward or decode CTA.
+    """
 
     block_m: int
     block_n: int
     warps: int
     stages: int
+
+    FIELDS = ("block_m", "block_n", "warps", "stages")
 
     @property
     def threads(self) -> int:
@@ -279,44 +305,13 @@ class Tile:
     def short(self) -> str:
         return f"m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}"
 
-    def smem_bytes(self, head_dim: int, dtype: Dtype) -> int:
-        """Dynamic shared memory in bytes: Q tile plus `stages` K and V tiles, padded rows."""
-        rows = self.block_m + 2 * self.stages * self.block_n
-        return rows * (head_dim + SMEM_ROW_PAD) * dtype.nbytes
-
-    def problems(self) -> list[tuple[str, str]]:
-        """Shape constraints independent of head_dim/target, as (field, message) pairs."""
-        out: list[tuple[str, str]] = []
-        for name in ("block_m", "block_n", "warps", "stages"):
+    def type_problems(self) -> list[tuple[str, str]]:
+        """Non-integer tile fields, as (field, message) pairs."""
+        for name in self.FIELDS:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 return [(f"tile.{name}", f"{v!r} is not an integer")]
-        if self.warps not in TILE_WARPS:
-            out.append(("tile.warps", f"{self.warps} is not allowed (allowed: 1, 2, 4, 8)"))
-        if self.block_m <= 0 or self.block_m % 16:
-            out.append(("tile.block_m", f"{self.block_m} is not a positive multiple of 16"))
-        elif self.warps in TILE_WARPS and self.block_m not in [
-            16 * self.warps * mt for mt in TILE_MT
-        ]:
-            allowed = ", ".join(str(16 * self.warps * mt) for mt in TILE_MT)
-            out.append(
-                (
-                    "tile.block_m",
-                    f"{self.block_m} does not fit {self.warps} warps: each warp owns 16 or 32 "
-                    f"query rows, so block_m must be 16 * warps * (1 or 2) "
-                    f"(allowed with warps={self.warps}: {allowed})",
-                )
-            )
-        if not (16 <= self.block_n <= 256 and self.block_n % 16 == 0):
-            out.append(
-                (
-                    "tile.block_n",
-                    f"{self.block_n} is not allowed (allowed: multiples of 16 in 16..256)",
-                )
-            )
-        if self.stages not in TILE_STAGES:
-            out.append(("tile.stages", f"{self.stages} is not allowed (allowed: 1, 2, 3)"))
-        return out
+        return []
 
 
 @dataclass(frozen=True)
@@ -328,12 +323,144 @@ class Mask:
     varlen: bool = False
 
 
+# --------------------------------------------------------------------------------------------
+# The field table: every list of spec fields (loader, canonical form, name parts, README
+# table, `show`) is derived from FIELDS, so a new field is one row here.
+# --------------------------------------------------------------------------------------------
+
+
+class FieldKind(enum.Enum):
+    ENUM = "enum"
+    BOOL = "bool"
+    INT = "int"
+    TILE = "tile"
+
+
+@dataclass(frozen=True)
+class Field:
+    """One spec field.
+
+    `path` is the YAML key (`mask.causal` for a sub-field of `mask`). `default` is the value
+    when the YAML omits it (None: required). `part` makes the field's kernel-name part from
+    its value ("" adds nothing). `feature` is its label in the README table and `show` when
+    the field is a boolean feature that is on; `kinds` lists the kernel kinds that accept it
+    (None: every kind).
+    """
+
+    path: str
+    kind: FieldKind
+    default: Any = None
+    enum: type[_Spelled] | None = None
+    part: Callable[[Any], str] | None = None
+    feature: str = ""
+    kinds: tuple[KernelKind, ...] | None = None
+    doc: str = ""
+
+    @property
+    def top(self) -> str:
+        return self.path.split(".", 1)[0]
+
+    @property
+    def sub(self) -> str:
+        return self.path.split(".", 1)[1] if "." in self.path else ""
+
+    def get(self, spec: KernelSpec) -> Any:
+        obj: Any = spec
+        for part in self.path.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def yaml_value(self, value: Any) -> Any:
+        """The value as YAML/JSON spells it (enums by their YAML name, tiles as mappings)."""
+        if isinstance(value, _Spelled):
+            return value.yaml
+        if isinstance(value, Tile):
+            return {name: getattr(value, name) for name in Tile.FIELDS}
+        return value
+
+
+def _flag(part: str) -> Callable[[Any], str]:
+    return lambda on: part if on else ""
+
+
+FIELDS: tuple[Field, ...] = (
+    Field("kernel", FieldKind.ENUM, KernelKind.FORWARD, KernelKind, lambda k: k.short),
+    Field("head_dim", FieldKind.INT, None, part=lambda d: f"d{d}", doc="d"),
+    Field("dtype", FieldKind.ENUM, None, Dtype, lambda d: d.short),
+    Field("mask.causal", FieldKind.ENUM, Causal.NONE, Causal, lambda c: c.short),
+    Field("mask.window", FieldKind.BOOL, False, part=_flag("win"), feature="window"),
+    Field("mask.varlen", FieldKind.BOOL, False, part=_flag("varlen"), feature="varlen"),
+    Field("gqa", FieldKind.BOOL, False, part=_flag("gqa"), feature="gqa"),
+    Field("dropout", FieldKind.BOOL, False, part=_flag("drop"), feature="dropout"),
+    Field(
+        "debug_keep_mask", FieldKind.BOOL, False, part=_flag("dropdbg"), feature="debug_keep_mask"
+    ),
+    Field(
+        "sparsity",
+        FieldKind.ENUM,
+        Sparsity.NONE,
+        Sparsity,
+        lambda s: s.short,
+        feature="block sparse",
+    ),
+    Field(
+        "deterministic",
+        FieldKind.BOOL,
+        False,
+        part=_flag("det"),
+        feature="deterministic",
+        kinds=(KernelKind.BACKWARD,),
+    ),
+    Field("instrument_io", FieldKind.BOOL, False, part=_flag("io"), feature="instrument_io"),
+    Field("tile", FieldKind.TILE, "auto", part=lambda t: t.short),
+    Field("target", FieldKind.ENUM, Target.SM90, Target, lambda t: t.short),
+    Field("allow_spills", FieldKind.BOOL, False, feature="allow_spills"),
+)
+FIELD_BY_PATH = {f.path: f for f in FIELDS}
+REQUIRED = tuple(f.path for f in FIELDS if f.default is None)
+# Boolean features that are on, by label (README table, `show`): the non-mask flags.
+FEATURE_FIELDS = tuple(f for f in FIELDS if f.feature and not f.path.startswith("mask."))
+
+
+# --------------------------------------------------------------------------------------------
+# Families register their rules here (generator.families does it on import). The registry
+# lives in this module so that a KernelSpec validates itself at construction while this
+# module imports nothing of the project's.
+# --------------------------------------------------------------------------------------------
+
+
+class FamilyRules(Protocol):
+    """What `KernelSpec` asks of its family (the full interface: generator.families.Family)."""
+
+    def problems(self, spec: KernelSpec) -> list[tuple[str, str]]: ...
+    def smem_bytes(self, spec: KernelSpec) -> int: ...
+    def threads(self, spec: KernelSpec) -> int: ...
+
+
+_FAMILY_RULES: dict[KernelKind, FamilyRules] = {}
+
+
+def register_rules(kind: KernelKind, rules: FamilyRules) -> None:
+    _FAMILY_RULES[kind] = rules
+
+
+def rules_for(kind: KernelKind) -> FamilyRules | None:
+    return _FAMILY_RULES.get(kind)
+
+
+def implemented_kinds() -> list[KernelKind]:
+    return [k for k in KernelKind if k in _FAMILY_RULES]
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """One validated kernel. Construct through `generator.load` or directly with enums.
 
-    `tile` is always resolved (`tile_auto` records whether it was derived); `source` is
-    "file:line" of the YAML entry and takes no part in equality, hash or canonical form.
+    A value object: construction validates (common rules here, family rules through the
+    registry) and nothing else; it reads no files. `tile` is always resolved (`tile_auto`
+    records whether it was derived); `source` is "file:line" of the YAML entry and takes no
+    part in equality, hash or canonical form. The kernel's name (which hashes template files)
+    is `generator.naming.kernel_name(spec)`.
     """
 
     kernel: KernelKind
@@ -346,6 +473,7 @@ class KernelSpec:
     debug_keep_mask: bool = False
     sparsity: Sparsity = Sparsity.NONE
     gqa: bool = False
+    deterministic: bool = False
     target: Target = Target.SM90
     instrument_io: bool = False
     allow_spills: bool = False
@@ -358,75 +486,47 @@ class KernelSpec:
     # -- validation ---------------------------------------------------------------------
     def problems(self) -> list[tuple[str, str]]:
         """All constraint violations as (field path, message); empty when valid."""
-        _check_enum(self.kernel, KernelKind, "kernel")
-        _check_enum(self.dtype, Dtype, "dtype")
-        _check_int(self.head_dim, "head_dim")
         if not isinstance(self.tile, Tile):
             raise SpecError(f"{self.tile!r} is not a Tile", field="tile")
         if not isinstance(self.mask, Mask):
             raise SpecError(f"{self.mask!r} is not a Mask", field="mask")
-        _check_enum(self.mask.causal, Causal, "mask.causal")
-        _check_bool(self.mask.window, "mask.window")
-        _check_bool(self.mask.varlen, "mask.varlen")
-        _check_enum(self.sparsity, Sparsity, "sparsity")
-        _check_enum(self.target, Target, "target")
-        for name in (
-            "tile_auto",
-            "dropout",
-            "debug_keep_mask",
-            "gqa",
-            "instrument_io",
-            "allow_spills",
-        ):
-            _check_bool(getattr(self, name), name)
+        for f in FIELDS:
+            value = f.get(self)
+            if f.kind is FieldKind.ENUM:
+                _check_enum(value, f.enum, f.path)
+            elif f.kind is FieldKind.BOOL:
+                _check_bool(value, f.path)
+            elif f.kind is FieldKind.INT:
+                _check_int(value, f.path)
+        _check_bool(self.tile_auto, "tile_auto")
 
-        out: list[tuple[str, str]] = []
-        if self.kernel not in IMPLEMENTED_KINDS:
-            allowed = ", ".join(k.yaml for k in IMPLEMENTED_KINDS)
+        out: list[tuple[str, str]] = list(self.tile.type_problems())
+        rules = rules_for(self.kernel)
+        if rules is None:
+            allowed = ", ".join(k.yaml for k in implemented_kinds())
             out.append(
                 ("kernel", f"{self.kernel.yaml!r} is not implemented yet (allowed: {allowed})")
             )
-        if self.head_dim not in HEAD_DIMS:
-            out.append(
-                (
-                    "head_dim",
-                    f"{self.head_dim} is not allowed (allowed: multiples of 16 in 16..256)",
-                )
-            )
+            return out
+        for f in FIELDS:
+            if f.kinds is not None and self.kernel not in f.kinds and f.get(self) != f.default:
+                allowed = ", ".join(k.yaml for k in f.kinds)
+                out.append((f.path, f"applies to kernel: {allowed} only, not {self.kernel.yaml}"))
         if self.debug_keep_mask and not self.dropout:
             out.append(("debug_keep_mask", "true requires dropout: true"))
-        tile_problems = self.tile.problems()
-        out.extend(tile_problems)
-        if not tile_problems and self.head_dim in HEAD_DIMS:
-            info = self.target.info
-            if self.threads > info.max_threads_per_block:
-                out.append(
-                    (
-                        "tile.warps",
-                        f"{self.threads} threads exceed the {self.target.yaml} "
-                        f"limit of {info.max_threads_per_block}",
-                    )
-                )
-            if self.smem_bytes > info.max_smem_per_block:
-                out.append(
-                    (
-                        "tile",
-                        f"{self.tile.short} needs {self.smem_bytes} bytes of shared memory "
-                        f"((block_m + 2*stages*block_n) * (head_dim + {SMEM_ROW_PAD}) * "
-                        f"{self.dtype.nbytes}) but {self.target.yaml} allows "
-                        f"{info.max_smem_per_block} per block",
-                    )
-                )
+        if not out:
+            out.extend(rules.problems(self))
         return out
 
     # -- derived ------------------------------------------------------------------------
     @property
     def threads(self) -> int:
-        return self.tile.threads
+        return _FAMILY_RULES[self.kernel].threads(self)
 
     @property
     def smem_bytes(self) -> int:
-        return self.tile.smem_bytes(self.head_dim, self.dtype)
+        """Dynamic shared memory of the kernel's main CTA, bytes (the family's formula)."""
+        return _FAMILY_RULES[self.kernel].smem_bytes(self)
 
     @property
     def sparse(self) -> bool:
@@ -437,72 +537,46 @@ class KernelSpec:
         """The spec file part of `source` ("" when unknown)."""
         return self.source.rsplit(":", 1)[0] if ":" in self.source else self.source
 
-    @property
-    def name(self) -> str:
-        """Kernel name (identity): readable parts + hash, templates from the default dir."""
-        from generator.naming import kernel_name
-
-        return kernel_name(self)
-
-    @property
-    def hash(self) -> str:
-        """8 hex digits of sha256(canonical spec, template bytes, generator version)."""
-        from generator.naming import spec_hash
-
-        return spec_hash(self)
-
     def to_canonical(self) -> dict[str, Any]:
-        """Plain dict in a fixed key order, YAML spellings, resolved tile and `tile_auto`."""
-        return {
-            "kernel": self.kernel.yaml,
-            "dtype": self.dtype.yaml,
-            "head_dim": self.head_dim,
-            "tile": {
-                "block_m": self.tile.block_m,
-                "block_n": self.tile.block_n,
-                "warps": self.tile.warps,
-                "stages": self.tile.stages,
-            },
-            "tile_auto": self.tile_auto,
-            "mask": {
-                "causal": self.mask.causal.yaml,
-                "window": self.mask.window,
-                "varlen": self.mask.varlen,
-            },
-            "dropout": self.dropout,
-            "debug_keep_mask": self.debug_keep_mask,
-            "sparsity": self.sparsity.yaml,
-            "gqa": self.gqa,
-            "target": self.target.yaml,
-            "instrument_io": self.instrument_io,
-            "allow_spills": self.allow_spills,
-        }
+        """Plain dict in FIELDS order, YAML spellings, resolved tile and `tile_auto`."""
+        out: dict[str, Any] = {}
+        for f in FIELDS:
+            value = f.yaml_value(f.get(self))
+            if f.sub:
+                out.setdefault(f.top, {})[f.sub] = value
+            else:
+                out[f.path] = value
+            if f.path == "tile":
+                out["tile_auto"] = self.tile_auto
+        return out
 
     @classmethod
     def from_canonical(cls, data: dict[str, Any], source: str = "") -> KernelSpec:
-        """Inverse of `to_canonical` (e.g. the `spec` of a manifest entry)."""
-        try:
-            t = data["tile"]
-            m = data["mask"]
-            return cls(
-                kernel=KernelKind.from_yaml(data["kernel"]),
-                dtype=Dtype.from_yaml(data["dtype"]),
-                head_dim=data["head_dim"],
-                tile=Tile(t["block_m"], t["block_n"], t["warps"], t["stages"]),
-                tile_auto=data["tile_auto"],
-                mask=Mask(Causal.from_yaml(m["causal"]), m["window"], m["varlen"]),
-                dropout=data["dropout"],
-                debug_keep_mask=data["debug_keep_mask"],
-                sparsity=Sparsity.from_yaml(data["sparsity"]),
-                gqa=data["gqa"],
-                target=Target.from_yaml(data["target"]),
-                instrument_io=data["instrument_io"],
-                allow_spills=data["allow_spills"],
-                source=source,
-            )
-        except KeyError as e:
-            raise SpecError(f"canonical spec lacks key {e.args[0]!r}") from None
+        """Inverse of `to_canonical` (e.g. the `spec` of a manifest entry). Fields the data
+        lacks take their defaults (a manifest written before the field existed)."""
+        values: dict[str, Any] = {}
+        for f in FIELDS:
+            container = data.get(f.top, {}) if f.sub else data
+            if not isinstance(container, dict) or (f.sub or f.path) not in container:
+                if f.default is None or f.kind is FieldKind.TILE:
+                    raise SpecError(f"canonical spec lacks key {f.path!r}")
+                values[f.path] = f.default
+                continue
+            raw = container[f.sub or f.path]
+            if f.kind is FieldKind.ENUM:
+                raw = f.enum.from_yaml(raw)
+            elif f.kind is FieldKind.TILE:
+                raw = Tile(*(raw[name] for name in Tile.FIELDS))
+            values[f.path] = raw
+        return build_spec(values, tile_auto=bool(data.get("tile_auto", False)), source=source)
 
     def replace(self, **changes: Any) -> KernelSpec:
         """A validated copy with some fields changed (`dataclasses.replace`)."""
         return dataclasses.replace(self, **changes)
+
+
+def build_spec(values: dict[str, Any], *, tile_auto: bool = False, source: str = "") -> KernelSpec:
+    """A KernelSpec from parsed values keyed by field path (`mask.causal`, ...)."""
+    top = {f.path: values[f.path] for f in FIELDS if not f.sub}
+    mask = Mask(**{f.sub: values[f.path] for f in FIELDS if f.top == "mask"})
+    return KernelSpec(**top, mask=mask, tile_auto=tile_auto, source=source)

@@ -1,4 +1,4 @@
-"""Automatic tile choice (`tile: auto`).
+"""Automatic tile choice of the forward family (`tile: auto`).
 
 Rule (documented in docs/spec.md):
 1. `MEASURED_DEFAULTS[(target, head_dim)]`, when present, wins (filled from GPU measurements).
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 
-from generator.spec import Dtype, Target, Tile
+from flashgen.generator.families.forward import smem_bytes, tile_problems
+from flashgen.generator.spec import Dtype, Target, Tile
 
 __all__ = ["MEASURED_DEFAULTS", "auto_tile", "fit_tile", "paper_tile", "tile_fits"]
 
@@ -45,12 +46,12 @@ def paper_tile(target: Target, dtype: Dtype, head_dim: int) -> Tile:
 
 def tile_fits(tile: Tile, target: Target, dtype: Dtype, head_dim: int) -> bool:
     """Whether `tile` satisfies every tile constraint for this target, dtype and head dim."""
-    if tile.problems():
+    if tile_problems(tile):
         return False
     info = target.info
     return (
         tile.threads <= info.max_threads_per_block
-        and tile.smem_bytes(head_dim, dtype) <= info.max_smem_per_block
+        and smem_bytes(tile, head_dim, dtype) <= info.max_smem_per_block
     )
 
 
@@ -59,7 +60,7 @@ def fit_tile(tile: Tile, target: Target, dtype: Dtype, head_dim: int) -> Tile:
     (warps 4, 16 rows each), then fewer stages, then block_n 16."""
     while not tile_fits(tile, target, dtype, head_dim):
         bm, bn, w, s = tile.block_m, tile.block_n, tile.warps, tile.stages
-        if tile.problems():  # not a legal shape at all: restart from the smallest legal one
+        if tile_problems(tile):  # not a legal shape at all: restart from the smallest legal one
             tile = Tile(64, 64, 4, 2)
         elif bn > 32:
             tile = Tile(bm, bn - 16, w, s)

@@ -22,18 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from generator import __version__
-from generator.load import display_path
-from generator.naming import REPO_ROOT
-from generator.render import BANNER_MARK, Renderer
-from generator.spec import KernelSpec, SpecError
+from flashgen.generator import __version__, paths
+from flashgen.generator.families import family
+from flashgen.generator.load import display_path
+from flashgen.generator.render import BANNER_MARK, Renderer
+from flashgen.generator.spec import FEATURE_FIELDS, FIELDS, KernelSpec, SpecError
 
 __all__ = [
-    "GRID_FORMULA",
     "MANIFEST_NAME",
     "README_BEGIN",
     "README_END",
-    "RECORDS_DIR",
     "Plan",
     "apply_plan",
     "check_plan",
@@ -46,10 +44,8 @@ __all__ = [
 ]
 
 MANIFEST_NAME = "manifest.json"
-RECORDS_DIR = REPO_ROOT / "verify" / "records"
 README_BEGIN = "<!-- kernels:begin -->"
 README_END = "<!-- kernels:end -->"
-GRID_FORMULA = "ceil(max_seqlen_q/block_m) * heads * batch"
 
 
 # --------------------------------------------------------------------------------------------
@@ -59,7 +55,7 @@ GRID_FORMULA = "ceil(max_seqlen_q/block_m) * heads * batch"
 
 def verification_status(name: str, records_dir: Path | str | None = None) -> str:
     """ "verified (<gpu>, <date>)", "failed" or "unverified", from `<records_dir>/<name>.json`."""
-    path = Path(records_dir or RECORDS_DIR) / f"{name}.json"
+    path = Path(records_dir or paths.records_dir()) / f"{name}.json"
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -78,12 +74,8 @@ def manifest_entry(spec: KernelSpec, name: str, status: str) -> dict[str, Any]:
         "spec": spec.to_canonical(),
         "source": spec.source_file,
         "hash": name.rsplit("_", 1)[-1],
-        "entry_points": {"kernel": f"{name}_kernel", "launch": f"{name}_launch"},
-        "launch": {
-            "threads": spec.threads,
-            "block_m": spec.tile.block_m,
-            "grid": GRID_FORMULA,
-        },
+        "entry_points": family(spec).entry_points(name),
+        "launch": family(spec).launch_info(spec),
         "smem_bytes": spec.smem_bytes,
         "status": status,
     }
@@ -111,28 +103,47 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
 # --------------------------------------------------------------------------------------------
 
 
+def spec_summary(canonical: dict[str, Any]) -> dict[str, str]:
+    """Mask, features and tile of a canonical spec as short phrases (README table, `show`),
+    derived from spec.FIELDS."""
+    m, t = canonical["mask"], canonical["tile"]
+    mask = [f"causal {m['causal']}"] if m["causal"] != "none" else []
+    mask += [f.feature for f in FIELDS if f.top == "mask" and f.feature and m.get(f.sub)]
+    feats = []
+    for f in FEATURE_FIELDS:
+        value = canonical.get(f.path)
+        if f.path == "sparsity":
+            if value not in (None, "none"):
+                feats.append(f"{value} sparse")
+        elif f.path != "allow_spills" and value is True:
+            feats.append(f.feature)
+    tile = f"{t['block_m']}x{t['block_n']}, {t['warps']} warps, {t['stages']} stages"
+    if canonical.get("tile_auto"):
+        tile += " (auto)"
+    return {
+        "mask": ", ".join(mask) or "none",
+        "features": ", ".join(feats) or "-",
+        "tile": tile,
+    }
+
+
 def readme_table(entries: Sequence[dict[str, Any]]) -> str:
-    """Markdown table of shipped kernels (name, dtype, d, mask, features, tile, status)."""
+    """Markdown table of shipped kernels (name, kind, dtype, d, mask, features, tile,
+    target, status)."""
     lines = [
-        "| kernel | dtype | d | mask | features | tile | target | status |",
-        "|---|---|---|---|---|---|---|---|",
+        "| kernel | kind | dtype | d | mask | features | tile | target | status |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for e in sorted(entries, key=lambda e: e["name"]):
-        s, m, t = e["spec"], e["spec"]["mask"], e["spec"]["tile"]
-        mask = [f"causal {m['causal']}"] if m["causal"] != "none" else []
-        mask += [k for k in ("window", "varlen") if m[k]]
-        feats = [k for k in ("gqa", "dropout", "debug_keep_mask", "instrument_io") if s[k]]
-        if s["sparsity"] != "none":
-            feats.append(f"{s['sparsity']} sparse")
-        tile = f"{t['block_m']}x{t['block_n']}, {t['warps']} warps, {t['stages']} stages"
-        if s["tile_auto"]:
-            tile += " (auto)"
+        s = e["spec"]
+        summary = spec_summary(s)
         lines.append(
-            f"| `{e['name']}` | {s['dtype']} | {s['head_dim']} | {', '.join(mask) or 'none'} "
-            f"| {', '.join(feats) or '-'} | {tile} | {s['target']} | {e['status']} |"
+            f"| `{e['name']}` | {s.get('kernel', 'forward')} | {s['dtype']} | {s['head_dim']} "
+            f"| {summary['mask']} | {summary['features']} | {summary['tile']} "
+            f"| {s['target']} | {e['status']} |"
         )
     if not entries:
-        lines.append("| (none) | | | | | | | |")
+        lines.append("| (none) | | | | | | | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -166,7 +177,10 @@ class Plan:
 
 
 def _source_exists(source: str) -> bool:
-    return bool(source) and ((REPO_ROOT / source).is_file() or Path(source).is_file())
+    root = paths.checkout_root()
+    return bool(source) and (
+        (root is not None and (root / source).is_file()) or Path(source).is_file()
+    )
 
 
 def _is_generated(path: Path) -> bool:

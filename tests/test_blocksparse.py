@@ -6,17 +6,16 @@ import types
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from verify import reference as R
-from verify.blocksparse import (
+from flashgen.verify import reference as R
+from flashgen.verify.blocksparse import (
     compact_layout,
     compact_layout_for_spec,
     dense_from_compact,
     tile_classes,
 )
-from verify.strategies import block_layouts, seqlens, windows
+from flashgen.verify.strategies import block_layouts, seqlens, windows
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 @st.composite
@@ -27,8 +26,9 @@ def sparse_problems(draw):
     window = draw(st.one_of(st.just((-1, -1)), windows(sk)))
     lh = draw(st.sampled_from((1, 3)))
     layout = draw(block_layouts(lh, -(-sq // bm), -(-sk // bn)))
-    return layout, dict(block_m=bm, block_n=bn, seqlen_q=sq, seqlen_k=sk, causal=causal,
-                        window=window)
+    return layout, dict(
+        block_m=bm, block_n=bn, seqlen_q=sq, seqlen_k=sk, causal=causal, window=window
+    )
 
 
 @settings(max_examples=80, deadline=None)
@@ -82,8 +82,9 @@ def test_compact_arrays_are_int32_ascending_and_padded_with_minus_one(problem):
 def test_dense_from_compact_returns_the_layout_minus_the_dropped_tiles(problem):
     layout, kw = problem
     cls = tile_classes(**kw)
-    np.testing.assert_array_equal(dense_from_compact(compact_layout(layout, **kw)),
-                                  layout & (cls != 0)[None])
+    np.testing.assert_array_equal(
+        dense_from_compact(compact_layout(layout, **kw)), layout & (cls != 0)[None]
+    )
 
 
 @settings(max_examples=40, deadline=None)
@@ -94,25 +95,27 @@ def test_dropping_masked_tiles_does_not_change_the_reference(problem):
     rng = np.random.default_rng(0)
     heads = layout.shape[0]
     q, k, v = (rng.standard_normal((1, s, heads, 4)) for s in (sq, sk, sk))
-    common = dict(causal=kw["causal"], window=kw["window"], block_m=kw["block_m"],
-                  block_n=kw["block_n"])
+    common = dict(
+        causal=kw["causal"], window=kw["window"], block_m=kw["block_m"], block_n=kw["block_n"]
+    )
     a = R.attention_forward(q, k, v, block_mask=layout, **common)
-    b = R.attention_forward(q, k, v, block_mask=dense_from_compact(compact_layout(layout, **kw)),
-                            **common)
+    b = R.attention_forward(
+        q, k, v, block_mask=dense_from_compact(compact_layout(layout, **kw)), **common
+    )
     np.testing.assert_array_equal(a[0], b[0])
     np.testing.assert_array_equal(a[1], b[1])
 
 
 def test_an_all_empty_layout_has_one_padding_slot():
-    c = compact_layout(np.zeros((1, 2, 3), bool), block_m=4, block_n=4, seqlen_q=8,
-                       seqlen_k=12)
+    c = compact_layout(np.zeros((1, 2, 3), bool), block_m=4, block_n=4, seqlen_q=8, seqlen_k=12)
     assert c.max_blocks == 1
     assert np.all(c.full_count == 0) and np.all(c.full_idx == -1)
 
 
 def test_causal_diagonal_tiles_are_partial_and_those_below_full():
-    c = compact_layout(np.ones((1, 3, 3), bool), block_m=4, block_n=4, seqlen_q=12,
-                       seqlen_k=12, causal="top_left")
+    c = compact_layout(
+        np.ones((1, 3, 3), bool), block_m=4, block_n=4, seqlen_q=12, seqlen_k=12, causal="top_left"
+    )
     assert c.tiles(0, 2) == [(0, False), (1, False), (2, True)]
     assert c.tiles(0, 0) == [(0, True)]
 
@@ -135,13 +138,15 @@ def _spec(causal="bottom_right", window=True):
 def test_compact_layout_for_spec_reads_block_sizes_and_alignment_from_the_spec():
     layout = np.ones((1, 3, 2), bool)
     got = compact_layout_for_spec(layout, _spec(), seqlen_q=5, seqlen_k=6, window=(1, 0))
-    want = compact_layout(layout, block_m=2, block_n=3, seqlen_q=5, seqlen_k=6,
-                          causal="bottom_right", window=(1, 0))
+    want = compact_layout(
+        layout, block_m=2, block_n=3, seqlen_q=5, seqlen_k=6, causal="bottom_right", window=(1, 0)
+    )
     for name in ("full_count", "full_idx", "part_count", "part_idx"):
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
 
 
 def test_compact_layout_for_spec_rejects_a_window_the_spec_cannot_apply():
     with pytest.raises(ValueError, match="mask.window"):
-        compact_layout_for_spec(np.ones((1, 3, 2), bool), _spec(window=False), seqlen_q=5,
-                                seqlen_k=6, window=(1, 0))
+        compact_layout_for_spec(
+            np.ones((1, 3, 2), bool), _spec(window=False), seqlen_q=5, seqlen_k=6, window=(1, 0)
+        )

@@ -66,13 +66,27 @@ def test_vendored_kernel_builds_and_its_c_abi_refuses_bad_parameters(tmp_path):
     exe = tmp_path / "main"
     gen = REPO / "generated"
     subprocess.run(
-        ["nvcc", "-std=c++17", "-O1", "-arch=sm_90", f"-I{gen}", str(src), str(gen / f"{name}.cu"),
-         "-o", str(exe)],
-        check=True, capture_output=True, text=True,
+        [
+            "nvcc",
+            "-std=c++17",
+            "-O1",
+            "-arch=sm_90",
+            f"-I{gen}",
+            str(src),
+            str(gen / f"{name}.cu"),
+            "-o",
+            str(exe),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     )
-    out = dict(line.split(": ", 1) for line in
-               subprocess.run([str(exe)], check=True, capture_output=True, text=True)
-               .stdout.strip().splitlines())
+    out = dict(
+        line.split(": ", 1)
+        for line in subprocess.run([str(exe)], check=True, capture_output=True, text=True)
+        .stdout.strip()
+        .splitlines()
+    )
     assert out["null"] == "q, k, v, o and lse must all be non-null"
     assert out["good"] == "OK"
     assert out["misaligned"] == "q, k, v and o must be 16-byte aligned"

@@ -10,10 +10,10 @@ import types
 from pathlib import Path
 
 import pytest
-
-from generator.cli import main
-from generator.spec import Dtype, Target
-from generator.tiles import auto_tile
+from flashgen.generator.cli import main
+from flashgen.generator.families.forward import smem_bytes
+from flashgen.generator.spec import Dtype, Target
+from flashgen.generator.tiles import auto_tile
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -24,11 +24,14 @@ TEST_COMMAND = "python -m pytest -q tests"
 def templates(tmp_path: Path) -> Path:
     root = tmp_path / "templates"
     (root / "include" / "flashgen").mkdir(parents=True)
-    (root / "fwd.cu.j2").write_text(
+    (root / "forward").mkdir()
+    (root / "forward" / "kernel.cu.j2").write_text(
         '// {{ banner | join("\\n// ") }}\n#include "{{ header_name }}"\n'
         "// d={{ cfg.head_dim }} m={{ cfg.block_m }}\n"
     )
-    (root / "fwd.h.j2").write_text('// {{ banner | join("\\n// ") }}\n#pragma once\n')
+    (root / "forward" / "kernel.h.j2").write_text(
+        '// {{ banner | join("\\n// ") }}\n#pragma once\n'
+    )
     (root / "include" / "flashgen" / "params.h").write_text("// params\n")
     return root
 
@@ -110,7 +113,7 @@ def test_missing_spec_path_is_a_clean_error(tmp_path, capsys):
 
 
 def test_template_error_is_reported_without_traceback(tmp_path, templates, spec_file, capsys):
-    (templates / "fwd.h.j2").write_text("{{ undefined_thing }}\n")
+    (templates / "forward" / "kernel.h.j2").write_text("{{ undefined_thing }}\n")
     assert run("generate", spec_file, "-o", tmp_path / "gen", "--templates", templates) == 1
     err = capsys.readouterr().err
     assert "rendering failed" in err and "undefined_thing" in err and "Traceback" not in err
@@ -129,19 +132,16 @@ def test_python_dash_m_generator_runs_the_cli():
 
 
 def test_show_prints_resolved_spec_tile_smem_threads_and_name(spec_file, capsys, monkeypatch):
-    import verify
+    import flashgen.verify as verify
 
-    monkeypatch.setitem(sys.modules, "verify.io_model", None)  # model unavailable
+    monkeypatch.setitem(sys.modules, "flashgen.verify.io_model", None)  # model unavailable
     monkeypatch.delattr(verify, "io_model", raising=False)
     assert run("show", spec_file) == 0
     out = capsys.readouterr().out
     assert out.count("fa_fwd_d64_") >= 2
     t = auto_tile(Target.SM90, Dtype.FP16, 64)
-    smem = t.smem_bytes(64, Dtype.FP16)
-    assert (
-        f"block_m {t.block_m}, block_n {t.block_n}, warps {t.warps}, stages {t.stages} (auto)"
-        in out
-    )
+    smem = smem_bytes(t, 64, Dtype.FP16)
+    assert f"{t.block_m}x{t.block_n}, {t.warps} warps, {t.stages} stages (auto)" in out
     assert f"threads:    {t.threads}" in out and f"{smem} bytes" in out
     assert "io model unavailable" in out
 
@@ -157,11 +157,11 @@ def test_show_uses_the_io_model_when_available(spec_file, capsys, monkeypatch):
         calls.append(shape)
         return {"total": 640}
 
-    fake = types.ModuleType("verify.io_model")
+    fake = types.ModuleType("flashgen.verify.io_model")
     fake.forward_bytes = forward_bytes
     fake.standard_attention_bytes = standard_attention_bytes
-    monkeypatch.setitem(sys.modules, "verify.io_model", fake)
-    import verify
+    monkeypatch.setitem(sys.modules, "flashgen.verify.io_model", fake)
+    import flashgen.verify as verify
 
     monkeypatch.setattr(verify, "io_model", fake, raising=False)
     assert run("show", spec_file, "--batch", 2, "--heads", 8, "--seqlen-q", 100) == 0
@@ -172,7 +172,7 @@ def test_show_uses_the_io_model_when_available(spec_file, capsys, monkeypatch):
 
 
 def test_show_with_the_real_io_model_prints_bytes(spec_file, capsys):
-    pytest.importorskip("verify.io_model")
+    pytest.importorskip("flashgen.verify.io_model")
     assert run("show", spec_file, "--seqlen-q", 1000, "--seqlen-k", 2000) == 0
     out = capsys.readouterr().out
     assert "io model failed" not in out and re.search(r"total\s+[\d,]+", out)
@@ -213,7 +213,7 @@ def test_compile_prints_a_resource_table(tmp_path, templates, spec_file, capsys)
     rc = run("compile", spec_file, "-o", tmp_path / "b", "--templates", templates, "--nvcc", nvcc)
     assert rc == 0
     out = capsys.readouterr().out
-    smem = auto_tile(Target.SM90, Dtype.FP16, 64).smem_bytes(64, Dtype.FP16)
+    smem = smem_bytes(auto_tile(Target.SM90, Dtype.FP16, 64), 64, Dtype.FP16)
     assert re.search(rf"fa_fwd_d64_fp16_causalbr_\S+\s+sm_90\s+96\s+0\+{smem}\s+0\s+0/0\s+ok", out)
 
 
@@ -251,11 +251,11 @@ def test_compile_without_nvcc_is_a_clean_error(tmp_path, spec_file, capsys):
 
 def test_verify_and_bench_dispatch_to_verify_gpu_cli(monkeypatch):
     seen = []
-    fake = types.ModuleType("verify.gpu_cli")
+    fake = types.ModuleType("flashgen.verify.gpu_cli")
     fake.verify_main = lambda argv: seen.append(("verify", argv)) or 0
     fake.bench_main = lambda argv: seen.append(("bench", argv)) or 3
-    monkeypatch.setitem(sys.modules, "verify.gpu_cli", fake)
-    import verify
+    monkeypatch.setitem(sys.modules, "flashgen.verify.gpu_cli", fake)
+    import flashgen.verify as verify
 
     monkeypatch.setattr(verify, "gpu_cli", fake, raising=False)
     assert run("verify", "specs/", "--help") == 0
@@ -264,9 +264,9 @@ def test_verify_and_bench_dispatch_to_verify_gpu_cli(monkeypatch):
 
 
 def test_verify_without_gpu_cli_says_so(monkeypatch, capsys):
-    import verify
+    import flashgen.verify as verify
 
-    monkeypatch.setitem(sys.modules, "verify.gpu_cli", None)
+    monkeypatch.setitem(sys.modules, "flashgen.verify.gpu_cli", None)
     monkeypatch.delattr(verify, "gpu_cli", raising=False)
     assert run("verify") == 1
     assert "unavailable" in capsys.readouterr().err

@@ -8,18 +8,21 @@ import types
 
 import numpy as np
 import pytest
+from flashgen.verify.blocksparse import compact_layout
+from flashgen.verify.io_model import forward_bytes, paper_fwd_bound, standard_attention_bytes
 
-from verify.blocksparse import compact_layout
-from verify.io_model import forward_bytes, paper_fwd_bound, standard_attention_bytes
 
-
-def spec(block_m=128, block_n=64, d=64, causal="none", window=False, sparse=False,
-         debug=False):
+def spec(block_m=128, block_n=64, d=64, causal="none", window=False, sparse=False, debug=False):
     ns = types.SimpleNamespace
-    return ns(head_dim=d, dtype=ns(nbytes=2), tile=ns(block_m=block_m, block_n=block_n),
-              mask=ns(causal=ns(yaml=causal), window=window, varlen=False),
-              sparsity=ns(yaml="block" if sparse else "none"), debug_keep_mask=debug,
-              dropout=debug)
+    return ns(
+        head_dim=d,
+        dtype=ns(nbytes=2),
+        tile=ns(block_m=block_m, block_n=block_n),
+        mask=ns(causal=ns(yaml=causal), window=window, varlen=False),
+        sparsity=ns(yaml="block" if sparse else "none"),
+        debug_keep_mask=debug,
+        dropout=debug,
+    )
 
 
 def test_dense_forward_reads_k_and_v_once_per_query_tile():
@@ -34,23 +37,53 @@ def test_dense_forward_reads_k_and_v_once_per_query_tile():
 
 
 def test_causal_forward_reads_only_the_tiles_up_to_the_diagonal():
-    got = forward_bytes(spec(block_m=64, block_n=64, causal="top_left"), batch=1, heads=1,
-                        kv_heads=1, seqlen_q=256, seqlen_k=256)
+    got = forward_bytes(
+        spec(block_m=64, block_n=64, causal="top_left"),
+        batch=1,
+        heads=1,
+        kv_heads=1,
+        seqlen_q=256,
+        seqlen_k=256,
+    )
     assert got["K"] == (1 + 2 + 3 + 4) * 64 * 64 * 2
 
 
 def test_debug_keep_mask_bytes_are_rows_times_columns_of_the_visited_tiles():
-    got = forward_bytes(spec(block_m=64, block_n=64, causal="top_left", debug=True), batch=1,
-                        heads=2, kv_heads=2, seqlen_q=100, seqlen_k=100)
+    got = forward_bytes(
+        spec(block_m=64, block_n=64, causal="top_left", debug=True),
+        batch=1,
+        heads=2,
+        kv_heads=2,
+        seqlen_q=100,
+        seqlen_k=100,
+    )
     # query tile 0 (64 rows) visits key tile 0 (64 keys): 64*64; tile 1 (36 rows) visits both
     assert got["KEEP_MASK"] == 2 * (64 * 64 + 36 * 100)
-    assert forward_bytes(spec(debug=True), batch=1, heads=1, kv_heads=1, seqlen_q=8,
-                         seqlen_k=8, debug_keep_mask=False)["KEEP_MASK"] == 0
+    assert (
+        forward_bytes(
+            spec(debug=True),
+            batch=1,
+            heads=1,
+            kv_heads=1,
+            seqlen_q=8,
+            seqlen_k=8,
+            debug_keep_mask=False,
+        )["KEEP_MASK"]
+        == 0
+    )
 
 
 def test_varlen_meta_is_16_bytes_per_cta_including_ctas_past_the_sequence_end():
-    got = forward_bytes(spec(block_m=64), batch=2, heads=3, kv_heads=3, seqlen_q=0,
-                        seqlen_k=0, cu_seqlens_q=[0, 10, 140], cu_seqlens_k=[0, 20, 40])
+    got = forward_bytes(
+        spec(block_m=64),
+        batch=2,
+        heads=3,
+        kv_heads=3,
+        seqlen_q=0,
+        seqlen_k=0,
+        cu_seqlens_q=[0, 10, 140],
+        cu_seqlens_k=[0, 20, 40],
+    )
     grid = 3 * 3 * 2  # ceil(130 / 64) = 3 query tiles x 3 heads x 2 sequences
     assert got["META"] == 16 * grid
     assert got["O"] == 3 * 140 * 64 * 2
@@ -60,8 +93,15 @@ def test_sparse_meta_is_8_bytes_plus_4_per_listed_tile():
     lay = np.zeros((1, 2, 2), bool)
     lay[0, 0, 0] = lay[0, 1, :] = True
     c = compact_layout(lay, block_m=16, block_n=16, seqlen_q=32, seqlen_k=32)
-    got = forward_bytes(spec(block_m=16, block_n=16, d=16, sparse=True), batch=1, heads=2,
-                        kv_heads=1, seqlen_q=32, seqlen_k=32, layout=c)
+    got = forward_bytes(
+        spec(block_m=16, block_n=16, d=16, sparse=True),
+        batch=1,
+        heads=2,
+        kv_heads=1,
+        seqlen_q=32,
+        seqlen_k=32,
+        layout=c,
+    )
     assert got["META"] == 2 * ((8 + 4) + (8 + 8))
     assert got["K"] == 2 * 3 * 16 * 16 * 2
 
@@ -85,8 +125,9 @@ SWEEP_TILES = ((64, 32), (64, 64), (128, 64), (128, 128), (64, 128))
 
 
 def _flash(n, d, bm, bn):
-    return forward_bytes(spec(bm, bn, d), batch=1, heads=1, kv_heads=1, seqlen_q=n,
-                         seqlen_k=n)["total"]
+    return forward_bytes(spec(bm, bn, d), batch=1, heads=1, kv_heads=1, seqlen_q=n, seqlen_k=n)[
+        "total"
+    ]
 
 
 def test_flashgen_bytes_stay_within_constant_factors_of_n2_d2_over_m():
@@ -106,8 +147,10 @@ def test_flashgen_bytes_fall_like_one_over_block_m_and_grow_like_n_squared():
 
 
 def test_standard_attention_grows_like_n_d_plus_n_squared():
-    ratios = [standard_attention_bytes(1, 1, n, n, d)["total"] / (n * d + n * n)
-              for n, d in itertools.product(SWEEP_N, SWEEP_D)]
+    ratios = [
+        standard_attention_bytes(1, 1, n, n, d)["total"] / (n * d + n * n)
+        for n, d in itertools.product(SWEEP_N, SWEEP_D)
+    ]
     assert 2 * 2 <= min(ratios) and max(ratios) <= 4 * 2
 
 

@@ -9,14 +9,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from verify import reference as R
-from verify.blocksparse import compact_layout, dense_from_compact
-from verify.dropout import keep_mask, keep_mask_varlen
-from verify.io_model import forward_bytes
-from verify.strategies import (
+from flashgen.verify import reference as R
+from flashgen.verify.blocksparse import compact_layout, dense_from_compact
+from flashgen.verify.dropout import keep_mask, keep_mask_varlen
+from flashgen.verify.io_model import forward_bytes
+from flashgen.verify.strategies import (
     attention_inputs,
     block_layouts,
     cases_for_spec,
@@ -26,13 +23,26 @@ from verify.strategies import (
     valid_specs,
     windows,
 )
-from verify.tiled_model import dense_tile_range, tiled_forward
+from flashgen.verify.tiled_model import dense_tile_range, tiled_forward
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
 
-def stand_in_spec(*, block_m, block_n, head_dim, causal="none", window=False, varlen=False,
-                  dropout=False, debug_keep_mask=False, sparse=False, gqa=True):
+def stand_in_spec(
+    *,
+    block_m,
+    block_n,
+    head_dim,
+    causal="none",
+    window=False,
+    varlen=False,
+    dropout=False,
+    debug_keep_mask=False,
+    sparse=False,
+    gqa=True,
+):
     """A duck-typed spec: only the attributes the models read."""
     ns = types.SimpleNamespace
     return ns(
@@ -70,36 +80,69 @@ class ModelCase:
         if self.block_mask is None:
             return None
         return compact_layout(
-            self.block_mask, block_m=self.spec.tile.block_m, block_n=self.spec.tile.block_n,
-            seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k, causal=self.spec.mask.causal,
+            self.block_mask,
+            block_m=self.spec.tile.block_m,
+            block_n=self.spec.tile.block_n,
+            seqlen_q=self.seqlen_q,
+            seqlen_k=self.seqlen_k,
+            causal=self.spec.mask.causal,
             window=self.window,
         )
 
     def run_tiled(self):
-        return tiled_forward(self.spec, self.q, self.k, self.v, window=self.window,
-                             cu_seqlens_q=self.cu_q, cu_seqlens_k=self.cu_k,
-                             layout=self.layout(), keep_mask=self.keep, dropout_p=self.p)
+        return tiled_forward(
+            self.spec,
+            self.q,
+            self.k,
+            self.v,
+            window=self.window,
+            cu_seqlens_q=self.cu_q,
+            cu_seqlens_k=self.cu_k,
+            layout=self.layout(),
+            keep_mask=self.keep,
+            dropout_p=self.p,
+        )
 
     def run_reference(self):
         kw = {}
         if self.block_mask is not None:
-            kw = dict(block_mask=self.block_mask, block_m=self.spec.tile.block_m,
-                      block_n=self.spec.tile.block_n)
-        return R.attention_forward(self.q, self.k, self.v, causal=self.spec.mask.causal,
-                                   window=self.window, cu_seqlens_q=self.cu_q,
-                                   cu_seqlens_k=self.cu_k, keep_mask=self.keep,
-                                   dropout_p=self.p, **kw)
+            kw = dict(
+                block_mask=self.block_mask,
+                block_m=self.spec.tile.block_m,
+                block_n=self.spec.tile.block_n,
+            )
+        return R.attention_forward(
+            self.q,
+            self.k,
+            self.v,
+            causal=self.spec.mask.causal,
+            window=self.window,
+            cu_seqlens_q=self.cu_q,
+            cu_seqlens_k=self.cu_k,
+            keep_mask=self.keep,
+            dropout_p=self.p,
+            **kw,
+        )
 
     def predicted_bytes(self):
-        return forward_bytes(self.spec, batch=self.batch, heads=self.heads,
-                             kv_heads=self.kv_heads, seqlen_q=self.seqlen_q,
-                             seqlen_k=self.seqlen_k, window=self.window, cu_seqlens_q=self.cu_q,
-                             cu_seqlens_k=self.cu_k, layout=self.layout())
+        return forward_bytes(
+            self.spec,
+            batch=self.batch,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            seqlen_q=self.seqlen_q,
+            seqlen_k=self.seqlen_k,
+            window=self.window,
+            cu_seqlens_q=self.cu_q,
+            cu_seqlens_k=self.cu_k,
+            layout=self.layout(),
+        )
 
 
 def _draw_case(draw, spec, max_seqlen, head_dims=(4, 8)):
-    shape = draw(shapes(max_batch=3, max_heads=4, max_seqlen=max_seqlen, head_dims=head_dims,
-                        gqa=spec.gqa))
+    shape = draw(
+        shapes(max_batch=3, max_heads=4, max_seqlen=max_seqlen, head_dims=head_dims, gqa=spec.gqa)
+    )
     batch, heads, d = shape.batch, shape.heads, shape.head_dim
     sq, sk = shape.seqlen_q, shape.seqlen_k
     sparse = spec.sparsity.yaml == "block"
@@ -118,8 +161,9 @@ def _draw_case(draw, spec, max_seqlen, head_dims=(4, 8)):
     block_mask = None
     if sparse:
         lh = draw(st.sampled_from(sorted({1, heads})))
-        block_mask = draw(block_layouts(lh, -(-sq // spec.tile.block_m),
-                                        -(-sk // spec.tile.block_n)))
+        block_mask = draw(
+            block_layouts(lh, -(-sq // spec.tile.block_m), -(-sk // spec.tile.block_n))
+        )
     keep, p = None, 0.0
     if spec.dropout:
         dp = draw(dropout_params())
@@ -128,8 +172,9 @@ def _draw_case(draw, spec, max_seqlen, head_dims=(4, 8)):
             keep = keep_mask_varlen(dp.seed, dp.offset, heads, np.diff(cu_q), np.diff(cu_k), p)
         else:
             keep = keep_mask(dp.seed, dp.offset, batch, heads, sq, sk, p)
-    return ModelCase(spec, q, k, v, batch, heads, shape.kv_heads, sq, sk, window, cu_q, cu_k,
-                     block_mask, keep, p)
+    return ModelCase(
+        spec, q, k, v, batch, heads, shape.kv_heads, sq, sk, window, cu_q, cu_k, block_mask, keep, p
+    )
 
 
 @st.composite
@@ -195,26 +240,42 @@ def test_debug_keep_mask_is_written_on_every_visited_tile_and_nowhere_else(case)
     np.testing.assert_array_equal(dbg[written], keep[written].astype(np.uint8))
     kw = {}
     if case.block_mask is not None:
-        kw = dict(block_mask=case.block_mask, block_m=case.spec.tile.block_m,
-                  block_n=case.spec.tile.block_n)
-    vis = R.visible_mask(case.batch, case.heads, case.seqlen_q, case.seqlen_k,
-                         causal=case.spec.mask.causal, window=case.window,
-                         cu_seqlens_q=case.cu_q, cu_seqlens_k=case.cu_k, **kw)
+        kw = dict(
+            block_mask=case.block_mask,
+            block_m=case.spec.tile.block_m,
+            block_n=case.spec.tile.block_n,
+        )
+    vis = R.visible_mask(
+        case.batch,
+        case.heads,
+        case.seqlen_q,
+        case.seqlen_k,
+        causal=case.spec.mask.causal,
+        window=case.window,
+        cu_seqlens_q=case.cu_q,
+        cu_seqlens_k=case.cu_k,
+        **kw,
+    )
     assert np.all(written[vis])  # every visible element lies in a visited tile
 
 
 @settings(max_examples=200, deadline=None)
 @given(
-    sq=st.integers(1, 40), sk=st.integers(0, 40), bm=st.integers(1, 9), bn=st.integers(1, 9),
-    causal=st.sampled_from(("none", "top_left", "bottom_right")), data=st.data(),
+    sq=st.integers(1, 40),
+    sk=st.integers(0, 40),
+    bm=st.integers(1, 9),
+    bn=st.integers(1, 9),
+    causal=st.sampled_from(("none", "top_left", "bottom_right")),
+    data=st.data(),
 )
 def test_dense_schedule_holds_every_tile_with_a_visible_key(sq, sk, bm, bn, causal, data):
     window = data.draw(st.one_of(st.just((-1, -1)), windows(sk)))
     vis = R.sequence_visible(sq, sk, causal=causal, window=window)[0]
     for qt in range(-(-sq // bm)):
         r0, r1 = qt * bm, min((qt + 1) * bm, sq) - 1
-        n_lo, n_hi = dense_tile_range(r0, r1, block_n=bn, seqlen_q=sq, seqlen_k=sk,
-                                      causal=causal, window=window)
+        n_lo, n_hi = dense_tile_range(
+            r0, r1, block_n=bn, seqlen_q=sq, seqlen_k=sk, causal=causal, window=window
+        )
         cols = np.flatnonzero(vis[r0 : r1 + 1].any(axis=0))
         needed = set((cols // bn).tolist())
         assert needed <= set(range(n_lo, n_hi))
@@ -224,9 +285,7 @@ def test_dense_schedule_holds_every_tile_with_a_visible_key(sq, sk, bm, bn, caus
 
 @settings(max_examples=40, deadline=None)
 @given(sk=st.integers(0, 30), empty_tiles=st.integers(1, 4), tail=st.integers(0, 3))
-def test_query_tiles_with_no_visible_key_read_nothing_but_write_o_and_lse(
-    sk, empty_tiles, tail
-):
+def test_query_tiles_with_no_visible_key_read_nothing_but_write_o_and_lse(sk, empty_tiles, tail):
     # bottom_right with Sq = Sk + 4 * empty_tiles (+ tail rows): the first `empty_tiles` query
     # tiles of 4 rows lie entirely above the diagonal
     sq = sk + 4 * empty_tiles + tail
@@ -249,10 +308,20 @@ def test_query_tiles_with_no_visible_key_read_nothing_but_write_o_and_lse(
 def test_real_specs_run_through_the_models(data):
     spec = data.draw(valid_specs(head_dims=(16, 32)))
     case = data.draw(cases_for_spec(spec, max_seqlen=40))
-    inputs = ModelCase(spec, *_inputs_for(data, case, spec.head_dim), case.batch, case.heads,
-                       case.kv_heads, case.seqlen_q, case.seqlen_k, case.window,
-                       case.cu_seqlens_q, case.cu_seqlens_k, case.block_mask,
-                       *_keep_for(case))
+    inputs = ModelCase(
+        spec,
+        *_inputs_for(data, case, spec.head_dim),
+        case.batch,
+        case.heads,
+        case.kv_heads,
+        case.seqlen_q,
+        case.seqlen_k,
+        case.window,
+        case.cu_seqlens_q,
+        case.cu_seqlens_k,
+        case.block_mask,
+        *_keep_for(case),
+    )
     result = inputs.run_tiled()
     assert_model_equals_reference(inputs, result)
     assert inputs.predicted_bytes() == result.io
@@ -260,11 +329,15 @@ def test_real_specs_run_through_the_models(data):
 
 def _inputs_for(data, case, d):
     if case.cu_seqlens_q is not None:
-        shapes_ = (int(case.cu_seqlens_q[-1]), case.heads, d), (
-            int(case.cu_seqlens_k[-1]), case.kv_heads, d)
+        shapes_ = (
+            (int(case.cu_seqlens_q[-1]), case.heads, d),
+            (int(case.cu_seqlens_k[-1]), case.kv_heads, d),
+        )
     else:
-        shapes_ = ((case.batch, case.seqlen_q, case.heads, d),
-                   (case.batch, case.seqlen_k, case.kv_heads, d))
+        shapes_ = (
+            (case.batch, case.seqlen_q, case.heads, d),
+            (case.batch, case.seqlen_k, case.kv_heads, d),
+        )
     return data.draw(attention_inputs(*shapes_, kind="normal"))
 
 
@@ -273,11 +346,18 @@ def _keep_for(case):
         return None, 0.0
     dp = case.dropout
     if case.cu_seqlens_q is not None:
-        keep = keep_mask_varlen(dp.seed, dp.offset, case.heads, np.diff(case.cu_seqlens_q),
-                                np.diff(case.cu_seqlens_k), dp.p)
+        keep = keep_mask_varlen(
+            dp.seed,
+            dp.offset,
+            case.heads,
+            np.diff(case.cu_seqlens_q),
+            np.diff(case.cu_seqlens_k),
+            dp.p,
+        )
     else:
-        keep = keep_mask(dp.seed, dp.offset, case.batch, case.heads, case.seqlen_q,
-                         case.seqlen_k, dp.p)
+        keep = keep_mask(
+            dp.seed, dp.offset, case.batch, case.heads, case.seqlen_q, case.seqlen_k, dp.p
+        )
     return keep, dp.p
 
 
@@ -287,12 +367,14 @@ def test_sparse_full_tiles_skip_the_element_mask_so_a_misclassified_tile_shows()
     spec = stand_in_spec(block_m=4, block_n=4, head_dim=8, causal="top_left", sparse=True)
     rng = np.random.default_rng(1)
     q, k, v = (rng.standard_normal((1, 8, 1, 8)) for _ in range(3))
-    good = compact_layout(np.ones((1, 2, 2), bool), block_m=4, block_n=4, seqlen_q=8,
-                          seqlen_k=8, causal="top_left")
+    good = compact_layout(
+        np.ones((1, 2, 2), bool), block_m=4, block_n=4, seqlen_q=8, seqlen_k=8, causal="top_left"
+    )
     o, _ = R.attention_forward(q, k, v, causal="top_left")
     np.testing.assert_allclose(tiled_forward(spec, q, k, v, layout=good).o, o, atol=1e-12)
-    bad = compact_layout(np.ones((1, 2, 2), bool), block_m=4, block_n=4, seqlen_q=8,
-                         seqlen_k=8)  # built without the causal mask: every tile "full"
+    bad = compact_layout(
+        np.ones((1, 2, 2), bool), block_m=4, block_n=4, seqlen_q=8, seqlen_k=8
+    )  # built without the causal mask: every tile "full"
     assert not np.allclose(tiled_forward(spec, q, k, v, layout=bad).o, o)
     assert dense_from_compact(good).tolist() == [[[True, False], [True, True]]]
 
@@ -308,5 +390,12 @@ def test_spec_features_must_match_the_arguments():
     with pytest.raises(ValueError, match="dropout"):
         tiled_forward(spec, q, k, k, keep_mask=np.ones((1, 2, 2, 2), bool), dropout_p=0.5)
     with pytest.raises(ValueError, match="layout"):
-        tiled_forward(spec, q, k, k, layout=compact_layout(
-            np.ones((1, 1, 1), bool), block_m=2, block_n=2, seqlen_q=2, seqlen_k=2))
+        tiled_forward(
+            spec,
+            q,
+            k,
+            k,
+            layout=compact_layout(
+                np.ones((1, 1, 1), bool), block_m=2, block_n=2, seqlen_q=2, seqlen_k=2
+            ),
+        )

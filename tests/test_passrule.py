@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from verify import baseline as B
-from verify import reference as R
-from verify.passrule import Verdict, check, check_all, noise_floor
+from flashgen.verify import baseline as B
+from flashgen.verify import reference as R
+from flashgen.verify.passrule import Verdict, check, check_all, noise_floor
 
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
@@ -77,8 +76,10 @@ def test_verdict_is_truthy_when_passed():
 
 def _problem(seed=0, causal="bottom_right"):
     rng = np.random.default_rng(seed)
-    q, k, v = (B.round_to_dtype(rng.standard_normal(s), "bf16").astype(np.float64)
-               for s in ((2, 37, 4, 32), (2, 29, 2, 32), (2, 29, 2, 32)))
+    q, k, v = (
+        B.round_to_dtype(rng.standard_normal(s), "bf16").astype(np.float64)
+        for s in ((2, 37, 4, 32), (2, 29, 2, 32), (2, 29, 2, 32))
+    )
     return q, k, v
 
 
@@ -100,12 +101,14 @@ def test_check_all_fails_a_kernel_that_ignores_the_causal_mask():
     o64, lse64 = R.attention_forward(q, k, v, causal="top_left")
     ob, lseb = B.attention_forward(q, k, v, dtype="bf16", causal="top_left")
     wrong, wrong_lse = B.attention_forward(q, k, v, dtype="bf16")
-    verdicts = check_all({"o": wrong, "lse": wrong_lse}, {"o": o64, "lse": lse64},
-                         {"o": ob, "lse": lseb}, "bf16")
+    verdicts = check_all(
+        {"o": wrong, "lse": wrong_lse}, {"o": o64, "lse": lse64}, {"o": ob, "lse": lseb}, "bf16"
+    )
     assert not verdicts["o"].passed and not verdicts["lse"].passed
 
 
 def test_check_all_needs_the_same_output_names():
     with pytest.raises(ValueError, match="names"):
-        check_all({"o": np.zeros(1)}, {"o": np.zeros(1), "lse": np.zeros(1)},
-                  {"o": np.zeros(1)}, "fp16")
+        check_all(
+            {"o": np.zeros(1)}, {"o": np.zeros(1), "lse": np.zeros(1)}, {"o": np.zeros(1)}, "fp16"
+        )

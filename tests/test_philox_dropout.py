@@ -6,11 +6,10 @@ import math
 
 import numpy as np
 import pytest
+from flashgen.verify.dropout import keep_mask, keep_mask_varlen, keep_threshold
+from flashgen.verify.philox import philox4x32
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from verify.dropout import keep_mask, keep_mask_varlen, keep_threshold
-from verify.philox import philox4x32
 
 
 def keep_by_hand(seed, offset, batch, heads, sq, sk, p):

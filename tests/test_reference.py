@@ -8,12 +8,11 @@ import types
 
 import numpy as np
 import pytest
+from flashgen.verify import reference as R
+from flashgen.verify.dropout import keep_mask as draw_keep_mask
+from flashgen.verify.strategies import block_layouts, shapes, windows
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from verify import reference as R
-from verify.dropout import keep_mask as draw_keep_mask
-from verify.strategies import block_layouts, shapes, windows
 
 # "no NaN, no warnings" is part of the contract: NumPy RuntimeWarnings fail these tests
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
@@ -482,9 +481,16 @@ def test_head_chunking_for_long_sequences_does_not_change_results(monkeypatch):
     q = rng.standard_normal((12, 6, 4))
     k, v = rng.standard_normal((2, 12, 3, 4))
     do = rng.standard_normal(q.shape)
-    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, causal="top_left",
-              block_mask=rng.random((6, 4, 4)) < 0.7, block_m=2, block_n=2,
-              keep_mask=rng.random((2, 6, 7, 7)) < 0.8, dropout_p=0.2)
+    kw = dict(
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+        causal="top_left",
+        block_mask=rng.random((6, 4, 4)) < 0.7,
+        block_m=2,
+        block_n=2,
+        keep_mask=rng.random((2, 6, 7, 7)) < 0.8,
+        dropout_p=0.2,
+    )
     o, lse = R.attention_forward(q, k, v, **kw)
     grads = R.attention_backward(q, k, v, o, lse, do, **kw)
     monkeypatch.setattr(R, "_CHUNK_ELEMENTS", 1)  # one head per chunk

@@ -7,12 +7,11 @@ import struct
 
 import numpy as np
 import pytest
+from flashgen.verify import baseline as B
+from flashgen.verify import reference as R
+from flashgen.verify.strategies import attention_inputs, shapes
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from verify import baseline as B
-from verify import reference as R
-from verify.strategies import attention_inputs, shapes
 
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
@@ -48,8 +47,20 @@ def test_bf16_rounding_is_round_to_nearest_even(x):
 
 
 def test_bf16_rounding_worked_examples():
-    x = np.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 0.0, -0.0, np.inf, -np.inf,
-                  np.finfo(np.float32).max], dtype=np.float32)
+    x = np.array(
+        [
+            1.0,
+            1 + 2**-8,
+            1 + 3 * 2**-8,
+            -(1 + 2**-8),
+            0.0,
+            -0.0,
+            np.inf,
+            -np.inf,
+            np.finfo(np.float32).max,
+        ],
+        dtype=np.float32,
+    )
     got = B.round_to_dtype(x, "bf16")
     want = [1.0, 1.0, 1 + 2**-6, -1.0, 0.0, -0.0, np.inf, -np.inf, np.inf]
     np.testing.assert_array_equal(got, np.array(want, dtype=np.float32))
@@ -77,11 +88,14 @@ def test_round_to_dtype_accepts_an_enum_with_a_yaml_spelling_and_rejects_others(
 def problems(draw):
     shape = draw(shapes(max_batch=2, max_heads=4, max_seqlen=20, head_dims=(16, 32)))
     dtype = draw(st.sampled_from(("fp16", "bf16")))
-    q, k, v = draw(attention_inputs(
-        (shape.batch, shape.seqlen_q, shape.heads, shape.head_dim),
-        (shape.batch, shape.seqlen_k, shape.kv_heads, shape.head_dim),
-        kind="normal", dtype=dtype,
-    ))
+    q, k, v = draw(
+        attention_inputs(
+            (shape.batch, shape.seqlen_q, shape.heads, shape.head_dim),
+            (shape.batch, shape.seqlen_k, shape.kv_heads, shape.head_dim),
+            kind="normal",
+            dtype=dtype,
+        )
+    )
     causal = draw(st.sampled_from(("none", "top_left", "bottom_right")))
     return q, k, v, dtype, causal
 
@@ -148,9 +162,17 @@ def test_baseline_takes_the_same_feature_arguments_as_the_reference():
     cu = np.array([0, 3, 7])
     q, k, v = (rng.standard_normal((7, 2, 16)) for _ in range(3))
     keep = rng.random((2, 2, 4, 4)) < 0.8
-    kw = dict(causal="top_left", window=(2, 1), cu_seqlens_q=cu, cu_seqlens_k=cu,
-              keep_mask=keep, dropout_p=0.2, block_mask=np.ones((1, 2, 2), bool),
-              block_m=2, block_n=2)
+    kw = dict(
+        causal="top_left",
+        window=(2, 1),
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+        keep_mask=keep,
+        dropout_p=0.2,
+        block_mask=np.ones((1, 2, 2), bool),
+        block_m=2,
+        block_n=2,
+    )
     o, lse = B.attention_forward(q, k, v, dtype="bf16", **kw)
     o64, lse64 = R.attention_forward(q, k, v, **kw)
     assert o.shape == o64.shape and lse.shape == lse64.shape == (2, 7)

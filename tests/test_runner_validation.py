@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from generator.load import load_spec_text
-from verify.runner import PARAM_FIELDS, RunnerError, check_device_params, pack_params, validate
+from flashgen.generator.load import load_spec_text
+from flashgen.verify.runner import (
+    PARAM_FIELDS,
+    RunnerError,
+    check_device_params,
+    pack_params,
+    validate,
+)
 
 DENSE = load_spec_text("dtype: bf16\nhead_dim: 64\n")[0]
 VARLEN_GQA = load_spec_text("dtype: fp16\nhead_dim: 64\nmask: {varlen: true}\ngqa: true\n")[0]
@@ -14,8 +19,11 @@ VARLEN_GQA = load_spec_text("dtype: fp16\nhead_dim: 64\nmask: {varlen: true}\ngq
 
 def _qkv(b=1, s=8, h=2, d=64, hk=None):
     hk = h if hk is None else hk
-    return (np.zeros((b, s, h, d), np.float32), np.zeros((b, s, hk, d), np.float32),
-            np.zeros((b, s, hk, d), np.float32))
+    return (
+        np.zeros((b, s, h, d), np.float32),
+        np.zeros((b, s, hk, d), np.float32),
+        np.zeros((b, s, hk, d), np.float32),
+    )
 
 
 def test_params_pack_to_one_word_per_field_with_unsigned_seed():
@@ -58,9 +66,20 @@ def test_varlen_lengths_must_cover_the_packed_rows():
 
 
 def test_raw_device_pointers_must_be_aligned_and_strides_whole_chunks():
-    good = {"q": 0x1000, "k": 0x2000, "v": 0x3000, "o": 0x4000, "lse": 0x5000,
-            "q_row_stride": 128, "batch": 1, "heads": 2, "kv_heads": 2, "seqlen_q": 3,
-            "seqlen_k": 4, "softmax_scale": 0.125}
+    good = {
+        "q": 0x1000,
+        "k": 0x2000,
+        "v": 0x3000,
+        "o": 0x4000,
+        "lse": 0x5000,
+        "q_row_stride": 128,
+        "batch": 1,
+        "heads": 2,
+        "kv_heads": 2,
+        "seqlen_q": 3,
+        "seqlen_k": 4,
+        "softmax_scale": 0.125,
+    }
     check_device_params(DENSE, good)
     with pytest.raises(RunnerError, match="k = 0x2008 is not 16-byte aligned"):
         check_device_params(DENSE, {**good, "k": 0x2008})
@@ -78,15 +97,14 @@ SPARSE = load_spec_text("dtype: bf16\nhead_dim: 64\nsparsity: block\n")[0]
 
 
 def test_sparse_layout_must_match_the_lengths_and_name_real_tiles():
-    from verify.blocksparse import compact_layout_for_spec
+    from flashgen.verify.blocksparse import compact_layout_for_spec
 
     q = np.zeros((1, 130, 2, 64), np.float32)
     k = np.zeros((1, 100, 2, 64), np.float32)
     tr, tc = -(-130 // SPARSE.tile.block_m), -(-100 // SPARSE.tile.block_n)
     ok = compact_layout_for_spec(np.ones((1, tr, tc), bool), SPARSE, seqlen_q=130, seqlen_k=100)
     validate(SPARSE, q, k, k, layout=ok)
-    other = compact_layout_for_spec(np.ones((1, tr, tc), bool), SPARSE, seqlen_q=130,
-                                    seqlen_k=128)
+    other = compact_layout_for_spec(np.ones((1, tr, tc), bool), SPARSE, seqlen_q=130, seqlen_k=128)
     with pytest.raises(RunnerError, match=r"built for \(seqlen_q, seqlen_k\) = \(130, 128\)"):
         validate(SPARSE, q, k, k, layout=other)
     ok.full_idx[0, 0, 0] = -1

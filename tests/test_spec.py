@@ -7,12 +7,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from generator.load import load_paths, load_spec_file, load_spec_text
-from generator.spec import (
-    HEAD_DIMS,
+from flashgen.generator.families.forward import HEAD_DIMS, tile_problems
+from flashgen.generator.load import load_paths, load_spec_file, load_spec_text
+from flashgen.generator.naming import kernel_name
+from flashgen.generator.spec import (
     Causal,
     Dtype,
     KernelKind,
@@ -23,7 +21,9 @@ from generator.spec import (
     Target,
     Tile,
 )
-from generator.tiles import MEASURED_DEFAULTS, auto_tile, paper_tile, tile_fits
+from flashgen.generator.tiles import MEASURED_DEFAULTS, auto_tile, paper_tile, tile_fits
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -58,7 +58,9 @@ def test_causal_table_holds_yaml_short_and_cpp_spellings():
 
 
 def test_kind_and_sparsity_tables():
-    assert [(k.yaml, k.short) for k in KernelKind] == [("forward", "fwd"), ("backward", "bwd")]
+    assert [(k.yaml, k.short) for k in KernelKind] == [
+        ("forward", "fwd"), ("backward", "bwd"), ("decode", "dec"),
+    ]  # fmt: skip
     assert [(s.yaml, s.short) for s in Sparsity] == [("none", ""), ("block", "sparse")]
 
 
@@ -69,7 +71,9 @@ def test_target_table_holds_arch_cc_and_hardware_limits():
         ("sm_86", "sm86", 86, 101376, 84),
         ("sm_89", "sm89", 89, 101376, 128),
         ("sm_90", "sm90", 90, 232448, 132),
+        ("sm_90a", "sm90a", 90, 232448, 132),
     ]
+    assert Target.SM90A.gencode == "arch=compute_90a,code=[sm_90a,compute_90a]"
     for t in Target:
         assert (t.info.regs_per_sm, t.info.max_regs_per_thread) == (65536, 255)
         assert t.info.max_threads_per_block == 1024
@@ -129,8 +133,9 @@ def test_canonical_form_has_fixed_key_order_and_yaml_spellings():
     s = one("dtype: bf16\nhead_dim: 64\nmask: {causal: bottom_right}\n")
     c = s.to_canonical()
     assert list(c) == [
-        "kernel", "dtype", "head_dim", "tile", "tile_auto", "mask", "dropout",
-        "debug_keep_mask", "sparsity", "gqa", "target", "instrument_io", "allow_spills",
+        "kernel", "head_dim", "dtype", "mask", "gqa", "dropout", "debug_keep_mask",
+        "sparsity", "deterministic", "instrument_io", "tile", "tile_auto", "target",
+        "allow_spills",
     ]  # fmt: skip
     assert c["mask"] == {"causal": "bottom_right", "window": False, "varlen": False}
     assert c["tile_auto"] is True and c["target"] == "sm_90"
@@ -145,7 +150,7 @@ def test_source_is_file_and_line_but_not_part_of_identity():
     a = one("dtype: bf16\nhead_dim: 64\n")
     b = load("\n\ndtype: bf16\nhead_dim: 64\n", "other.yaml")[0]
     assert a.source == "spec.yaml:1" and b.source == "other.yaml:3"
-    assert a == b and hash(a) == hash(b) and a.name == b.name
+    assert a == b and hash(a) == hash(b) and kernel_name(a) == kernel_name(b)
     assert "source" not in a.to_canonical()
 
 
@@ -181,12 +186,12 @@ def test_family_is_the_cross_product_in_field_order():
         mask: {causal: [none, bottom_right]}
         """
     )
-    got = [(s.dtype.yaml, s.head_dim, s.mask.causal.yaml) for s in specs]
-    assert got == [
-        ("fp16", 64, "none"), ("fp16", 64, "bottom_right"),
-        ("fp16", 128, "none"), ("fp16", 128, "bottom_right"),
-        ("bf16", 64, "none"), ("bf16", 64, "bottom_right"),
-        ("bf16", 128, "none"), ("bf16", 128, "bottom_right"),
+    got = [(s.head_dim, s.dtype.yaml, s.mask.causal.yaml) for s in specs]
+    assert got == [  # spec.FIELDS order: head_dim before dtype
+        (64, "fp16", "none"), (64, "fp16", "bottom_right"),
+        (64, "bf16", "none"), (64, "bf16", "bottom_right"),
+        (128, "fp16", "none"), (128, "fp16", "bottom_right"),
+        (128, "bf16", "none"), (128, "bf16", "bottom_right"),
     ]  # fmt: skip
 
 
@@ -482,7 +487,10 @@ def test_paper_tile_is_shrunk_until_it_fits():
     assert t == Tile(64, 64, 4, 2)
 
 
-@pytest.mark.parametrize("target", list(Target))
+FORWARD_TARGETS = [t for t in Target if t is not Target.SM90A]
+
+
+@pytest.mark.parametrize("target", FORWARD_TARGETS)
 @pytest.mark.parametrize("dtype", list(Dtype))
 def test_auto_tile_is_valid_for_every_head_dim(target, dtype):
     for d in HEAD_DIMS:
@@ -494,7 +502,7 @@ def test_auto_tile_is_valid_for_every_head_dim(target, dtype):
 
 def test_measured_table_entries_are_legal_tiles():
     for (target, d), tile in MEASURED_DEFAULTS.items():
-        assert not tile.problems(), (target, d, tile)
+        assert not tile_problems(tile), (target, d, tile)
 
 
 # --------------------------------------------------------------------------------------------
@@ -538,7 +546,7 @@ def valid_mappings(draw):
             "window": draw(st.booleans()),
             "varlen": draw(st.booleans()),
         },
-        "target": draw(st.sampled_from(Target.allowed())),
+        "target": draw(st.sampled_from([t.yaml for t in FORWARD_TARGETS])),
         "gqa": draw(st.booleans()),
         "sparsity": draw(st.sampled_from(Sparsity.allowed())),
     }
@@ -566,3 +574,21 @@ def test_valid_mappings_load_to_one_valid_spec(mapping):
     (spec,) = load_spec_text(yaml.safe_dump(mapping), "p.yaml")
     assert spec.smem_bytes <= spec.target.info.max_smem_per_block
     assert spec.dtype.yaml == mapping["dtype"] and spec.head_dim == mapping["head_dim"]
+
+
+def test_sm90a_is_rejected_by_the_mma_sync_forward_with_the_targets_it_takes():
+    with pytest.raises(SpecError, match="target: sm_90a is not served by the mma.sync forward"):
+        load("dtype: bf16\nhead_dim: 64\ntarget: sm_90a\n")
+
+
+def test_a_field_of_another_family_is_rejected_naming_where_it_applies():
+    with pytest.raises(SpecError, match="deterministic: applies to kernel: backward only"):
+        load("dtype: bf16\nhead_dim: 64\ndeterministic: true\n")
+
+
+def test_every_field_of_the_table_is_in_the_canonical_form():
+    from flashgen.generator.spec import FIELDS
+
+    c = one("dtype: bf16\nhead_dim: 64\n").to_canonical()
+    for f in FIELDS:
+        assert (c[f.top][f.sub] if f.sub else c[f.path]) is not None

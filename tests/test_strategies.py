@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import Phase, given, settings
-from hypothesis import find as _find
-from hypothesis import strategies as st
-
-from verify.strategies import (
+from flashgen.verify.strategies import (
     VALUE_KINDS,
     attention_inputs,
     block_layouts,
@@ -19,13 +15,19 @@ from verify.strategies import (
     valid_specs,
     windows,
 )
+from hypothesis import Phase, given, settings
+from hypothesis import find as _find
+from hypothesis import strategies as st
 
 
 def exists(strategy, condition, tries=2000):
     """Fails unless `strategy` draws a value satisfying `condition` within `tries` draws
     (no shrinking: only existence matters)."""
-    _find(strategy, condition,
-          settings=settings(max_examples=tries, database=None, phases=[Phase.generate]))
+    _find(
+        strategy,
+        condition,
+        settings=settings(max_examples=tries, database=None, phases=[Phase.generate]),
+    )
 
 
 @settings(max_examples=100, deadline=None)
@@ -94,8 +96,13 @@ def test_dropout_params_are_in_range(dp):
 
 
 def test_dropout_params_draw_each_kind_of_p():
-    for pred in (lambda d: d.p == 0.0, lambda d: 0 < d.p <= 0.1, lambda d: d.p == 0.5,
-                 lambda d: d.p == 0.9, lambda d: d.seed >= 2**32):
+    for pred in (
+        lambda d: d.p == 0.0,
+        lambda d: 0 < d.p <= 0.1,
+        lambda d: d.p == 0.5,
+        lambda d: d.p == 0.9,
+        lambda d: d.seed >= 2**32,
+    ):
         exists(dropout_params(), pred)
 
 
@@ -133,7 +140,7 @@ def test_duplicate_keys_inputs_hold_equal_key_rows():
 @settings(max_examples=60, deadline=None)
 @given(valid_specs())
 def test_valid_specs_are_real_validated_kernel_specs(spec):
-    from generator.spec import KernelSpec
+    from flashgen.generator.spec import KernelSpec
 
     assert isinstance(spec, KernelSpec) and spec.problems() == []
     assert not spec.debug_keep_mask or spec.dropout

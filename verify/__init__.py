@@ -12,5 +12,5 @@ they share with the CUDA templates):
 - `io_model`: closed-form HBM bytes of a kernel, standard attention and the paper's bound.
 - `strategies`: Hypothesis strategies (shapes, lengths, windows, layouts, values, specs).
 
-Nothing is imported here, so `import verify.reference` does not pull in Hypothesis.
+Nothing is imported here, so `import flashgen.verify.reference` does not pull in Hypothesis.
 """

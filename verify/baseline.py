@@ -15,16 +15,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-
-from verify.numerics import round_to
-from verify.reference import (
+from flashgen.verify.numerics import round_to
+from flashgen.verify.reference import (
     SeqInputs,
     masked_softmax,
     probabilities_from_lse,
     run_backward,
     scaled_scores,
 )
-from verify.reference import run_forward as _run_forward
+from flashgen.verify.reference import run_forward as _run_forward
 
 __all__ = ["DTYPES", "attention_backward", "attention_forward", "dtype_name", "round_to_dtype"]
 
@@ -121,9 +120,20 @@ def attention_forward(
     name = dtype_name(dtype)
     q, k, v = (round_to_dtype(x, name) for x in (q, k, v))
     return _run_forward(
-        _forward_core(name), q, k, v, work_dtype=np.float32, scale=scale, causal=causal,
-        window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        keep_mask=keep_mask, dropout_p=dropout_p, block_mask=block_mask, block_m=block_m,
+        _forward_core(name),
+        q,
+        k,
+        v,
+        work_dtype=np.float32,
+        scale=scale,
+        causal=causal,
+        window=window,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        keep_mask=keep_mask,
+        dropout_p=dropout_p,
+        block_mask=block_mask,
+        block_m=block_m,
         block_n=block_n,
     )
 
@@ -157,9 +167,23 @@ def attention_backward(
     name = dtype_name(dtype)
     q, k, v, o, do = (round_to_dtype(x, name) for x in (q, k, v, o, do))
     dq, dk, dv = run_backward(
-        _backward_core(name), q, k, v, o, np.asarray(lse, dtype=np.float32), do,
-        work_dtype=np.float32, scale=scale, causal=causal, window=window,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, keep_mask=keep_mask,
-        dropout_p=dropout_p, block_mask=block_mask, block_m=block_m, block_n=block_n,
+        _backward_core(name),
+        q,
+        k,
+        v,
+        o,
+        np.asarray(lse, dtype=np.float32),
+        do,
+        work_dtype=np.float32,
+        scale=scale,
+        causal=causal,
+        window=window,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        keep_mask=keep_mask,
+        dropout_p=dropout_p,
+        block_mask=block_mask,
+        block_m=block_m,
+        block_n=block_n,
     )
     return dq, round_to_dtype(dk, name), round_to_dtype(dv, name)

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from verify.reference import element_visible, spec_window
+from flashgen.verify.reference import element_visible, spec_window
 
 __all__ = [
     "CompactLayout",
@@ -128,20 +127,35 @@ def compact_layout(
             f"Sk={seqlen_k} at {block_m} x {block_n}; got {bm.dtype} {bm.shape}"
         )
     cls = tile_classes(
-        block_m=block_m, block_n=block_n, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-        causal=causal, window=window,
+        block_m=block_m,
+        block_n=block_n,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        causal=causal,
+        window=window,
     )
-    full = [[np.flatnonzero(bm[hl, qt] & (cls[qt] == FULL)).tolist() for qt in range(tr)]
-            for hl in range(bm.shape[0])]
-    part = [[np.flatnonzero(bm[hl, qt] & (cls[qt] == PARTIAL)).tolist() for qt in range(tr)]
-            for hl in range(bm.shape[0])]
+    full = [
+        [np.flatnonzero(bm[hl, qt] & (cls[qt] == FULL)).tolist() for qt in range(tr)]
+        for hl in range(bm.shape[0])
+    ]
+    part = [
+        [np.flatnonzero(bm[hl, qt] & (cls[qt] == PARTIAL)).tolist() for qt in range(tr)]
+        for hl in range(bm.shape[0])
+    ]
     longest = max((len(r) for rows in full + part for r in rows), default=0)
     max_blocks = max(1, longest)
     full_count, full_idx = _pack(full, max_blocks)
     part_count, part_idx = _pack(part, max_blocks)
     return CompactLayout(
-        full_count, full_idx, part_count, part_idx, max_blocks,
-        int(block_m), int(block_n), int(seqlen_q), int(seqlen_k),
+        full_count,
+        full_idx,
+        part_count,
+        part_idx,
+        max_blocks,
+        int(block_m),
+        int(block_n),
+        int(seqlen_q),
+        int(seqlen_k),
     )
 
 

@@ -12,8 +12,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-
-from verify.philox import philox4x32
+from flashgen.verify.philox import philox4x32
 
 __all__ = ["keep_mask", "keep_mask_varlen", "keep_threshold"]
 

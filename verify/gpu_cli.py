@@ -26,6 +26,6 @@ def verify_main(argv: list[str] | None = None) -> int:
 def bench_main(argv: list[str] | None = None) -> int:
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from bench.fwd_bench import main
+    from flashgen.bench.fwd_bench import main
 
     return main(argv)

@@ -22,9 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-
-from verify.blocksparse import CompactLayout
-from verify.reference import causal_name, shift_for, spec_window
+from flashgen.verify.blocksparse import CompactLayout
+from flashgen.verify.reference import causal_name, shift_for, spec_window
 
 __all__ = [
     "IO_KEYS",
@@ -37,7 +36,12 @@ IO_KEYS = ("Q", "K", "V", "O", "LSE", "META", "KEEP_MASK")
 
 
 def _dense_key_rows(
-    sq: int, sk: int, block_m: int, block_n: int, grid_tr: int, causal: str,
+    sq: int,
+    sk: int,
+    block_m: int,
+    block_n: int,
+    grid_tr: int,
+    causal: str,
     window: tuple[int, int],
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per query tile `(grid_tr,)`: valid rows, key rows covered by the dense schedule."""
@@ -59,9 +63,7 @@ def _dense_key_rows(
     return rows, np.where(rows > 0, covered, 0)
 
 
-def _sparse_key_rows(
-    layout: CompactLayout, sk: int, block_n: int
-) -> tuple[np.ndarray, np.ndarray]:
+def _sparse_key_rows(layout: CompactLayout, sk: int, block_n: int) -> tuple[np.ndarray, np.ndarray]:
     """Per (layout head, query tile): key rows covered and tiles listed."""
     covered = np.zeros(layout.full_count.shape, dtype=np.int64)
     listed = (layout.full_count + layout.part_count).astype(np.int64)
@@ -106,8 +108,13 @@ def forward_bytes(
     debug = spec.debug_keep_mask if debug_keep_mask is None else debug_keep_mask
     varlen = cu_seqlens_q is not None
     if varlen:
-        lens = list(zip(np.diff(np.asarray(cu_seqlens_q, dtype=np.int64)).tolist(),
-                        np.diff(np.asarray(cu_seqlens_k, dtype=np.int64)).tolist(), strict=True))
+        lens = list(
+            zip(
+                np.diff(np.asarray(cu_seqlens_q, dtype=np.int64)).tolist(),
+                np.diff(np.asarray(cu_seqlens_k, dtype=np.int64)).tolist(),
+                strict=True,
+            )
+        )
         if len(lens) != batch:
             raise ValueError(f"cu_seqlens have {len(lens) + 1} entries, batch + 1 = {batch + 1}")
     else:
@@ -123,8 +130,12 @@ def forward_bytes(
         if layout is None:
             covered, per_head = dense_covered[None, :], heads
         else:
-            if (sq, sk, bm, bn) != (layout.seqlen_q, layout.seqlen_k,
-                                    layout.block_m, layout.block_n):
+            if (sq, sk, bm, bn) != (
+                layout.seqlen_q,
+                layout.seqlen_k,
+                layout.block_m,
+                layout.block_n,
+            ):
                 raise ValueError(
                     f"layout built for Sq={layout.seqlen_q}, Sk={layout.seqlen_k} at "
                     f"{layout.block_m} x {layout.block_n}, not {sq} x {sk} at {bm} x {bn}"
@@ -180,4 +191,3 @@ def paper_fwd_bound(n: int, d: int, m: float) -> float:
     if not (n > 0 and d > 0 and m > 0):
         raise ValueError(f"N={n}, d={d}, M={m} must be positive")
     return float(n) * n * d * d / float(m)
-

@@ -30,8 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from verify.baseline import dtype_name, round_to_dtype
+from flashgen.verify.baseline import dtype_name, round_to_dtype
 
 __all__ = ["Verdict", "check", "check_all", "noise_floor", "output_dtype", "score_floor"]
 

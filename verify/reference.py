@@ -185,8 +185,14 @@ def visible_mask(
         if sq > seqlen_q or sk > seqlen_k:
             raise ValueError(f"sequence {b} ({sq} x {sk}) exceeds {seqlen_q} x {seqlen_k}")
         out[b, :, :sq, :sk] = sequence_visible(
-            sq, sk, heads=heads, causal=causal, window=window,
-            block_mask=block_mask, block_m=block_m, block_n=block_n,
+            sq,
+            sk,
+            heads=heads,
+            causal=causal,
+            window=window,
+            block_mask=block_mask,
+            block_m=block_m,
+            block_n=block_n,
         )
     return out
 
@@ -282,9 +288,7 @@ def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_q: Any, cu_k: Any) 
     return _Problem(batch, heads, kv_heads, d, True, seqs, (heads, q.shape[0]), max_sq, max_sk)
 
 
-def _keep_for(
-    keep_mask: Any, pb: _Problem, seq: _Seq, sq: int, sk: int
-) -> np.ndarray | None:
+def _keep_for(keep_mask: Any, pb: _Problem, seq: _Seq, sq: int, sk: int) -> np.ndarray | None:
     if keep_mask is None:
         return None
     km = np.asarray(keep_mask)
@@ -362,12 +366,26 @@ def _iter_blocks(
             if layout is not None and layout.shape[0] != 1:
                 layout = layout[hs]
             vis = sequence_visible(
-                sq, sk, heads=hs.stop - hs.start, causal=causal, window=window,
-                block_mask=layout, block_m=block_m, block_n=block_n,
+                sq,
+                sk,
+                heads=hs.stop - hs.start,
+                causal=causal,
+                window=window,
+                block_mask=layout,
+                block_m=block_m,
+                block_n=block_n,
             )
-            yield _Block(seq, hs, kv_index), SeqInputs(
-                qs[:, hs], ks[:, kv_index], vs[:, kv_index], vis,
-                None if keep is None else keep[hs], dropout_p, scale,
+            yield (
+                _Block(seq, hs, kv_index),
+                SeqInputs(
+                    qs[:, hs],
+                    ks[:, kv_index],
+                    vs[:, kv_index],
+                    vis,
+                    None if keep is None else keep[hs],
+                    dropout_p,
+                    scale,
+                ),
             )
 
 
@@ -409,8 +427,17 @@ def run_forward(
     o = np.zeros(q.shape, dtype=work_dtype)
     lse = np.full(pb.lse_shape, -np.inf, dtype=work_dtype)
     for blk, inp in _iter_blocks(
-        q, k, v, pb, scale=_default_scale(scale, pb.d), causal=causal, window=window,
-        keep_mask=keep_mask, dropout_p=p, block_mask=block_mask, block_m=block_m,
+        q,
+        k,
+        v,
+        pb,
+        scale=_default_scale(scale, pb.d),
+        causal=causal,
+        window=window,
+        keep_mask=keep_mask,
+        dropout_p=p,
+        block_mask=block_mask,
+        block_m=block_m,
         block_n=block_n,
     ):
         o_s, lse_s = core(inp)
@@ -453,8 +480,17 @@ def run_backward(
     dk = np.zeros(k.shape, dtype=work_dtype)
     dv = np.zeros(v.shape, dtype=work_dtype)
     for blk, inp in _iter_blocks(
-        q, k, v, pb, scale=_default_scale(scale, pb.d), causal=causal, window=window,
-        keep_mask=keep_mask, dropout_p=p, block_mask=block_mask, block_m=block_m,
+        q,
+        k,
+        v,
+        pb,
+        scale=_default_scale(scale, pb.d),
+        causal=causal,
+        window=window,
+        keep_mask=keep_mask,
+        dropout_p=p,
+        block_mask=block_mask,
+        block_m=block_m,
         block_n=block_n,
     ):
         seq, hs, kv_index = blk
@@ -565,9 +601,21 @@ def attention_forward(
     (varlen `(heads, total_q)`); rows with no visible key give o = 0 and LSE = -inf.
     """
     return run_forward(
-        _forward64, q, k, v, work_dtype=np.float64, scale=scale, causal=causal, window=window,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, keep_mask=keep_mask,
-        dropout_p=dropout_p, block_mask=block_mask, block_m=block_m, block_n=block_n,
+        _forward64,
+        q,
+        k,
+        v,
+        work_dtype=np.float64,
+        scale=scale,
+        causal=causal,
+        window=window,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        keep_mask=keep_mask,
+        dropout_p=dropout_p,
+        block_mask=block_mask,
+        block_m=block_m,
+        block_n=block_n,
     )
 
 
@@ -598,8 +646,22 @@ def attention_backward(
     heads sharing a key/value head.
     """
     return run_backward(
-        _backward64, q, k, v, o, lse, do, work_dtype=np.float64, scale=scale, causal=causal,
-        window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        keep_mask=keep_mask, dropout_p=dropout_p, block_mask=block_mask, block_m=block_m,
+        _backward64,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        do,
+        work_dtype=np.float64,
+        scale=scale,
+        causal=causal,
+        window=window,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        keep_mask=keep_mask,
+        dropout_p=dropout_p,
+        block_mask=block_mask,
+        block_m=block_m,
         block_n=block_n,
     )

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from verify.io_model import IO_KEYS
-from verify.numerics import from_dtype_bits, to_dtype_bits
+from flashgen.generator.naming import kernel_name
+from flashgen.verify.io_model import IO_KEYS
+from flashgen.verify.numerics import from_dtype_bits, to_dtype_bits
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CUBIN_DIR = REPO / "build" / "kernels"
@@ -443,7 +443,7 @@ class FwdKernel:
 
     def __init__(self, spec, cubin: Path) -> None:
         self.spec = spec
-        self.name = spec.name
+        self.name = kernel_name(spec)
         self.cubin = Path(cubin)
         if not self.cubin.exists():
             raise RunnerError(
@@ -619,7 +619,7 @@ class FwdKernel:
 
 
 def cubin_path(spec, cubin_dir: Path | str = DEFAULT_CUBIN_DIR) -> Path:
-    return Path(cubin_dir) / f"{spec.name}.cubin"
+    return Path(cubin_dir) / f"{kernel_name(spec)}.cubin"
 
 
 def load_kernel(spec, cubin_dir: Path | str = DEFAULT_CUBIN_DIR) -> FwdKernel:

@@ -25,10 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from verify.blocksparse import CompactLayout
-from verify.io_model import IO_KEYS
-from verify.reference import causal_name, element_visible, shift_for, spec_window
+from flashgen.verify.blocksparse import CompactLayout
+from flashgen.verify.io_model import IO_KEYS
+from flashgen.verify.reference import causal_name, element_visible, shift_for, spec_window
 
 __all__ = ["IO_KEYS", "TiledResult", "dense_tile_range", "tiled_forward"]
 
@@ -48,7 +47,13 @@ class TiledResult:
 
 
 def dense_tile_range(
-    r0: int, r1: int, *, block_n: int, seqlen_q: int, seqlen_k: int, causal: Any,
+    r0: int,
+    r1: int,
+    *,
+    block_n: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    causal: Any,
     window: Sequence[int],
 ) -> tuple[int, int]:
     """`(n_lo, n_hi)` of the dense tile schedule for rows `r0 .. r1` (conventions.md)."""
@@ -168,9 +173,21 @@ def tiled_forward(
                 keep = None if keep_mask is None else keep_mask[b, h]
                 dbg = None if debug is None else debug[b, h]
                 o_rows, lse_rows = _cta(
-                    qb[:, h], kb[:, h // group], vb[:, h // group], r0, r1, schedule,
-                    block_n=bn, scale=scale, causal=causal, window=win, keep=keep, p=p,
-                    debug=dbg, elt=elt, io=io,
+                    qb[:, h],
+                    kb[:, h // group],
+                    vb[:, h // group],
+                    r0,
+                    r1,
+                    schedule,
+                    block_n=bn,
+                    scale=scale,
+                    causal=causal,
+                    window=win,
+                    keep=keep,
+                    p=p,
+                    debug=dbg,
+                    elt=elt,
+                    io=io,
                 )
                 if varlen:
                     o[qs.start + r0 : qs.start + r1 + 1, h] = o_rows

@@ -4,8 +4,8 @@ same-precision baseline, by the pass rule, with the record kept for the kernel."
 from __future__ import annotations
 
 import numpy as np
-
-from verify import baseline, passrule, reference
+from flashgen.generator.naming import kernel_name
+from flashgen.verify import baseline, passrule, reference
 
 
 def softmax_scale(spec) -> float:
@@ -34,4 +34,4 @@ def assert_pass(spec, found: dict, recorder, test: str, res) -> None:
     recorder.add(spec, found, test)
     assert res.stats["margins_intact"], "a write landed outside an output buffer"
     for out, v in found.items():
-        assert v.passed, f"{spec.name} {out}: {v.message}"
+        assert v.passed, f"{kernel_name(spec)} {out}: {v.message}"

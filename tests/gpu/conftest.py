@@ -16,8 +16,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from verify.runner import gpu_available
+from flashgen.generator.naming import kernel_name
+from flashgen.verify.runner import gpu_available
 
 REPO = Path(__file__).resolve().parents[2]
 CUBIN_DIR = REPO / "build" / "kernels"
@@ -36,17 +36,17 @@ def pytest_collection_modifyitems(config, items):  # noqa: ARG001
 
 
 def shipped_specs():
-    from generator.load import load_paths
+    from flashgen.generator.load import load_paths
 
     return load_paths([REPO / "specs"])
 
 
 def ensure_cubins(specs) -> None:
     """Build the cubins that are missing (the device build normally carries them)."""
-    missing = [s for s in specs if not (CUBIN_DIR / f"{s.name}.cubin").exists()]
+    missing = [s for s in specs if not (CUBIN_DIR / f"{kernel_name(s)}.so").exists()]
     if not missing:
         return
-    from generator.compile import compile_specs
+    from flashgen.generator.compile import compile_specs
 
     compile_specs(missing, out_dir=CUBIN_DIR, jobs=os.cpu_count() or 2)
 
@@ -59,8 +59,14 @@ class Recorder:
 
     def add(self, spec, verdicts: dict, test: str) -> None:
         rec = self.kernels.setdefault(
-            spec.name,
-            {"kernel": spec.name, "examples": 0, "worst_ratio": {}, "failures": 0, "tests": {}},
+            kernel_name(spec),
+            {
+                "kernel": kernel_name(spec),
+                "examples": 0,
+                "worst_ratio": {},
+                "failures": 0,
+                "tests": {},
+            },
         )
         rec["examples"] += 1
         rec["tests"][test] = rec["tests"].get(test, 0) + 1
@@ -71,8 +77,14 @@ class Recorder:
 
     def fail(self, spec, test: str) -> None:
         rec = self.kernels.setdefault(
-            spec.name,
-            {"kernel": spec.name, "examples": 0, "worst_ratio": {}, "failures": 0, "tests": {}},
+            kernel_name(spec),
+            {
+                "kernel": kernel_name(spec),
+                "examples": 0,
+                "worst_ratio": {},
+                "failures": 0,
+                "tests": {},
+            },
         )
         rec["failures"] += 1
         rec["tests"][test] = rec["tests"].get(test, 0)
@@ -92,7 +104,7 @@ class Recorder:
 
 
 def _environment() -> dict:
-    from verify.runner import _Gpu
+    from flashgen.verify.runner import _Gpu
 
     gpu = _Gpu.get()
     cuda = gpu.cuda

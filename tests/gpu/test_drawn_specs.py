@@ -12,16 +12,16 @@ from __future__ import annotations
 import os
 
 import numpy as np
+from flashgen.generator.compile import compile_specs
+from flashgen.generator.naming import kernel_name
+from flashgen.generator.spec import Target
+from flashgen.verify import dropout, io_model
+from flashgen.verify.blocksparse import compact_layout_for_spec
+from flashgen.verify.runner import load_kernel
+from flashgen.verify.strategies import block_layouts, valid_specs
+from flashgen.verify.tiled_model import tiled_forward
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from generator.compile import compile_specs
-from generator.spec import Target
-from verify import dropout, io_model
-from verify.blocksparse import compact_layout_for_spec
-from verify.runner import load_kernel
-from verify.strategies import block_layouts, valid_specs
-from verify.tiled_model import tiled_forward
 
 from .checks import verdicts
 from .conftest import REPO
@@ -93,7 +93,7 @@ def _check_case(spec, kernel, data) -> None:
         assert res.io == {key: val for key, val in want.items() if key != "total"}
     assert res.stats["margins_intact"], "a write landed outside an output buffer"
     for out, v in verdicts(spec, res, **ref).items():
-        assert v.passed, f"{spec.name} {out}: {v.message} (case {case})"
+        assert v.passed, f"{kernel_name(spec)} {out}: {v.message} (case {case})"
 
 
 @settings(

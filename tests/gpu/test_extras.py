@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from flashgen.generator.naming import kernel_name
+from flashgen.verify import dropout, io_model
+from flashgen.verify.blocksparse import compact_layout_for_spec
+from flashgen.verify.runner import load_kernel
+from flashgen.verify.strategies import block_layouts
+from flashgen.verify.tiled_model import tiled_forward
 from hypothesis import given
 from hypothesis import strategies as st
-
-from verify import dropout, io_model
-from verify.blocksparse import compact_layout_for_spec
-from verify.runner import load_kernel
-from verify.strategies import block_layouts
-from verify.tiled_model import tiled_forward
 
 from .checks import assert_pass, verdicts
 from .conftest import CUBIN_DIR, shipped_specs
@@ -26,7 +26,7 @@ SPARSE = [s for s in SPECS if s.sparse]
 IO = [s for s in SPECS if s.instrument_io]
 
 
-@pytest.mark.parametrize("spec", DROPOUT, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", DROPOUT, ids=kernel_name)
 def test_dropout_keep_mask_is_bit_exact_and_output_passes(spec, specs, recorder):  # noqa: ARG001
     """Debug builds: the written keep-mask equals verify.dropout's bit for bit. Every build: the
     output passes against the reference fed that mask (which the debug build proved the
@@ -71,9 +71,7 @@ def test_dropout_keep_mask_is_bit_exact_and_output_passes(spec, specs, recorder)
         raise
 
 
-@pytest.mark.parametrize(
-    "spec", [s for s in DROPOUT if s.debug_keep_mask][:1], ids=lambda s: s.name
-)
+@pytest.mark.parametrize("spec", [s for s in DROPOUT if s.debug_keep_mask][:1], ids=kernel_name)
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_keep_rate_is_within_binomial_bounds(spec, p, specs):  # noqa: ARG001
     kernel = load_kernel(spec, CUBIN_DIR)
@@ -87,9 +85,7 @@ def test_keep_rate_is_within_binomial_bounds(spec, p, specs):  # noqa: ARG001
     assert abs(kept - mean) < 5 * sd, (kept, mean, sd)
 
 
-@pytest.mark.parametrize(
-    "spec", [s for s in DROPOUT if not s.debug_keep_mask], ids=lambda s: s.name
-)
+@pytest.mark.parametrize("spec", [s for s in DROPOUT if not s.debug_keep_mask], ids=kernel_name)
 def test_dropout_p0_is_bitwise_the_dense_kernel(spec, specs, recorder):  # noqa: ARG001
     dense = [
         s
@@ -128,7 +124,7 @@ def sparse_case(draw, spec):
     return case
 
 
-@pytest.mark.parametrize("spec", [s for s in SPARSE if not s.instrument_io], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [s for s in SPARSE if not s.instrument_io], ids=kernel_name)
 def test_block_sparse_matches_reference_under_the_same_layout(spec, specs, recorder):  # noqa: ARG001
     kernel = load_kernel(spec, CUBIN_DIR)
 
@@ -159,7 +155,7 @@ def test_block_sparse_matches_reference_under_the_same_layout(spec, specs, recor
         raise
 
 
-@pytest.mark.parametrize("spec", IO, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", IO, ids=kernel_name)
 def test_io_counters_equal_the_io_model_to_the_byte(spec, specs, recorder):  # noqa: ARG001
     kernel = load_kernel(spec, CUBIN_DIR)
     strategy = sparse_case(spec) if spec.sparse else runtime_case(spec, max_len=400)

@@ -11,10 +11,10 @@ import os
 
 import numpy as np
 import pytest
+from flashgen.generator.naming import kernel_name
+from flashgen.verify.runner import load_kernel
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from verify.runner import load_kernel
 
 from .checks import assert_pass, verdicts
 from .conftest import CUBIN_DIR, shipped_specs
@@ -104,7 +104,7 @@ def check_against_reference(spec, res, kwargs, recorder, test):
 
 
 @pytest.mark.parametrize(
-    "spec", [s for s in SPECS if not s.dropout and not s.sparse], ids=lambda s: s.name
+    "spec", [s for s in SPECS if not s.dropout and not s.sparse], ids=kernel_name
 )
 def test_shipped_forward_matches_reference(spec, specs, recorder):  # noqa: ARG001
     kernel = _kernel(spec)
@@ -126,7 +126,7 @@ def test_shipped_forward_matches_reference(spec, specs, recorder):  # noqa: ARG0
 @pytest.mark.parametrize(
     "spec",
     [s for s in SPECS if not s.dropout and not s.sparse and not s.mask.varlen][:6],
-    ids=lambda s: s.name,
+    ids=kernel_name,
 )
 def test_long_sequences_match_reference(spec, specs, recorder):  # noqa: ARG001
     """Fewer, longer cases: many K/V tiles, pipelines wrapping around, 1025-style tails."""
@@ -185,7 +185,7 @@ def _one_hot_problem(spec, sq, sk, seed):
         and not s.dropout
         and not s.sparse
     ],
-    ids=lambda s: s.name,
+    ids=kernel_name,
 )
 def test_one_hot_rows_return_their_v_row_exactly(spec, specs, recorder):  # noqa: ARG001
     kernel = _kernel(spec)
@@ -214,7 +214,7 @@ def test_one_hot_rows_return_their_v_row_exactly(spec, specs, recorder):  # noqa
         and not s.dropout
         and not s.sparse
     ],
-    ids=lambda s: s.name,
+    ids=kernel_name,
 )
 def test_fully_masked_rows_give_zero_and_minus_inf(spec, specs):  # noqa: ARG001
     """bottom_right causal with seqlen_q > seqlen_k: the first Sq - Sk rows see no key."""
@@ -235,7 +235,7 @@ def test_fully_masked_rows_give_zero_and_minus_inf(spec, specs):  # noqa: ARG001
 REPEAT_SPECS = [s for s in SPECS if s.mask.window or s.mask.varlen or s.gqa][:4] + SPECS[:2]
 
 
-@pytest.mark.parametrize("spec", REPEAT_SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", REPEAT_SPECS, ids=kernel_name)
 def test_repeated_runs_are_bitwise_identical(spec, specs):  # noqa: ARG001
     kernel = _kernel(spec)
     case = {

@@ -10,9 +10,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-
-from bench.fwd_bench import make_launcher, torch_params
-from verify.runner import load_kernel
+from flashgen.bench.fwd_bench import make_launcher, torch_params
+from flashgen.verify.runner import load_kernel
 
 from .checks import verdicts
 from .conftest import CUBIN_DIR, shipped_specs

@@ -1,0 +1,162 @@
+"""Kernel families: one module per kernel kind, siblings that share the spec, the loader,
+naming, rendering and the launch path.
+
+A family owns, in one place: its fields' validation and shared-memory formula, its `tile:
+auto` rule, its templates folder (`templates/<family.templates>/`), its render context and
+name parts, its C parameter table (the one list the C struct and the Python packing agree
+on) and its IO model. Adding a family is one module here, one templates folder, specs and
+tests, plus one line in `_MODULES` below (docs/design.md, "How to add a kernel family").
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from flashgen.generator.spec import (
+    Dtype,
+    KernelKind,
+    KernelSpec,
+    SpecError,
+    Target,
+    Tile,
+    register_rules,
+)
+
+__all__ = ["Family", "ParamField", "family", "families"]
+
+
+@dataclass(frozen=True)
+class ParamField:
+    """One field of a family's C parameter struct. Every field is 8 bytes wide (`ptr`,
+    `i64`, `u64` or `f64`), so the struct has no padding and one layout in C and Python."""
+
+    name: str
+    ctype: str  # "ptr" | "i64" | "u64" | "f64"
+
+    C_TYPES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "ptr": ("void*", "float*", "int32_t*", "uint8_t*", "unsigned long long*"),
+        "i64": ("int64_t",),
+        "u64": ("uint64_t",),
+        "f64": ("double",),
+    }
+
+
+def params_table(text: str) -> tuple[ParamField, ...]:
+    """A table written as lines of `ctype name` (comments after `#`)."""
+    out = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            ctype, name = line.split()
+            assert ctype in ParamField.C_TYPES, ctype
+            out.append(ParamField(name, ctype))
+    return tuple(out)
+
+
+class Family:
+    """The rules of one kernel kind. Subclasses set the class attributes and override the
+    methods marked as such; the defaults below are what every family shares."""
+
+    kind: ClassVar[KernelKind]
+    templates: ClassVar[str]  # folder under templates/
+    # (template file in that folder, output suffix): the generated files of one kernel
+    outputs: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("kernel.cu.j2", ".cu"),
+        ("kernel.h.j2", ".h"),
+    )
+    params_struct: ClassVar[str]  # the C struct the launcher takes
+    params_header: ClassVar[str]  # where it is declared, under include/flashgen/
+    params: ClassVar[tuple[ParamField, ...]]
+    io_keys: ClassVar[tuple[str, ...]]  # the instrument_io counters, in kernel order
+    io_model: ClassVar[str]  # "module:function" giving predicted bytes (flashgen show)
+
+    # -- validation (override) ---------------------------------------------------------------
+    def problems(self, spec: KernelSpec) -> list[tuple[str, str]]:
+        raise NotImplementedError
+
+    def smem_bytes(self, spec: KernelSpec) -> int:
+        raise NotImplementedError
+
+    def threads(self, spec: KernelSpec) -> int:
+        return spec.tile.threads
+
+    def auto_tile(self, target: Target, dtype: Dtype, head_dim: int, values: dict) -> Tile:
+        """The tile `tile: auto` resolves to; `values` are the entry's other parsed fields."""
+        raise NotImplementedError
+
+    def head_dim_ok(self, head_dim: Any) -> bool:
+        raise NotImplementedError
+
+    # -- code generation (override `config`) -------------------------------------------------
+    def config(self, spec: KernelSpec) -> dict[str, Any]:
+        """The derived constants the templates see as `cfg`."""
+        raise NotImplementedError
+
+    def entry_points(self, name: str) -> dict[str, str]:
+        """Exported C symbols of one kernel."""
+        return {
+            "kernel": f"{name}_kernel",
+            "check": f"{name}_check",
+            "launch": f"{name}_launch",
+        }
+
+    def launch_info(self, spec: KernelSpec) -> dict[str, Any]:
+        """What the manifest says about launching the kernel."""
+        return {"threads": spec.threads}
+
+    # -- shared helpers ----------------------------------------------------------------------
+    @staticmethod
+    def smem_problem(spec: KernelSpec, formula: str) -> list[tuple[str, str]]:
+        info = spec.target.info
+        out = []
+        if spec.threads > info.max_threads_per_block:
+            out.append(
+                (
+                    "tile.warps",
+                    f"{spec.threads} threads exceed the {spec.target.yaml} "
+                    f"limit of {info.max_threads_per_block}",
+                )
+            )
+        if spec.smem_bytes > info.max_smem_per_block:
+            out.append(
+                (
+                    "tile",
+                    f"{spec.tile.short} needs {spec.smem_bytes} bytes of shared memory "
+                    f"({formula}) but {spec.target.yaml} allows "
+                    f"{info.max_smem_per_block} per block",
+                )
+            )
+        return out
+
+
+_MODULES = {
+    KernelKind.FORWARD: "flashgen.generator.families.forward",
+}
+_FAMILIES: dict[KernelKind, Family] = {}
+
+
+def _load() -> None:
+    for kind, module in _MODULES.items():
+        fam = importlib.import_module(module).FAMILY
+        assert fam.kind is kind, (module, fam.kind)
+        _FAMILIES[kind] = fam
+        register_rules(kind, fam)
+
+
+def family(kind: KernelKind | KernelSpec) -> Family:
+    """The family of a kernel kind (or of a spec's kind)."""
+    k = kind.kernel if isinstance(kind, KernelSpec) else kind
+    try:
+        return _FAMILIES[k]
+    except KeyError:
+        allowed = ", ".join(x.yaml for x in _FAMILIES)
+        raise SpecError(f"{k.yaml!r} is not implemented yet (allowed: {allowed})") from None
+
+
+def families() -> list[Family]:
+    return list(_FAMILIES.values())
+
+
+_load()
