@@ -66,7 +66,6 @@ def sparse(args) -> dict:
     lse = torch.empty(batch, heads, n, device="cuda", dtype=torch.float32)
     scale = 1.0 / math.sqrt(d)
     base = torch_params(kernel, q, k, v, o, lse, scale)
-    grid = kernel.grid(batch, heads, n)
     flex = torch.compile(flex_attention)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     rng = np.random.default_rng(1)
@@ -78,7 +77,7 @@ def sparse(args) -> dict:
         fine = np.repeat(np.repeat(coarse, blk // bm, axis=0), blk // bn, axis=1)[None]
         layout = compact_layout_for_spec(fine, spec, seqlen_q=n, seqlen_k=n)
         lp, keep = _layout_params(layout, torch)
-        launch = make_launcher(kernel, {**base, **lp}, grid)
+        launch = make_launcher(kernel, {**base, **lp})
         ms_ours = do_bench(launch, warmup=25, rep=100, return_mode="median")
         blocks = torch.from_numpy(coarse).cuda()
 
@@ -152,9 +151,7 @@ def blocksize(args) -> dict:
         )
         o = torch.empty_like(q)
         lse = torch.empty(batch, heads, n, device="cuda", dtype=torch.float32)
-        launch = make_launcher(
-            kernel, torch_params(kernel, q, k, v, o, lse, d**-0.5), kernel.grid(batch, heads, n)
-        )
+        launch = make_launcher(kernel, torch_params(kernel, q, k, v, o, lse, d**-0.5))
         ms = do_bench(launch, warmup=25, rep=100, return_mode="median")
         hbm = io_model.forward_bytes(
             spec, batch=batch, heads=heads, kv_heads=heads, seqlen_q=n, seqlen_k=n
@@ -191,9 +188,7 @@ def gpt2(args) -> dict:
     q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.float16) for _ in range(3))
     o = torch.empty_like(q)
     lse = torch.empty(b, h, n, device="cuda", dtype=torch.float32)
-    launch = make_launcher(
-        kernel, torch_params(kernel, q, k, v, o, lse, d**-0.5), kernel.grid(b, h, n)
-    )
+    launch = make_launcher(kernel, torch_params(kernel, q, k, v, o, lse, d**-0.5))
     launch()
     with sdpa_kernel(SDPBackend.MATH):
         F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))

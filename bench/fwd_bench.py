@@ -8,7 +8,7 @@ hidden = heads * head_dim = 2048.
 
     python -m flashgen.bench.fwd_bench --specs specs/fwd_dense.yaml --out bench/results/fwd.json
 
-Needs a GPU, PyTorch, Triton and PyCUDA; the cubins come from `flashgen compile`.
+Needs a GPU, PyTorch, Triton and PyCUDA; the kernel libraries come from `flashgen compile`.
 """
 
 from __future__ import annotations
@@ -56,21 +56,10 @@ def torch_params(kernel, q, k, v, o, lse, scale: float) -> dict:
     return p
 
 
-def make_launcher(kernel, params: dict, grid: int):
-    """A no-argument callable launching the kernel on the legacy default stream (no sync)."""
-    import numpy as np
-    from flashgen.verify.runner import check_device_params, pack_params
-
-    check_device_params(kernel.spec, params)
-    words = [np.uint64(w) for w in pack_params(params)]
-    fn = kernel.fn
-    fn.prepare("Q" * len(words))
-    block = (kernel.threads, 1, 1)
-
-    def launch() -> None:
-        fn.prepared_call((grid, 1), block, *words, shared_size=kernel.smem)
-
-    return launch
+def make_launcher(kernel, params: dict):
+    """A no-argument callable launching the kernel through its C launcher on the legacy
+    default stream (no sync): the same path as the tests."""
+    return kernel.library.launcher(params)
 
 
 def bench_case(
@@ -98,8 +87,7 @@ def bench_case(
     )
     o = torch.empty_like(q)
     lse = torch.empty(batch, heads, n, device="cuda", dtype=torch.float32)
-    grid = kernel.grid(batch, heads, n)
-    launch = make_launcher(kernel, torch_params(kernel, q, k, v, o, lse, scale), grid)
+    launch = make_launcher(kernel, torch_params(kernel, q, k, v, o, lse, scale))
     fl = flops(batch, heads, n, d, causal)
     row = {
         "d": d,
@@ -191,7 +179,7 @@ def environment() -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="flashgen bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--specs", nargs="+", default=["specs/fwd_dense.yaml"])
-    ap.add_argument("--cubins", default="build/kernels")
+    ap.add_argument("--libs", default=None, help="kernel libraries (default: build/kernels)")
     ap.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--tokens", type=int, default=16384)
@@ -228,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = []
     for spec in specs:
-        kernel = load_kernel(spec, args.cubins)
+        kernel = load_kernel(spec, args.libs)
         causal = spec.mask.causal.yaml != "none"
         for n in args.seqlens:
             row = bench_case(

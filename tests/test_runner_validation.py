@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 from flashgen.generator.load import load_spec_text
-from flashgen.verify.runner import (
-    PARAM_FIELDS,
-    RunnerError,
-    check_device_params,
-    pack_params,
-    validate,
-)
+from flashgen.generator.families import family
+from flashgen.generator.launch import params_struct
+from flashgen.verify.runner import RunnerError, validate
 
 DENSE = load_spec_text("dtype: bf16\nhead_dim: 64\n")[0]
 VARLEN_GQA = load_spec_text("dtype: fp16\nhead_dim: 64\nmask: {varlen: true}\ngqa: true\n")[0]
@@ -26,17 +24,13 @@ def _qkv(b=1, s=8, h=2, d=64, hk=None):
     )
 
 
-def test_params_pack_to_one_word_per_field_with_unsigned_seed():
-    words = pack_params({"seed": 2**64 - 1, "softmax_scale": 0.125, "window_left": -1})
-    assert words.shape == (len(PARAM_FIELDS),)
-    assert int(words[PARAM_FIELDS.index("seed")]) == 2**64 - 1
-    assert words[PARAM_FIELDS.index("softmax_scale")].view(np.float64) == 0.125
-    assert words[PARAM_FIELDS.index("window_left")].view(np.int64) == -1
-
-
-def test_unknown_param_field_is_refused():
-    with pytest.raises(KeyError, match="unknown fg_fwd_params fields"):
-        pack_params({"qq": 1})
+def test_params_struct_is_the_family_table_one_8_byte_word_per_field():
+    fam = family(DENSE)
+    Params = params_struct(fam)
+    assert [name for name, _ in Params._fields_] == [p.name for p in fam.params]
+    assert ctypes.sizeof(Params) == 8 * len(fam.params)
+    p = Params(seed=2**64 - 1, softmax_scale=0.125, window_left=-1)
+    assert (p.seed, p.softmax_scale, p.window_left) == (2**64 - 1, 0.125, -1)
 
 
 @pytest.mark.parametrize(
@@ -63,34 +57,6 @@ def test_varlen_lengths_must_cover_the_packed_rows():
         validate(VARLEN_GQA, q, k, k, cu_seqlens_q=[0, 4, 9], cu_seqlens_k=[0, 3, 7])
     pb = validate(VARLEN_GQA, q, k, k, cu_seqlens_q=[0, 4, 10], cu_seqlens_k=[0, 3, 7])
     assert (pb.batch, pb.seqlen_q, pb.seqlen_k, pb.heads, pb.kv_heads) == (2, 6, 4, 4, 2)
-
-
-def test_raw_device_pointers_must_be_aligned_and_strides_whole_chunks():
-    good = {
-        "q": 0x1000,
-        "k": 0x2000,
-        "v": 0x3000,
-        "o": 0x4000,
-        "lse": 0x5000,
-        "q_row_stride": 128,
-        "batch": 1,
-        "heads": 2,
-        "kv_heads": 2,
-        "seqlen_q": 3,
-        "seqlen_k": 4,
-        "softmax_scale": 0.125,
-    }
-    check_device_params(DENSE, good)
-    with pytest.raises(RunnerError, match="k = 0x2008 is not 16-byte aligned"):
-        check_device_params(DENSE, {**good, "k": 0x2008})
-    with pytest.raises(RunnerError, match="q_row_stride = 100 is not a multiple of 8"):
-        check_device_params(DENSE, {**good, "q_row_stride": 100})
-    with pytest.raises(RunnerError, match="lse must be a non-null"):
-        check_device_params(DENSE, {**good, "lse": 0})
-    with pytest.raises(RunnerError, match="kv_heads must divide heads"):
-        check_device_params(DENSE, {**good, "kv_heads": 1})
-    with pytest.raises(RunnerError, match="softmax_scale"):
-        check_device_params(DENSE, {**good, "softmax_scale": float("nan")})
 
 
 SPARSE = load_spec_text("dtype: bf16\nhead_dim: 64\nsparsity: block\n")[0]

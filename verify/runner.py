@@ -12,8 +12,10 @@ Inputs are NumPy float arrays of layout `(batch, seqlen, heads, head_dim)` (varl
 are what a reference must be fed. Outputs come back as float32: O in Q's layout, LSE as
 `(batch, heads, seqlen_q)` (varlen: `(heads, total_q)`), natural log, `-inf` on empty rows.
 
-Every argument is checked before anything is launched, with the same rules as the C launcher
-(`include/flashgen/launch.cuh`), and a `RunnerError` says what is wrong and what is allowed.
+The NumPy arguments are checked for what they mean (shapes, lengths, layouts) before any
+buffer is made; the device parameters are then checked by the kernel's own C launcher
+(`generator.launch`: the one launch path), and a `RunnerError` says what is wrong and what is
+allowed.
 Every output buffer is surrounded by poisoned margins (all bits set: NaN in fp16, bf16 and
 fp32) that are checked after the launch, and outputs are poisoned too, so a missed or stray
 write is caught.
@@ -30,83 +32,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from flashgen.generator.launch import KernelLibrary, LaunchError
 from flashgen.generator.naming import kernel_name
 from flashgen.verify.io_model import IO_KEYS
 from flashgen.verify.numerics import from_dtype_bits, to_dtype_bits
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_CUBIN_DIR = REPO / "build" / "kernels"
 MARGIN_BYTES = 512
 # the kernel's counter order (docs/conventions.md), the IO model's keys
 IO_TENSORS = IO_KEYS
 
-# fg_fwd_params, in declaration order (templates/include/flashgen/params.h); every field is
-# 8 bytes, so the struct is these values packed as little-endian 64-bit words.
-PARAM_FIELDS = (
-    "q",
-    "k",
-    "v",
-    "o",
-    "lse",
-    "q_batch_stride",
-    "q_row_stride",
-    "q_head_stride",
-    "k_batch_stride",
-    "k_row_stride",
-    "k_head_stride",
-    "v_batch_stride",
-    "v_row_stride",
-    "v_head_stride",
-    "o_batch_stride",
-    "o_row_stride",
-    "o_head_stride",
-    "lse_batch_stride",
-    "lse_head_stride",
-    "batch",
-    "heads",
-    "kv_heads",
-    "seqlen_q",
-    "seqlen_k",
-    "cu_seqlens_q",
-    "cu_seqlens_k",
-    "softmax_scale",
-    "window_left",
-    "window_right",
-    "dropout_p",
-    "seed",
-    "offset",
-    "keep_mask",
-    "blk_full_count",
-    "blk_full_idx",
-    "blk_part_count",
-    "blk_part_idx",
-    "blk_layout_heads",
-    "blk_max_blocks",
-    "io_counters",
-)
-DOUBLE_FIELDS = {"softmax_scale", "dropout_p"}
-UNSIGNED_FIELDS = {"seed", "offset"}
-
-
 class RunnerError(ValueError):
     """A kernel argument the kernel cannot take; the message names it and what is allowed."""
-
-
-def pack_params(values: dict[str, Any]) -> np.ndarray:
-    """fg_fwd_params as an array of uint64 words (missing fields are 0)."""
-    unknown = set(values) - set(PARAM_FIELDS)
-    if unknown:
-        raise KeyError(f"unknown fg_fwd_params fields: {sorted(unknown)}")
-    words = np.zeros(len(PARAM_FIELDS), dtype=np.uint64)
-    for idx, name in enumerate(PARAM_FIELDS):
-        val = values.get(name, 0)
-        if name in DOUBLE_FIELDS:
-            words[idx] = np.array(float(val), dtype=np.float64).view(np.uint64)
-        elif name in UNSIGNED_FIELDS:
-            words[idx] = np.uint64(int(val) & (2**64 - 1))
-        else:
-            words[idx] = np.array(int(val), dtype=np.int64).view(np.uint64)
-    return words
 
 
 @dataclass
@@ -282,56 +218,6 @@ def check_layout(spec, layout, *, heads, seqlen_q, seqlen_k, lens_q, lens_k) -> 
             raise RunnerError(f"layout {nm}_idx names K/V tiles outside [0, {n_kt})")
 
 
-def check_device_params(spec, params: dict[str, Any]) -> None:
-    """The C launcher's rules (include/flashgen/launch.cuh) for raw device pointers, in Python:
-    raise RunnerError naming the first field that the kernel cannot take."""
-    for nm in ("q", "k", "v", "o", "lse"):
-        if not params.get(nm):
-            raise RunnerError(f"{nm} must be a non-null device pointer")
-    batch, heads, kv_heads = (int(params.get(nm, 0)) for nm in ("batch", "heads", "kv_heads"))
-    if batch < 0 or int(params.get("seqlen_q", 0)) < 0 or int(params.get("seqlen_k", 0)) < 0:
-        raise RunnerError("batch, seqlen_q and seqlen_k must be >= 0")
-    if heads < 1 or kv_heads < 1 or heads % kv_heads or (not spec.gqa and kv_heads != heads):
-        raise RunnerError(
-            f"heads = {heads}, kv_heads = {kv_heads}: kv_heads must divide heads "
-            "(and equal it unless the spec has gqa: true)"
-        )
-    scale = float(params.get("softmax_scale", 0.0))
-    if not (math.isfinite(scale) and scale > 0):
-        raise RunnerError(f"softmax_scale = {scale} must be finite and > 0")
-    if min(int(params.get("window_left", -1)), int(params.get("window_right", -1))) < -1:
-        raise RunnerError("window sizes must be >= 0, or -1 for unbounded")
-    if not 0.0 <= float(params.get("dropout_p", 0.0)) < 1.0:
-        raise RunnerError("dropout_p must be in [0, 1)")
-    if spec.sparse and (
-        int(params.get("blk_layout_heads", 0)) not in (1, heads)
-        or int(params.get("blk_max_blocks", 0)) < 1
-    ):
-        raise RunnerError("blk_layout_heads must be 1 or heads, blk_max_blocks >= 1")
-    for nm in ("q", "k", "v", "o"):
-        if int(params[nm]) % 16:
-            raise RunnerError(
-                f"{nm} = {int(params[nm]):#x} is not 16-byte aligned (the kernel loads 16-byte "
-                "chunks with cp.async); allocate or offset it to a multiple of 16 bytes"
-            )
-        for part in ("batch", "row", "head"):
-            stride = int(params.get(f"{nm}_{part}_stride", 0))
-            if stride % 8:
-                raise RunnerError(
-                    f"{nm}_{part}_stride = {stride} is not a multiple of 8 elements (16 bytes)"
-                )
-    if spec.mask.varlen and not (params.get("cu_seqlens_q") and params.get("cu_seqlens_k")):
-        raise RunnerError("this spec has mask.varlen: true: cu_seqlens_q/k must be device pointers")
-    if spec.debug_keep_mask and not params.get("keep_mask"):
-        raise RunnerError("this spec has debug_keep_mask: true: pass a keep_mask buffer")
-    if spec.instrument_io and not params.get("io_counters"):
-        raise RunnerError("this spec has instrument_io: true: pass 7 uint64 io_counters")
-    if spec.sparse and not all(
-        params.get(f"blk_{nm}") for nm in ("full_count", "full_idx", "part_count", "part_idx")
-    ):
-        raise RunnerError("this spec has sparsity: block: pass all four layout arrays")
-
-
 class _Gpu:
     """PyCUDA on the device's primary context (shared with PyTorch when both are loaded)."""
 
@@ -361,11 +247,6 @@ class _Gpu:
             cls._instance = _Gpu()
         return cls._instance
 
-    def function(self, cubin: Path, symbol: str):
-        key = str(cubin)
-        if key not in self.modules:
-            self.modules[key] = self.cuda.module_from_file(key)
-        return self.modules[key].get_function(symbol)
 
 
 def gpu_available() -> tuple[bool, str]:
@@ -439,44 +320,26 @@ def _strided_upload(gpu, bits: np.ndarray, layout: str, pad: int):
 
 
 class FwdKernel:
-    """One compiled forward kernel, loaded from its cubin."""
+    """One compiled forward kernel: its host library (`generator.launch`) plus buffers."""
 
-    def __init__(self, spec, cubin: Path) -> None:
+    def __init__(self, spec, lib_dir: Path | str | None = None) -> None:
         self.spec = spec
         self.name = kernel_name(spec)
-        self.cubin = Path(cubin)
-        if not self.cubin.exists():
-            raise RunnerError(
-                f"no cubin for {self.name} at {self.cubin}: run `flashgen compile` for its spec"
-            )
+        try:
+            self.library = KernelLibrary(spec, lib_dir)
+        except FileNotFoundError as e:
+            raise RunnerError(str(e)) from None
         self.gpu = _Gpu.get()
-        self.fn = self.gpu.function(self.cubin, f"{self.name}_kernel")
         self.smem = spec.smem_bytes
         self.threads = spec.threads
-        cuda = self.gpu.cuda
-        if self.smem > 48 * 1024:
-            self.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem)
 
-    def grid(self, batch: int, heads: int, seqlen_q: int) -> int:
-        g = -(-seqlen_q // self.spec.tile.block_m) * heads * batch
-        if g > 2**31 - 1:
-            raise RunnerError("grid too large: ceil(seqlen_q/block_m)*heads*batch > 2^31-1")
-        return g
-
-    def launch_raw(self, params: dict[str, Any]) -> None:
-        """Launch with explicit device pointers (fg_fwd_params fields) and wait for it. The
-        grid is derived from the parameters, never taken from the caller."""
-        check_device_params(self.spec, params)
-        grid = self.grid(int(params["batch"]), int(params["heads"]), int(params["seqlen_q"]))
-        if grid == 0:
-            return
-        words = pack_params(params)
-        self.fn(
-            *[np.uint64(w) for w in words],
-            block=(self.threads, 1, 1),
-            grid=(grid, 1),
-            shared=self.smem,
-        )
+    def launch_raw(self, params: dict[str, Any], stream: int = 0) -> None:
+        """Launch with explicit device pointers (fg_fwd_params fields) through the C
+        launcher, which checks them and derives the grid, and wait for it."""
+        try:
+            self.library.launch(params, stream)
+        except LaunchError as e:
+            raise RunnerError(str(e)) from None
         self.gpu.context.synchronize()
 
     def run(
@@ -618,13 +481,9 @@ class FwdKernel:
                 b_.free()
 
 
-def cubin_path(spec, cubin_dir: Path | str = DEFAULT_CUBIN_DIR) -> Path:
-    return Path(cubin_dir) / f"{kernel_name(spec)}.cubin"
-
-
-def load_kernel(spec, cubin_dir: Path | str = DEFAULT_CUBIN_DIR) -> FwdKernel:
-    """The kernel of `spec`, from `<cubin_dir>/<name>.cubin` (`flashgen compile` output)."""
-    return FwdKernel(spec, cubin_path(spec, cubin_dir))
+def load_kernel(spec, lib_dir: Path | str | None = None) -> FwdKernel:
+    """The kernel of `spec`, from `<lib_dir>/<name>.so` (`flashgen compile` output)."""
+    return FwdKernel(spec, lib_dir)
 
 
 def run(spec, q, k, v, **kwargs) -> FwdResult:

@@ -3,7 +3,8 @@ and collect one verification record per kernel.
 
 Environment:
   FLASHGEN_GPU_EXAMPLES   Hypothesis examples per shipped spec (default 200)
-  FLASHGEN_RECORDS_DIR    where records are written (default verify/records)
+  FLASHGEN_RECORDS_DIR    where records are written (default: the checkout's verify/records)
+  FLASHGEN_BUILD_DIR      where the kernel libraries are (default: the checkout's build/kernels)
   FLASHGEN_SANITIZER      set by the sanitizer driver to the tool's verdict (recorded as is)
 """
 
@@ -13,15 +14,15 @@ import datetime as dt
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 from flashgen.generator.naming import kernel_name
+from flashgen.generator.paths import PACKAGE_ROOT, build_dir, records_dir
 from flashgen.verify.runner import gpu_available
 
-REPO = Path(__file__).resolve().parents[2]
-CUBIN_DIR = REPO / "build" / "kernels"
-RECORDS_DIR = Path(os.environ.get("FLASHGEN_RECORDS_DIR", REPO / "verify" / "records"))
+REPO = PACKAGE_ROOT  # the checkout, or the installed flashgen package (same layout)
+CUBIN_DIR = build_dir()
+RECORDS_DIR = records_dir()
 
 _ok, _why = gpu_available()
 
@@ -42,7 +43,7 @@ def shipped_specs():
 
 
 def ensure_cubins(specs) -> None:
-    """Build the cubins that are missing (the device build normally carries them)."""
+    """Build the kernel libraries that are missing (the device build normally carries them)."""
     missing = [s for s in specs if not (CUBIN_DIR / f"{kernel_name(s)}.so").exists()]
     if not missing:
         return

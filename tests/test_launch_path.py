@@ -1,0 +1,73 @@
+"""The one launch path without a GPU: a kernel built into its host library, loaded through
+ctypes, and its C launcher's checks called from Python (`generator.launch`)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from flashgen.generator.compile import compile_specs
+from flashgen.generator.launch import KernelLibrary, LaunchError
+from flashgen.generator.load import load_spec_text
+
+pytestmark = [
+    pytest.mark.nvcc,
+    pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH"),
+]
+
+DENSE = load_spec_text("dtype: bf16\nhead_dim: 32\n")[0]
+GOOD = {
+    "q": 0x1000,
+    "k": 0x2000,
+    "v": 0x3000,
+    "o": 0x4000,
+    "lse": 0x5000,
+    "q_row_stride": 128,
+    "batch": 1,
+    "heads": 2,
+    "kv_heads": 2,
+    "seqlen_q": 3,
+    "seqlen_k": 4,
+    "softmax_scale": 0.125,
+    "window_left": -1,
+    "window_right": -1,
+}
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    out = tmp_path_factory.mktemp("libs")
+    (res,) = compile_specs([DENSE], out, jobs=1, progress=False)
+    assert res.ok, res.error
+    return KernelLibrary(DENSE, out)
+
+
+def test_the_c_launcher_accepts_good_parameters(library):
+    assert library.check(GOOD) is None
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"k": 0x2008}, "16-byte aligned"),
+        ({"q_row_stride": 100}, "multiples of 8 elements"),
+        ({"lse": 0}, "must all be non-null"),
+        ({"kv_heads": 1}, "kv_heads must equal heads"),
+        ({"softmax_scale": float("nan")}, "softmax_scale must be finite"),
+        ({"seqlen_q": -1}, "must be >= 0"),
+    ],
+)
+def test_the_c_launcher_names_what_is_wrong(library, change, message):
+    assert message in library.check({**GOOD, **change})
+    with pytest.raises(LaunchError, match=message):
+        library.launch({**GOOD, **change})
+
+
+def test_unknown_fields_are_refused_before_the_launcher(library):
+    with pytest.raises(KeyError, match="unknown fg_fwd_params fields"):
+        library.check({"qq": 1})
+
+
+def test_a_missing_library_says_how_to_build_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="run `flashgen compile`"):
+        KernelLibrary(DENSE, tmp_path)
