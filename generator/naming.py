@@ -6,8 +6,8 @@ target), then 8 hex digits of sha256 over
 
 - the canonical spec (JSON, sorted keys),
 - the generator version,
-- the bytes of the kernel's family templates (`templates/<family>/`) and of every header
-  they include, transitively (`#include "include/flashgen/X"` in a template, `#include "X"`
+- the bytes of the kernel's family templates (`templates/<family>/`), of the shared Jinja
+  files they import (`templates/common/`) and of every header they include, transitively (`#include "include/flashgen/X"` in a template, `#include "X"`
   in a header), in sorted path order.
 
 So editing a backward-only header renames backward kernels and leaves forward names (and
@@ -41,6 +41,7 @@ __all__ = [
 INCLUDE_SUBDIR = Path("include") / "flashgen"
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+_JINJA_RE = re.compile(r'{%-?\s*(?:include|import|from|extends)\s+"([^"]+)"')
 _sources_cache: dict[tuple, tuple[tuple[str, bytes], ...]] = {}
 
 
@@ -86,7 +87,11 @@ def kernel_sources(spec: KernelSpec, templates_dir: Path | None = None) -> list[
             continue
         data = path.read_bytes()
         found[rel] = data
-        for inc in _INCLUDE_RE.findall(data.decode("utf-8", "replace")):
+        text = data.decode("utf-8", "replace")
+        for inc in _JINJA_RE.findall(text):  # a shared Jinja macro file (templates/common/)
+            if (root / inc).is_file():
+                pending.append((root / inc).resolve())
+        for inc in _INCLUDE_RE.findall(text):
             if inc.startswith("include/flashgen/"):
                 target = root / inc
             else:  # a header including a sibling header
