@@ -1,7 +1,14 @@
 """nox sessions. Plain `nox` runs lint, tests, gen_check and compile.
 
-Each session installs the project (`-e .[dev]`) into its own virtualenv. To run in the
-current environment instead (already `pip install -e '.[dev]'`-ed): `nox --no-venv`.
+Each session installs the project (`pip install -e '.[dev]'`) into its own virtualenv, which
+needs a package index. Offline, or to test what is already installed:
+
+    nox --no-venv    every session runs in the current environment and installs nothing
+                     (the environment needs `pip install -e '.[dev]'`, plus `.[gpu]` for the
+                     gpu and bench sessions)
+    nox -R           reuses the sessions' virtualenvs from an earlier run, installing nothing
+
+An install that fails (no index reachable) ends the session with a message saying so.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import subprocess
 from pathlib import Path
 
 import nox
+from nox.command import CommandFailed
 
 nox.options.sessions = ["lint", "tests", "gen_check", "compile"]
 nox.options.reuse_existing_virtualenvs = True
@@ -18,9 +26,23 @@ nox.options.reuse_existing_virtualenvs = True
 ROOT = Path(__file__).resolve().parent
 
 
+def _install_packages(session: nox.Session, *args: str) -> None:
+    """`session.install(*args)`, except under `--no-venv` (the current environment is used as
+    it is); a failed install (offline) ends the session with what to do instead."""
+    if getattr(session, "venv_backend", "none") == "none":
+        return
+    try:
+        session.install(*args)
+    except CommandFailed:
+        session.error(
+            f"could not install {' '.join(args)} into the session's virtualenv (is a package "
+            "index reachable?); offline, run `nox --no-venv` in an environment that has "
+            "`pip install -e '.[dev]'`, or `nox -R` to reuse virtualenvs from an earlier run"
+        )
+
+
 def _install(session: nox.Session, extras: str = "dev") -> None:
-    if session.venv_backend != "none":
-        session.install("-e", f".[{extras}]")
+    _install_packages(session, "-e", f".[{extras}]")
 
 
 def _have_gpu() -> bool:
@@ -36,8 +58,7 @@ def _have_gpu() -> bool:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check."""
-    if session.venv_backend != "none":
-        session.install("ruff")
+    _install_packages(session, "ruff")
     session.run("ruff", "check", ".")
 
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jinja2
 from flashgen.generator import __version__
@@ -16,13 +19,80 @@ from flashgen.generator.naming import kernel_name
 from flashgen.generator.paths import checkout_root
 from flashgen.generator.spec import FIELDS, KernelSpec, SpecError, Target
 
+if TYPE_CHECKING:
+    from flashgen.generator.writer import Plan
+
 __all__ = ["main"]
 
 DEFAULT_GENERATED = Path("generated")
+DEFAULT_MAX_KERNELS = 512
+
+
+class UsageError(Exception):
+    """A bad command line (output path, kernel cap): `main` prints it as one error line."""
 
 
 def _err(msg: str) -> None:
     print(f"flashgen: error: {msg}", file=sys.stderr)
+
+
+def _os_message(e: OSError) -> str:
+    """`path: reason` of an OSError, without the errno noise."""
+    reason = e.strerror or str(e)
+    return f"{e.filename}: {reason}" if e.filename else reason
+
+
+# --------------------------------------------------------------------------------------------
+# Checks shared by generate and compile (before anything is written)
+# --------------------------------------------------------------------------------------------
+
+
+def _check_kernel_count(specs: Sequence[KernelSpec], limit: int, command: str) -> None:
+    """Refuse more than `limit` kernels (0: no limit), naming the spec files that declare them."""
+    if not limit or len(specs) <= limit:
+        return
+    per_file = Counter(s.source_file or "<unknown>" for s in specs).most_common()
+    if len(per_file) == 1:
+        shown, verb = per_file[0][0], "declares"
+    else:
+        shown, verb = ", ".join(f"{f} ({n})" for f, n in per_file[:3]), "declare"
+        if len(per_file) > 3:
+            shown += f" and {len(per_file) - 3} more file(s)"
+    raise UsageError(
+        f"{shown} {verb} {len(specs)} kernels, more than --max-kernels {limit}; narrow the "
+        f"spec family, or pass --max-kernels {len(specs)} (0: no limit) to {command} them all"
+    )
+
+
+def _existing_ancestor(path: Path) -> Path:
+    """`path` itself if it exists, else its nearest existing ancestor."""
+    p = path
+    while not os.path.lexists(p) and p.parent != p:
+        p = p.parent
+    return p
+
+
+def _output_dir_problem(path: Path, *, write: bool) -> str | None:
+    """Why `path` cannot be used (created if need be) as an output directory, else None."""
+    base = _existing_ancestor(path)
+    if not os.path.lexists(base):
+        return None
+    if not base.is_dir():
+        if base == path:
+            return f"{path}: exists and is not a directory"
+        return f"{path}: {base} exists and is not a directory"
+    if write and not os.access(base, os.W_OK | os.X_OK):
+        if base == path:
+            return f"{path}: directory is not writable"
+        return f"{path}: cannot be created, {base} is not writable"
+    return None
+
+
+def _check_output_dirs(dirs: Sequence[Path], flag: str, *, write: bool = True) -> None:
+    for d in dict.fromkeys(dirs):
+        problem = _output_dir_problem(d, write=write)
+        if problem is not None:
+            raise UsageError(f"{flag} {problem}" if flag else f"cannot write into {problem}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -41,12 +111,43 @@ def _default_readme(outdir: Path) -> Path | None:
     return None
 
 
+def _generate_command(args: argparse.Namespace) -> str:
+    """The `flashgen generate` command line that rewrites what `--check` found out of date."""
+    cmd = ["flashgen", "generate", *map(str, args.specs)]
+    if args.output != str(DEFAULT_GENERATED):
+        cmd += ["-o", str(args.output)]
+    if args.templates:
+        cmd += ["--templates", str(args.templates)]
+    if args.readme:
+        cmd += ["--readme", str(args.readme)]
+    if args.no_readme:
+        cmd.append("--no-readme")
+    if args.max_kernels != DEFAULT_MAX_KERNELS:
+        cmd += ["--max-kernels", str(args.max_kernels)]
+    return shlex.join(cmd)
+
+
+def _changed_paths(plan: Plan) -> list[Path]:
+    """The files `apply_plan` would write or remove."""
+    out = []
+    for path, data in plan.writes.items():
+        try:
+            if path.read_bytes() == data:
+                continue
+        except OSError:
+            pass
+        out.append(path)
+    return out + [p for p in plan.removals if os.path.lexists(p)]
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from flashgen.generator.writer import apply_plan, check_plan, plan_generate
 
     files = expand_paths(args.specs)
     specs = load_paths(files)
+    _check_kernel_count(specs, args.max_kernels, "generate")
     outdir = Path(args.output)
+    _check_output_dirs([outdir], "-o", write=False)  # writability: per changed file, below
     readme = Path(args.readme) if args.readme else _default_readme(outdir)
     if args.no_readme:
         readme = None
@@ -59,12 +160,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         diffs = check_plan(plan)
         if diffs:
             sys.stdout.write("".join(diffs))
-            cmd = " ".join(["flashgen", "generate", *map(str, args.specs)])
-            _err(f"{len(diffs)} generated file(s) out of date; run: {cmd}")
+            _err(f"{len(diffs)} generated file(s) out of date; run: {_generate_command(args)}")
             return 1
         print(f"{len(plan.entries)} kernels up to date in {outdir}")
         return 0
-    changed = apply_plan(plan)
+    # Every directory that a changed file goes into must be writable before the first write.
+    _check_output_dirs([p.parent for p in _changed_paths(plan)], "")
+    try:
+        changed = apply_plan(plan)
+    except OSError as e:
+        _err(f"writing the generated files failed: {_os_message(e)}")
+        return 1
     removed = sum(1 for p in changed if not p.exists())
     print(
         f"{len(plan.entries)} kernels in {outdir}: "
@@ -116,9 +222,9 @@ def _io_lines(spec: KernelSpec, args: argparse.Namespace) -> list[str]:
         return ["  io:         io model unavailable"]
     if spec.sparse:
         return ["  io:         not predicted: block-sparse traffic depends on the runtime layout"]
-    seqlen_k = args.seqlen_k or args.seqlen_q
+    seqlen_k = args.seqlen_q if args.seqlen_k is None else args.seqlen_k
     shape = dict(batch=args.batch, heads=args.heads, seqlen_q=args.seqlen_q, seqlen_k=seqlen_k)
-    kv_heads = args.kv_heads or args.heads
+    kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     extra = {}
     if args.window_left is not None or args.window_right is not None:
         extra["window"] = (
@@ -144,8 +250,28 @@ def _io_lines(spec: KernelSpec, args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _check_show_shape(args: argparse.Namespace, specs: Sequence[KernelSpec]) -> None:
+    """Shape options that depend on each other or on the spec (argparse-style errors)."""
+    parser: argparse.ArgumentParser = args.parser
+    if args.kv_heads is None:
+        return
+    if args.heads % args.kv_heads:
+        divisors = ", ".join(str(k) for k in range(1, args.heads + 1) if args.heads % k == 0)
+        parser.error(
+            f"argument --kv-heads: must divide --heads {args.heads} "
+            f"(allowed: {divisors}), got {args.kv_heads}"
+        )
+    for spec in specs:
+        if not spec.gqa and args.kv_heads != args.heads:
+            parser.error(
+                f"argument --kv-heads: {kernel_name(spec)} ({spec.source}) has gqa: false, so "
+                f"--kv-heads must equal --heads ({args.heads}), got {args.kv_heads}"
+            )
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     specs = load_paths([args.spec])
+    _check_show_shape(args, specs)
     for i, spec in enumerate(specs):
         if i:
             print()
@@ -159,21 +285,26 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from flashgen.generator.compile import compile_specs
+    from flashgen.generator.compile import compile_specs, retarget
 
     specs = load_paths(args.specs)
     arch = Target.from_yaml(args.arch) if args.arch else None
+    if arch is not None:  # refused here (SpecError) before nvcc is looked for or a file written
+        specs = retarget(specs, arch)
+    _check_kernel_count(specs, args.max_kernels, "compile")
+    out = Path(args.output)
+    _check_output_dirs([out, out / "src"], "-o")
     try:
         results = compile_specs(
             specs,
-            Path(args.output),
+            out,
             arch=arch,
             jobs=args.jobs,
             templates_dir=args.templates,
             nvcc=args.nvcc,
         )
-    except FileNotFoundError as e:
-        _err(str(e))
+    except OSError as e:  # nvcc not found, or a file that cannot be written
+        _err(str(e) if e.errno is None else _os_message(e))
         return 1
     rows = [("kernel", "arch", "regs", "smem static+dyn", "stack", "spill st/ld", "")]
     for r in results:
@@ -232,6 +363,35 @@ def _dispatch_gpu(which: str, argv: list[str]) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+def _int_at_least(low: int, *, unbounded: int | None = None) -> Callable[[str], int]:
+    """An argparse `type`: an integer >= `low` (or exactly `unbounded`, e.g. -1)."""
+    allowed = f"an integer >= {low}" + (
+        f", or {unbounded} for unbounded" if unbounded is not None else ""
+    )
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}") from None
+        if value < low and value != unbounded:
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {value}")
+        return value
+
+    return parse
+
+
+def _add_max_kernels(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-kernels",
+        type=_int_at_least(0),
+        default=DEFAULT_MAX_KERNELS,
+        metavar="N",
+        help=f"refuse spec families of more than N kernels (default {DEFAULT_MAX_KERNELS}; "
+        "0: no limit)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="flashgen",
@@ -253,18 +413,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--no-readme", action="store_true", help="leave READMEs alone")
     g.add_argument("--templates", help="template directory (default: the repo's templates/)")
+    _add_max_kernels(g)
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("show", help="resolved spec(s), tile, smem, name, predicted HBM bytes")
     s.add_argument("spec", metavar="SPEC")
-    s.add_argument("--batch", type=int, default=1)
-    s.add_argument("--heads", type=int, default=16)
-    s.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
-    s.add_argument("--seqlen-q", type=int, default=4096)
-    s.add_argument("--seqlen-k", type=int, default=None, help="default: --seqlen-q")
-    s.add_argument("--window-left", type=int, default=None)
-    s.add_argument("--window-right", type=int, default=None)
-    s.set_defaults(func=cmd_show)
+    s.add_argument("--batch", type=_int_at_least(1), default=1)
+    s.add_argument("--heads", type=_int_at_least(1), default=16)
+    s.add_argument(
+        "--kv-heads",
+        type=_int_at_least(1),
+        default=None,
+        help="default: --heads; must divide it (other values need a gqa: true spec)",
+    )
+    s.add_argument("--seqlen-q", type=_int_at_least(0), default=4096)
+    s.add_argument("--seqlen-k", type=_int_at_least(0), default=None, help="default: --seqlen-q")
+    s.add_argument("--window-left", type=_int_at_least(0, unbounded=-1), default=None)
+    s.add_argument("--window-right", type=_int_at_least(0, unbounded=-1), default=None)
+    s.set_defaults(func=cmd_show, parser=s)
 
     c = sub.add_parser("compile", help="nvcc each kernel to a cubin and report resources")
     c.add_argument("specs", nargs="+", metavar="SPEC_OR_DIR")
@@ -273,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", default="build/kernels", help="default: build/kernels")
     c.add_argument("--templates", help="template directory (default: the repo's templates/)")
     c.add_argument("--nvcc", default=os.environ.get("NVCC", "nvcc"), help="default: $NVCC or nvcc")
+    _add_max_kernels(c)
     c.set_defaults(func=cmd_compile)
 
     for which, help_ in (("verify", "run the GPU verification suite"), ("bench", "benchmark")):
@@ -287,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except SpecError as e:
+    except (SpecError, UsageError) as e:
         _err(str(e))
         return 2
     except jinja2.TemplateError as e:

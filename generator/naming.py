@@ -7,8 +7,9 @@ target), then 8 hex digits of sha256 over
 - the canonical spec (JSON, sorted keys),
 - the generator version,
 - the bytes of the kernel's family templates (`templates/<family>/`), of the shared Jinja
-  files they import (`templates/common/`) and of every header they include, transitively (`#include "include/flashgen/X"` in a template, `#include "X"`
-  in a header), in sorted path order.
+  files they import (`templates/common/`) and of every header they include, transitively
+  (`#include "include/flashgen/X"` in a template, `#include "X"` in a header), in sorted
+  path order.
 
 So editing a backward-only header renames backward kernels and leaves forward names (and
 their verification records) alone, while a shared header renames every family that

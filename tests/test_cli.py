@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -11,7 +14,10 @@ from pathlib import Path
 
 import pytest
 from flashgen.generator.cli import main
+from flashgen.generator.compile import LIB_SUFFIX
 from flashgen.generator.families.forward import smem_bytes
+from flashgen.generator.load import load_paths
+from flashgen.generator.naming import kernel_name
 from flashgen.generator.spec import Dtype, Target
 from flashgen.generator.tiles import auto_tile
 
@@ -44,8 +50,84 @@ def spec_file(tmp_path: Path) -> Path:
     return p
 
 
-def run(*argv: str) -> int:
+@pytest.fixture
+def gqa_spec(tmp_path: Path) -> Path:
+    p = tmp_path / "gqa.yaml"
+    p.write_text("dtype: bf16\nhead_dim: 64\ngqa: true\nmask: {window: true}\n")
+    return p
+
+
+# 2 * 8 * 3 * 2 * 2 * 2 * 2 = 768 kernels: over the default --max-kernels (512).
+FAMILY_768 = textwrap.dedent("""\
+    dtype: [fp16, bf16]
+    head_dim: [16, 32, 48, 64, 80, 96, 112, 128]
+    mask: {causal: [none, top_left, bottom_right], window: [false, true], varlen: [false, true]}
+    gqa: [false, true]
+    dropout: [false, true]
+    """)
+
+# m128n128w8s2 at d=128 bf16 needs 174080 bytes of shared memory: sm_90 has 232448 per block,
+# sm_86 only 101376.
+BIG_TILE_SPEC = (
+    "dtype: bf16\nhead_dim: 128\ntile: {block_m: 128, block_n: 128, warps: 8, stages: 2}\n"
+)
+
+
+def run(*argv: object) -> int:
     return main([str(a) for a in argv])
+
+
+def one_error_line(err: str) -> str:
+    """The single `flashgen: error: ...` line that `err` must be."""
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("flashgen: error: "), err
+    return lines[0]
+
+
+def files_under(root: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def read_only():
+    """Make a directory read-only (restored afterwards); skip where that does not stop writes,
+    e.g. when running as root."""
+    made: list[Path] = []
+
+    def make(path: Path) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        path.chmod(0o555)
+        made.append(path)
+        probe = path / ".probe"
+        try:
+            probe.write_text("x")
+        except OSError:
+            return path
+        probe.unlink()
+        pytest.skip("chmod 555 does not stop writes here (running as root?)")
+
+    yield make
+    for path in made:
+        path.chmod(0o755)
+
+
+def fake_io_model(monkeypatch) -> list[dict]:
+    """Replace verify.io_model with one that records the shapes `show` passes it."""
+    calls: list[dict] = []
+
+    def forward_bytes(spec, **shape):
+        calls.append(shape)
+        return {"Q": 10, "total": 10}
+
+    fake = types.ModuleType("flashgen.verify.io_model")
+    fake.forward_bytes = forward_bytes
+    fake.standard_attention_bytes = lambda **shape: {"total": 100}
+    monkeypatch.setitem(sys.modules, "flashgen.verify.io_model", fake)
+    import flashgen.verify as verify
+
+    monkeypatch.setattr(verify, "io_model", fake, raising=False)
+    return calls
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,6 +208,122 @@ def test_python_dash_m_generator_runs_the_cli():
     assert proc.returncode == 0 and proc.stdout.startswith("flashgen ")
 
 
+def test_generate_into_an_existing_file_is_a_clean_error(tmp_path, templates, spec_file, capsys):
+    out = tmp_path / "out.txt"
+    out.write_text("keep me\n")
+    assert run("generate", spec_file, "-o", out, "--templates", templates) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"-o {out}: exists and is not a directory" in line
+    assert out.read_text() == "keep me\n"
+
+
+def test_generate_check_with_an_existing_file_as_output_is_a_clean_error(
+    tmp_path, templates, spec_file, capsys
+):
+    out = tmp_path / "out.txt"
+    out.write_text("keep me\n")
+    assert run("generate", spec_file, "-o", out, "--templates", templates, "--check") == 2
+    assert "not a directory" in one_error_line(capsys.readouterr().err)
+
+
+def test_generate_into_a_read_only_directory_is_a_clean_error(
+    tmp_path, templates, spec_file, capsys, read_only
+):
+    out = read_only(tmp_path / "gen")
+    assert run("generate", spec_file, "-o", out, "--templates", templates) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"cannot write into {out}: directory is not writable" in line
+    assert list(out.iterdir()) == []
+
+
+def test_generate_below_a_read_only_directory_is_a_clean_error(
+    tmp_path, templates, spec_file, capsys, read_only
+):
+    parent = read_only(tmp_path / "ro")
+    out = parent / "gen"
+    assert run("generate", spec_file, "-o", out, "--templates", templates) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert str(out) in line and f"{parent} is not writable" in line
+    assert not out.exists()
+
+
+def test_generate_into_a_read_only_directory_that_is_up_to_date_succeeds(
+    tmp_path, templates, spec_file, capsys, read_only
+):
+    out = tmp_path / "gen"
+    assert run("generate", spec_file, "-o", out, "--templates", templates) == 0
+    read_only(out / "include" / "flashgen")
+    read_only(out)
+    capsys.readouterr()
+    assert run("generate", spec_file, "-o", out, "--templates", templates) == 0
+    assert "0 file(s) written" in capsys.readouterr().out
+
+
+def test_generate_with_a_read_only_subdirectory_writes_nothing(
+    tmp_path, templates, spec_file, capsys, read_only
+):
+    out = tmp_path / "gen"
+    assert run("generate", spec_file, "-o", out, "--templates", templates) == 0
+    before = files_under(out)
+    kernel_template = templates / "forward" / "kernel.cu.j2"
+    kernel_template.write_text(kernel_template.read_text() + "// v2\n")  # every .cu changes
+    (templates / "include" / "flashgen" / "params.h").write_text("// params v2\n")
+    include_dir = read_only(out / "include" / "flashgen")
+    capsys.readouterr()
+    assert run("generate", spec_file, "-o", out, "--templates", templates) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"cannot write into {include_dir}: directory is not writable" in line
+    assert files_under(out) == before  # no kernel written before the failing header
+
+
+def test_generate_refuses_a_family_over_512_kernels_by_default(tmp_path, templates, capsys):
+    family = tmp_path / "family.yaml"
+    family.write_text(FAMILY_768)
+    out = tmp_path / "gen"
+    assert run("generate", family, "-o", out, "--templates", templates) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"{family} declares 768 kernels, more than --max-kernels 512" in line
+    assert "pass --max-kernels 768" in line
+    assert not out.exists()
+
+
+def test_generate_max_kernels_sets_the_cap(tmp_path, templates, spec_file, capsys):
+    out = tmp_path / "gen"
+    assert run("generate", spec_file, "-o", out, "--templates", templates, "--max-kernels", 1) == 2
+    assert "declares 2 kernels, more than --max-kernels 1" in capsys.readouterr().err
+    assert not out.exists()
+    assert run("generate", spec_file, "-o", out, "--templates", templates, "--max-kernels", 2) == 0
+
+
+def test_generate_check_hint_repeats_output_templates_and_no_readme(
+    tmp_path, templates, spec_file, capsys
+):
+    out = tmp_path / "gen dir"  # a space: the hint must quote it
+    opts = ("-o", out, "--templates", templates, "--no-readme")
+    assert run("generate", spec_file, *opts) == 0
+    sorted(out.glob("*.cu"))[0].write_text("stale\n")
+    capsys.readouterr()
+    assert run("generate", spec_file, *opts, "--check") == 1
+    hint = one_error_line(capsys.readouterr().err).split("; run: ", 1)[1]
+    argv = shlex.split(hint)
+    assert argv == ["flashgen", "generate", str(spec_file), *map(str, opts)]
+    assert run(*argv[1:]) == 0  # the hint fixes what --check found
+    assert run(*argv[1:], "--check") == 0
+
+
+def test_generate_check_hint_repeats_readme(tmp_path, templates, spec_file, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n<!-- kernels:begin -->\n<!-- kernels:end -->\n")
+    opts = ("-o", tmp_path / "gen", "--templates", templates, "--readme", readme)
+    assert run("generate", spec_file, *opts) == 0
+    readme.write_text(readme.read_text().replace("| `fa_fwd", "| `stale", 1))
+    capsys.readouterr()
+    assert run("generate", spec_file, *opts, "--check") == 1
+    argv = shlex.split(one_error_line(capsys.readouterr().err).split("; run: ", 1)[1])
+    assert argv[argv.index("--readme") + 1] == str(readme)
+    assert run(*argv[1:]) == 0 and run(*argv[1:], "--check") == 0
+
+
 # --------------------------------------------------------------------------------------------
 # show
 # --------------------------------------------------------------------------------------------
@@ -176,6 +374,57 @@ def test_show_with_the_real_io_model_prints_bytes(spec_file, capsys):
     assert run("show", spec_file, "--seqlen-q", 1000, "--seqlen-k", 2000) == 0
     out = capsys.readouterr().out
     assert "io model failed" not in out and re.search(r"total\s+[\d,]+", out)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "allowed"),
+    [
+        ("--seqlen-q", "-5", "an integer >= 0"),
+        ("--seqlen-k", "-1", "an integer >= 0"),
+        ("--heads", "0", "an integer >= 1"),
+        ("--batch", "0", "an integer >= 1"),
+        ("--batch", "-2", "an integer >= 1"),
+        ("--kv-heads", "0", "an integer >= 1"),
+        ("--window-left", "-2", "an integer >= 0, or -1 for unbounded"),
+        ("--window-right", "-7", "an integer >= 0, or -1 for unbounded"),
+    ],
+)
+def test_show_rejects_an_out_of_range_shape_option(spec_file, capsys, option, value, allowed):
+    with pytest.raises(SystemExit) as exc:
+        run("show", spec_file, option, value)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"flashgen show: error: argument {option}: must be {allowed}, got {value}" in err
+    assert "Traceback" not in err
+
+
+def test_show_rejects_kv_heads_for_a_spec_without_gqa(spec_file, capsys):
+    with pytest.raises(SystemExit) as exc:
+        run("show", spec_file, "--kv-heads", 4)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument --kv-heads: " in err and "has gqa: false" in err
+    assert "--kv-heads must equal --heads (16), got 4" in err
+
+
+def test_show_rejects_kv_heads_that_do_not_divide_heads(gqa_spec, capsys):
+    with pytest.raises(SystemExit) as exc:
+        run("show", gqa_spec, "--heads", 12, "--kv-heads", 5)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --kv-heads: must divide --heads 12 (allowed: 1, 2, 3, 4, 6, 12), got 5" in err
+
+
+def test_show_accepts_grouped_kv_heads_and_an_unbounded_window(gqa_spec, monkeypatch):
+    calls = fake_io_model(monkeypatch)
+    assert run("show", gqa_spec, "--kv-heads", 4, "--window-left", -1, "--window-right", 0) == 0
+    assert calls[0]["kv_heads"] == 4 and calls[0]["window"] == (-1, 0)
+
+
+def test_show_passes_seqlen_k_zero_to_the_io_model(spec_file, monkeypatch):
+    calls = fake_io_model(monkeypatch)
+    assert run("show", spec_file, "--seqlen-q", 100, "--seqlen-k", 0) == 0
+    assert calls[0]["seqlen_q"] == 100 and calls[0]["seqlen_k"] == 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -244,6 +493,69 @@ def test_compile_without_nvcc_is_a_clean_error(tmp_path, spec_file, capsys):
     assert rc == 1 and "not found" in capsys.readouterr().err
 
 
+def test_compile_into_an_existing_file_is_a_clean_error(tmp_path, templates, spec_file, capsys):
+    out = tmp_path / "kernels"
+    out.write_text("keep me\n")
+    nvcc = fake_nvcc(tmp_path)
+    rc = run("compile", spec_file, "-o", out, "--templates", templates, "--nvcc", nvcc)
+    assert rc == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"-o {out}: exists and is not a directory" in line
+    assert out.read_text() == "keep me\n"
+
+
+def test_compile_refuses_a_family_over_512_kernels_by_default(tmp_path, templates, capsys):
+    family = tmp_path / "family.yaml"
+    family.write_text(FAMILY_768)
+    out = tmp_path / "b"
+    nvcc = fake_nvcc(tmp_path)
+    assert run("compile", family, "-o", out, "--templates", templates, "--nvcc", nvcc) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"{family} declares 768 kernels, more than --max-kernels 512" in line
+    assert "pass --max-kernels 768" in line
+    assert not out.exists()
+
+
+def test_compile_arch_sm86_refuses_a_tile_over_its_shared_memory(tmp_path, templates, capsys):
+    spec = tmp_path / "big.yaml"
+    spec.write_text(BIG_TILE_SPEC)
+    out = tmp_path / "b"
+    nvcc = fake_nvcc(tmp_path)
+    rc = run(
+        "compile", spec, "--arch", "sm_86", "-o", out, "--templates", templates, "--nvcc", nvcc
+    )
+    assert rc == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "big.yaml" in line and "cannot build for sm_86" in line and "101376" in line
+    assert not out.exists()
+
+
+def test_compile_arch_refusal_comes_before_looking_for_nvcc(tmp_path, capsys):
+    spec = tmp_path / "big.yaml"
+    spec.write_text(BIG_TILE_SPEC)
+    rc = run("compile", spec, "--arch", "sm_86", "-o", tmp_path / "b", "--nvcc", tmp_path / "no")
+    assert rc == 2
+    assert "cannot build for sm_86" in one_error_line(capsys.readouterr().err)
+
+
+def test_compile_arch_writes_nothing_named_after_the_original_kernel(
+    tmp_path, templates, spec_file, capsys
+):
+    out = tmp_path / "b"
+    nvcc = fake_nvcc(tmp_path)
+    opts = ("-o", out, "--templates", templates, "--nvcc", nvcc)
+    rc = run("compile", spec_file, "--arch", "sm_86", *opts)
+    assert rc == 0, capsys.readouterr().err
+    specs = load_paths([spec_file])
+    original = [kernel_name(s, templates) for s in specs]
+    retargeted = [kernel_name(s.replace(target=Target.SM86), templates) for s in specs]
+    assert set(original).isdisjoint(retargeted)
+    written = [p.name for p in out.rglob("*") if p.is_file()]
+    assert not [f for f in written for name in original if name in f]
+    assert not [f for f in written if "_sm90_" in f]
+    assert {f"{name}{LIB_SUFFIX}" for name in retargeted} <= set(written)
+
+
 # --------------------------------------------------------------------------------------------
 # verify / bench dispatch
 # --------------------------------------------------------------------------------------------
@@ -270,6 +582,90 @@ def test_verify_without_gpu_cli_says_so(monkeypatch, capsys):
     monkeypatch.delattr(verify, "gpu_cli", raising=False)
     assert run("verify") == 1
     assert "unavailable" in capsys.readouterr().err
+
+
+def run_cli_elsewhere(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
+    """`python -m flashgen.generator ARGV` from a directory outside the checkout."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(
+        [sys.executable, "-m", "flashgen.generator", *argv],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
+
+
+def test_verify_collects_the_gpu_suite_from_another_directory(tmp_path):
+    proc = run_cli_elsewhere(tmp_path, "verify", "--collect-only", "-q")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out and "ERROR" not in out
+    assert "test_forward.py" in out
+
+
+def test_bench_help_works_from_another_directory(tmp_path):
+    proc = run_cli_elsewhere(tmp_path, "bench", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: flashgen bench")
+
+
+def test_bench_help_runs_the_real_benchmark_parser(capsys):
+    assert run("bench", "--help") == 0
+    assert capsys.readouterr().out.startswith("usage: flashgen bench")
+
+
+def test_bench_without_pycuda_names_it_and_the_gpu_extra(spec_file, monkeypatch, capsys):
+    import flashgen.verify.runner as runner
+
+    def load_kernel(spec, lib_dir=None):  # where the runner first needs PyCUDA
+        import pycuda.driver  # noqa: F401
+
+    monkeypatch.setitem(sys.modules, "pycuda", None)
+    monkeypatch.setitem(sys.modules, "pycuda.driver", None)
+    monkeypatch.setattr(runner, "load_kernel", load_kernel)
+    assert run("bench", "--specs", spec_file) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert "needs pycuda" in line and "pip install 'flashgen[gpu]'" in line
+
+
+def test_bench_without_torch_names_it_and_the_gpu_extra(spec_file, monkeypatch, capsys):
+    import flashgen.verify.runner as runner
+
+    monkeypatch.setitem(sys.modules, "torch", None)
+    monkeypatch.setattr(runner, "load_kernel", lambda spec, lib_dir=None: types.SimpleNamespace())
+    assert run("bench", "--specs", spec_file, "--seqlens", 512) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert "needs torch" in line and "pip install 'flashgen[gpu]'" in line
+
+
+def test_bench_with_a_missing_spec_is_one_error_line(tmp_path, capsys):
+    assert run("bench", "--specs", tmp_path / "nope.yaml") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "nope.yaml: no such file or directory" in line
+
+
+def test_bench_with_an_invalid_spec_is_one_error_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("dtype: bf16\nhead_dim: 100\n")
+    assert run("bench", "--specs", bad) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "bad.yaml:2: head_dim: 100 is not allowed" in line
+
+
+def test_bench_from_another_directory_is_one_error_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the default --specs is relative to the cwd
+    assert run("bench") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "no such file or directory" in line and "pass --specs" in line
+
+
+def test_bench_without_compiled_kernels_is_one_error_line(tmp_path, spec_file, monkeypatch, capsys):
+    monkeypatch.setenv("FLASHGEN_BUILD_DIR", str(tmp_path / "libs"))
+    assert run("bench", "--specs", spec_file) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert str(tmp_path / "libs") in line and "flashgen compile" in line
 
 
 # --------------------------------------------------------------------------------------------
@@ -302,6 +698,75 @@ def test_readme_has_kernel_table_markers_and_placeholder_sections():
     text = README.read_text()
     assert text.index("<!-- kernels:begin -->") < text.index("<!-- kernels:end -->")
     assert "## Verification" in text and "## Performance" in text
+
+
+_NOXFILE: list[types.ModuleType] = []
+
+
+def load_noxfile() -> types.ModuleType:
+    """noxfile.py as a module, loaded once (loading registers its sessions with nox)."""
+    pytest.importorskip("nox")
+    if not _NOXFILE:
+        spec = importlib.util.spec_from_file_location("flashgen_noxfile", REPO / "noxfile.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _NOXFILE.append(module)
+    return _NOXFILE[0]
+
+
+class FakeNoxSession:
+    """What the noxfile's sessions call on a nox.Session, recorded."""
+
+    posargs: list[str] = []
+
+    def __init__(self, venv_backend: str = "virtualenv", install_fails: bool = False) -> None:
+        self.venv_backend = venv_backend
+        self.install_fails = install_fails
+        self.installed: list[tuple[str, ...]] = []
+        self.ran: list[tuple[str, ...]] = []
+
+    def install(self, *args: str) -> None:
+        from nox.command import CommandFailed
+
+        self.installed.append(args)
+        if self.install_fails:
+            raise CommandFailed("pip: no index")
+
+    def run(self, *args: str, **kwargs: object) -> None:
+        self.ran.append(args)
+
+    def error(self, msg: str) -> None:
+        raise RuntimeError(msg)  # nox.Session.error raises too
+
+    def skip(self, msg: str) -> None:
+        pytest.fail(f"unexpected skip: {msg}")
+
+
+def test_nox_default_sessions_are_lint_tests_gen_check_compile():
+    import nox
+
+    load_noxfile()
+    assert nox.options.sessions == ["lint", "tests", "gen_check", "compile"]
+
+
+@pytest.mark.parametrize("name", ["lint", "tests", "gen_check", "compile"])
+def test_nox_no_venv_sessions_install_nothing(name):
+    session = FakeNoxSession(venv_backend="none")
+    getattr(load_noxfile(), name)(session)
+    assert session.installed == [] and session.ran
+
+
+@pytest.mark.parametrize("name", ["lint", "tests", "gen_check", "compile"])
+def test_nox_failed_install_says_how_to_run_offline(name):
+    session = FakeNoxSession(install_fails=True)
+    with pytest.raises(RuntimeError, match=r"nox --no-venv"):
+        getattr(load_noxfile(), name)(session)
+    assert session.ran == []
+
+
+def test_noxfile_says_no_venv_runs_in_the_current_environment():
+    doc = load_noxfile().__doc__
+    assert "nox --no-venv" in doc and "current environment" in doc and "Offline" in doc
 
 
 def test_repo_files_hold_no_absolute_paths_of_this_machine():

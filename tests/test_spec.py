@@ -338,9 +338,9 @@ BAD_SPECS = [
         id="duplicate-entries",
     ),
     pytest.param(
-        "kernel: backward\ndtype: bf16\nhead_dim: 64\n",
-        ["spec.yaml:1:", "kernel:", "'backward' is not implemented yet (allowed: forward)"],
-        id="backward-not-implemented",
+        "kernel: decode\ndtype: bf16\nhead_dim: 64\n",
+        ["spec.yaml:1:", "kernel:", "'decode' is not implemented yet (allowed: forward, backward)"],
+        id="decode-not-implemented",
     ),
     pytest.param(
         "dtype: bf16\nhead_dim: 64\ntarget: sm_100\n",
@@ -520,7 +520,7 @@ MUTATIONS = [
     ("gqa", 1),
     ("target", "sm_75"),
     ("sparsity", "blocks"),
-    ("kernel", "backward"),
+    ("kernel", "decode"),
     ("kernel", "fwd"),
     ("heads", 8),
     ("mask", {"causal": "bottom-right"}),

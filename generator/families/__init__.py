@@ -71,6 +71,8 @@ class Family:
     params: ClassVar[tuple[ParamField, ...]]
     io_keys: ClassVar[tuple[str, ...]]  # the instrument_io counters, in kernel order
     io_model: ClassVar[str]  # "module:function" giving predicted bytes (flashgen show)
+    io_header: ClassVar[str] = "tile_io.cuh"  # where the C counter enum lives
+    io_enum: ClassVar[str] = "IoTensor"  # the C enum of the counters in that header
 
     # -- validation (override) ---------------------------------------------------------------
     def problems(self, spec: KernelSpec) -> list[tuple[str, str]]:
@@ -133,6 +135,7 @@ class Family:
 
 _MODULES = {
     KernelKind.FORWARD: "flashgen.generator.families.forward",
+    KernelKind.BACKWARD: "flashgen.generator.families.backward",
 }
 _FAMILIES: dict[KernelKind, Family] = {}
 

@@ -1,4 +1,4 @@
-// flashgen: the few PTX instructions the forward kernel is built from (sm_80 .. sm_90).
+// flashgen: the few PTX instructions the mma.sync kernels are built from (sm_80 .. sm_90).
 //
 // Glossary
 //   frag A  4 x b32 registers of an m16n8k16 A operand (16 x 16, row-major), per lane
@@ -10,6 +10,8 @@
 // Why these and not wgmma: mma.sync + ldmatrix + cp.async run unchanged from sm_80 to sm_90,
 // so one template serves every target in the targets table.
 #pragma once
+
+#include "arch_guard.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -33,6 +35,27 @@ template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
+
+// 4-byte global -> shared copy (row metadata such as LSE); zero-filled when !valid.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)),
+               "l"(gmem), "r"(src_bytes));
+}
+
+// Lane -> smem (row, col) offsets of the ldmatrix.x4 loads of one 16 x 16 operand block.
+//   a: an A operand from row-major storage (rows m, cols k) with ldmatrix; also a B operand
+//      from storage [k][n] with ldmatrix.trans (V in P V): matrices (r, c), (r+8, c),
+//      (r, c+8), (r+8, c+8)
+//   b: a B operand from storage [n][k] with ldmatrix (K in Q K^T: two n8 tiles); also an A
+//      operand from its transposed storage [k][m] with ldmatrix.trans (P^T in P^T dO):
+//      matrices (r, c), (r, c+8), (r+8, c), (r+8, c+8)
+struct LaneOffsets {
+  int a_row, a_col, b_row, b_col;
+  __device__ __forceinline__ explicit LaneOffsets(int lane)
+      : a_row((lane & 7) + ((lane >> 3) & 1) * 8), a_col((lane >> 4) * 8),
+        b_row((lane & 7) + (lane >> 4) * 8), b_col(((lane >> 3) & 1) * 8) {}
+};
 
 // ldmatrix takes 32-bit shared-state-space addresses: kernels form one per lane and tile and
 // add compile-time offsets, so no 64-bit generic pointer stays live across the unrolled loops.
@@ -81,6 +104,9 @@ struct Mma<__nv_bfloat16> {
     return *reinterpret_cast<uint32_t*>(&h);
   }
 };
+
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 // 2^x on the SFU. ex2.approx.ftz maps -inf to +0, which the online softmax relies on.
 __device__ __forceinline__ float exp2_approx(float x) {

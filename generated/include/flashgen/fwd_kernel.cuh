@@ -20,26 +20,25 @@
 #include <stdint.h>
 
 #include "arch.cuh"
+#include "block_info.cuh"
+#include "frag.cuh"
 #include "mask.cuh"
 #include "params.h"
 #include "philox.cuh"
+#include "schedule.cuh"
 #include "softmax.cuh"
 #include "tile_io.cuh"
 
 namespace fg {
 
-template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_,
-          Causal kCausal_, bool kWindow_, bool kVarlen_, bool kGqa_, bool kDropout_,
-          bool kKeepMaskOut_, bool kSparse_, bool kInstrumentIo_>
-struct FwdConfig {
-  using Elem = Elem_;
-  static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_;
-  static constexpr int kWarps = kWarps_, kStages = kStages_, kThreads = kWarps_ * 32;
-  static constexpr Causal kCausal = kCausal_;
-  static constexpr bool kWindow = kWindow_, kVarlen = kVarlen_, kGqa = kGqa_;
-  static constexpr bool kDropout = kDropout_, kKeepMaskOut = kKeepMaskOut_;
-  static constexpr bool kSparse = kSparse_, kInstrumentIo = kInstrumentIo_;
-
+// S: the kernel's spec as named constants, rendered by the family template (Elem, kHeadDim,
+// kBlockM, kBlockN, kWarps, kStages, kCausal, kWindow, kVarlen, kGqa, kDropout,
+// kKeepMaskOut, kSparse, kInstrumentIo). FwdConfig adds what the mainloop derives from it.
+template <class S>
+struct FwdConfig : S {
+  using S::kBlockM, S::kBlockN, S::kHeadDim, S::kWarps, S::kStages;
+  using Elem = typename S::Elem;
+  static constexpr int kThreads = kWarps * 32;
   static constexpr int kMT = kBlockM / (16 * kWarps);  // m16 tiles per warp
   static constexpr int kStride = kHeadDim + 8;         // smem row stride, elements
   static constexpr int kNT = kBlockN / 8;              // n8 tiles of S
@@ -56,16 +55,7 @@ struct FwdConfig {
   static_assert(kBlockN % 16 == 0, "block_n must be a multiple of 16");
   static_assert(kMT >= 1 && kMT * 16 * kWarps == kBlockM, "block_m = 16 * warps * {1,2}");
   static_assert(kStages >= 1 && kStages <= 3, "stages");
-  static_assert(!kKeepMaskOut || kDropout, "the keep-mask output needs dropout");
-};
-
-// Lane -> smem (row, col) offsets of the ldmatrix.x4 loads (see arch.cuh for the fragments).
-struct LaneOffsets {
-  int a_row, a_col;  // A operand (Q) and the transposed V loads: m0..m3 = (r, c), (r+8, c), (r, c+8), (r+8, c+8)
-  int b_row, b_col;  // B operand from K rows: m0..m3 = (r, c), (r, c+8), (r+8, c), (r+8, c+8)
-  __device__ __forceinline__ explicit LaneOffsets(int lane)
-      : a_row((lane & 7) + ((lane >> 3) & 1) * 8), a_col((lane >> 4) * 8),
-        b_row((lane & 7) + (lane >> 4) * 8), b_col(((lane >> 3) & 1) * 8) {}
+  static_assert(!S::kKeepMaskOut || S::kDropout, "the keep-mask output needs dropout");
 };
 
 template <class C>
@@ -81,9 +71,9 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const LaneOffsets lo(lane);
-  Io<C::kInstrumentIo> io;
+  Io<C::kInstrumentIo, FwdIo> io;
 
-  // ---- which (query tile, head, batch) this CTA is -------------------------------------
+  // ---- which (query tile, head, batch) this CTA is, and where its sequence lies ---------
   const int64_t num_qt = (p.seqlen_q + C::kBlockM - 1) / C::kBlockM;
   int64_t bid = blockIdx.x;
   const int64_t qt_raw = bid % num_qt;
@@ -92,24 +82,9 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
   if (b >= p.batch) return;  // a grid larger than the problem's (the launcher never makes one)
   // With a causal mask the last query tiles visit the most K/V tiles: start them first.
   const int64_t qt = C::kCausal != Causal::kNone ? num_qt - 1 - qt_raw : qt_raw;
-
-  int64_t sq = p.seqlen_q, sk = p.seqlen_k;
-  int64_t q_off = b * p.q_batch_stride, k_off = b * p.k_batch_stride;
-  int64_t v_off = b * p.v_batch_stride, o_off = b * p.o_batch_stride;
-  int64_t lse_off = b * p.lse_batch_stride;
-  if (C::kVarlen) {
-    const int64_t q0 = load_meta(p.cu_seqlens_q + b, io, tid == 0);
-    const int64_t q1 = load_meta(p.cu_seqlens_q + b + 1, io, tid == 0);
-    const int64_t k0 = load_meta(p.cu_seqlens_k + b, io, tid == 0);
-    const int64_t k1 = load_meta(p.cu_seqlens_k + b + 1, io, tid == 0);
-    sq = q1 - q0;
-    sk = k1 - k0;
-    q_off = q0 * p.q_row_stride;
-    k_off = k0 * p.k_row_stride;
-    v_off = k0 * p.v_row_stride;
-    o_off = q0 * p.o_row_stride;
-    lse_off = q0;
-  }
+  const SeqInfo<C::kVarlen> seq(b, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k, io,
+                                tid == 0);
+  const int64_t sq = seq.sq, sk = seq.sk;
   const int64_t r0 = qt * C::kBlockM;
   if (r0 >= sq) {  // a shorter sequence of a varlen batch
     io.flush(p.io_counters);
@@ -119,47 +94,43 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
   const int64_t r1 = r0 + valid_rows - 1;
   const int64_t hk = C::kGqa ? h / (p.heads / p.kv_heads) : h;
 
-  const Elem* gQ = static_cast<const Elem*>(p.q) + q_off + r0 * p.q_row_stride + h * p.q_head_stride;
-  const Elem* gK = static_cast<const Elem*>(p.k) + k_off + hk * p.k_head_stride;
-  const Elem* gV = static_cast<const Elem*>(p.v) + v_off + hk * p.v_head_stride;
-  Elem* gO = static_cast<Elem*>(p.o) + o_off + r0 * p.o_row_stride + h * p.o_head_stride;
-  float* gLse = p.lse + lse_off + h * p.lse_head_stride + r0;
+  const Elem* gQ = static_cast<const Elem*>(p.q) + seq.q_off(p.q_batch_stride, p.q_row_stride, r0) +
+                   h * p.q_head_stride;
+  const Elem* gK = static_cast<const Elem*>(p.k) + seq.k_off(p.k_batch_stride, p.k_row_stride, 0) +
+                   hk * p.k_head_stride;
+  const Elem* gV = static_cast<const Elem*>(p.v) + seq.k_off(p.v_batch_stride, p.v_row_stride, 0) +
+                   hk * p.v_head_stride;
+  Elem* gO = static_cast<Elem*>(p.o) + seq.q_off(p.o_batch_stride, p.o_row_stride, r0) +
+             h * p.o_head_stride;
+  float* gLse = p.lse + seq.lse_off(p.lse_batch_stride, p.lse_head_stride, h, r0);
 
   const MaskPolicy<C::kCausal, C::kWindow> mask(sq, sk, p.window_left, p.window_right);
 
   // ---- the tile schedule: a dense range visited from the top, or the sparse lists ----------
-  int64_t n_lo = 0, n_hi = 0;
-  int n_full = 0, n_iter = 0;
-  const int32_t* full_idx = nullptr;
-  const int32_t* part_idx = nullptr;
+  using Schedule = TileSchedule<C::kSparse, /*descending=*/true>;
+  Schedule sched;
   if (C::kSparse) {
     const int64_t row = (p.blk_layout_heads == 1 ? 0 : h) * num_qt + qt;
-    n_full = load_meta(p.blk_full_count + row, io, tid == 0);
-    n_iter = n_full + load_meta(p.blk_part_count + row, io, tid == 0);
-    full_idx = p.blk_full_idx + row * p.blk_max_blocks;
-    part_idx = p.blk_part_idx + row * p.blk_max_blocks;
+    sched = Schedule::sparse(p.blk_full_count, p.blk_full_idx, p.blk_part_count,
+                             p.blk_part_idx, row, p.blk_max_blocks, io, tid == 0);
   } else {
+    int64_t n_lo, n_hi;
     mask.tile_range(r0, r1, C::kBlockN, n_lo, n_hi);
-    n_iter = static_cast<int>(max(n_hi - n_lo, static_cast<int64_t>(0)));
+    sched = Schedule::dense(n_lo, n_hi);
   }
+  const int n_iter = sched.count;
 
   auto load_kv = [&](int it) {
     const int slot = it % C::kStages;
-    int64_t n;
-    if (C::kSparse) {
-      n = it < n_full ? load_meta(full_idx + it, io, tid == 0)
-                      : load_meta(part_idx + (it - n_full), io, tid == 0);
-      if (tid == 0) s_tile[slot] = n;
-    } else {
-      n = n_hi - 1 - it;
-    }
+    const int64_t n = sched.tile(it, io, tid == 0);
+    if (C::kSparse && tid == 0) s_tile[slot] = n;
     const int64_t rows = min(static_cast<int64_t>(C::kBlockN), sk - n * C::kBlockN);
     load_tile_async<C::kBlockN, C::kHeadDim, C::kThreads, C::kStride>(
         sK + slot * C::kBlockN * C::kStride, gK + n * C::kBlockN * p.k_row_stride, p.k_row_stride,
-        rows, io, kK);
+        rows, io, FwdIo::kK);
     load_tile_async<C::kBlockN, C::kHeadDim, C::kThreads, C::kStride>(
         sV + slot * C::kBlockN * C::kStride, gV + n * C::kBlockN * p.v_row_stride, p.v_row_stride,
-        rows, io, kV);
+        rows, io, FwdIo::kV);
   };
 
   // Explicit initialisation: with kMT = 2, nvcc 13.0 left st[1][*].m at 0 instead of the
@@ -188,15 +159,13 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
   DropoutRng rng{};
   float drop_scale = 1.f;
   if (C::kDropout) {
-    rng = DropoutRng{static_cast<uint32_t>(p.seed), static_cast<uint32_t>(p.seed >> 32),
-                     static_cast<uint32_t>(b * p.heads + h), static_cast<uint32_t>(p.offset),
-                     static_cast<uint32_t>(fmin(floor(p.dropout_p * 4294967296.0), 4294967295.0))};
+    rng = make_dropout_rng(p.seed, p.offset, b * p.heads + h, p.dropout_p);
     drop_scale = static_cast<float>(1.0 / (1.0 - p.dropout_p));
   }
 
   if (n_iter > 0) {
     load_tile_async<C::kBlockM, C::kHeadDim, C::kThreads, C::kStride>(sQ, gQ, p.q_row_stride,
-                                                                       valid_rows, io, kQ);
+                                                                       valid_rows, io, FwdIo::kQ);
     cp_async_commit();
 #pragma unroll
     for (int s = 0; s < C::kStages - 1; ++s) {
@@ -234,11 +203,11 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
       const int slot = it % C::kStages;
       const uint32_t k_slot = k_lane + slot * kSlotBytes;
       const uint32_t v_slot = v_lane + slot * kSlotBytes;
-      const int64_t n = C::kSparse ? s_tile[slot] : n_hi - 1 - it;
+      const int64_t n = C::kSparse ? s_tile[slot] : sched.tile(it, io, false);
       // A sparse "full" tile still gets the tail mask if it reaches past Sk (a layout built
       // for other lengths, or a varlen batch's shorter sequence), so no zero-filled key is
       // ever scored.
-      const bool masked = C::kSparse ? (it >= n_full || (n + 1) * C::kBlockN > sk)
+      const bool masked = C::kSparse ? (sched.partial(it) || (n + 1) * C::kBlockN > sk)
                                      : mask.tile_needs_mask(r0, r1, n, C::kBlockN);
 
       // S = Q K^T
@@ -273,18 +242,7 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
         }
       }
 
-      if (masked) {
-        const TileMask tm = mask.tile(r0 + warp_row0, n * C::kBlockN);
-#pragma unroll
-        for (int mt = 0; mt < C::kMT; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < C::kNT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int il = mt * 16 + g + (e >> 1) * 8, jl = nt * 8 + 2 * t + (e & 1);
-              if (!tm.visible(il, jl)) acc_s[mt][nt][e] = -INFINITY;
-            }
-      }
+      if (masked) mask_frag(acc_s, mask.tile(r0 + warp_row0, n * C::kBlockN), lane);
 
 #pragma unroll
       for (int mt = 0; mt < C::kMT; ++mt) {
@@ -300,24 +258,14 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
       }
 
       if (C::kDropout) {
-#pragma unroll
-        for (int mt = 0; mt < C::kMT; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < C::kNT; ++nt)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              const int64_t i = r0 + warp_row0 + mt * 16 + g + r * 8;
-              const int64_t j = n * C::kBlockN + nt * 8 + 2 * t;
-              const Philox4 words = rng.group(static_cast<uint32_t>(i), static_cast<uint32_t>(j));
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const bool keep = DropoutRng::word(words, (j + e) & 3) >= rng.threshold;
-                if (C::kKeepMaskOut && i < sq && j + e < sk)
-                  store_keep(p.keep_mask + ((b * p.heads + h) * p.seqlen_q + i) * p.seqlen_k + j + e,
-                             keep, io);
-                acc_s[mt][nt][2 * r + e] = keep ? acc_s[mt][nt][2 * r + e] * drop_scale : 0.f;
-              }
-            }
+        dropout_frag<C::kMT, C::kNT>(
+            rng, r0 + warp_row0, n * C::kBlockN, lane,
+            [&](int mt, int nt, int e, bool keep, int64_t i, int64_t j) {
+              if (C::kKeepMaskOut && i < sq && j < sk)
+                store_keep(p.keep_mask + ((b * p.heads + h) * p.seqlen_q + i) * p.seqlen_k + j,
+                           keep, io);
+              acc_s[mt][nt][e] = keep ? acc_s[mt][nt][e] * drop_scale : 0.f;
+            });
       }
 
       // acc_o += P V, P re-packed from the S accumulators
@@ -358,8 +306,9 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
 #pragma unroll
         for (int dt = 0; dt < C::kDT; ++dt)
           store_pair(gO + row * p.o_row_stride + dt * 8 + 2 * t,
-                     MmaT::pack(acc_o[mt][dt][2 * r] * inv_l, acc_o[mt][dt][2 * r + 1] * inv_l), io);
-        if (t == 0) store_lse(gLse + row, lse, io);
+                     MmaT::pack(acc_o[mt][dt][2 * r] * inv_l, acc_o[mt][dt][2 * r + 1] * inv_l), io,
+                     FwdIo::kO);
+        if (t == 0) store_f32(gLse + row, lse, io, FwdIo::kLse);
       }
     }
   io.flush(p.io_counters);

@@ -1,10 +1,11 @@
-// flashgen: mask policies and tile schedules of the forward kernel.
+// flashgen: mask policies, shared by every family.
 //
 // Glossary (docs/conventions.md, "Masks" and "Tile schedule")
 //   shift   0 for top_left alignment, Sk - Sq for bottom_right
 //   L, R    sliding-window sizes left/right of the diagonal, -1 = unbounded
 //   r0, r1  first and last valid query row of the CTA's tile
-//   n_lo, n_hi  the K/V tiles [n_lo, n_hi) a dense CTA visits
+//   n_lo, n_hi  the K/V tiles [n_lo, n_hi) a dense forward CTA visits
+//   m_lo, m_hi  the query tiles [m_lo, m_hi) a dense backward CTA visits
 //
 // Every policy answers three questions: which K/V tiles can hold a visible key (the schedule),
 // which of those need element-wise masking (the rest run the unmasked path), and, per tile,
@@ -65,6 +66,19 @@ struct MaskPolicy {
     if (kCausal != Causal::kNone) n_hi = min(n_hi, floor_div(r1 + shift, block_n) + 1);
     if (kWindow && right >= 0) n_hi = min(n_hi, floor_div(r1 + shift + right, block_n) + 1);
     if (kWindow && left >= 0) n_lo = max(n_lo, floor_div(r0 + shift - left, block_n));
+  }
+
+  // Query tiles [m_lo, m_hi) that can hold a row seeing a key of columns [c0, c1] (the
+  // transposed schedule: a backward CTA owns a K/V tile and walks query tiles).
+  __device__ __forceinline__ void q_tile_range(int64_t c0, int64_t c1, int block_m,
+                                               int64_t& m_lo, int64_t& m_hi) const {
+    m_lo = 0;
+    m_hi = (sq + block_m - 1) / block_m;
+    // visible needs c0 <= j <= i + shift (+ right) and j >= i + shift - left
+    int64_t reach = kCausal != Causal::kNone ? 0 : -1;  // -1: no right bound
+    if (kWindow && right >= 0) reach = reach < 0 ? right : min(reach, right);
+    if (reach >= 0) m_lo = max(m_lo, floor_div(c0 - shift - reach, block_m));
+    if (kWindow && left >= 0) m_hi = min(m_hi, floor_div(c1 - shift + left, block_m) + 1);
   }
 
   // True when some (i, j) of rows [r0, r1] x tile n is not visible.

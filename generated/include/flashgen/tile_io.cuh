@@ -1,9 +1,10 @@
-// flashgen: every global-memory access of the forward kernel goes through this file, so that
-// an `instrument_io` build can count the bytes each one moves (docs/conventions.md, "HBM bytes").
+// flashgen: every global-memory access of every kernel goes through this file, so that an
+// `instrument_io` build can count the bytes each one moves (docs/conventions.md, "HBM bytes").
 //
 // Glossary
-//   Io<kOn>   per-thread byte counters; with kOn = false they compile away entirely
-//   tensor    counter index: kQ, kK, kV, kO, kLse, kMeta, kKeepMask
+//   Io<kOn, Keys>  per-thread byte counters, one per tensor of the family's counter list
+//             `Keys` (e.g. FwdIo below); with kOn = false they compile away entirely
+//   tensor    counter index, a member of Keys (Keys::kMeta and Keys::kKeepMask must exist)
 //   chunk     16 bytes = 8 elements of a row, the unit of cp.async
 //   stride    smem row stride in elements (head_dim + 8: the 16-byte pad keeps the 8 rows an
 //             ldmatrix reads in 8 different bank groups)
@@ -15,22 +16,28 @@
 
 namespace fg {
 
-enum IoTensor { kQ = 0, kK, kV, kO, kLse, kMeta, kKeepMask, kNumIoTensors };
+// The forward family's counters, in the order of its Python table (families/forward.py).
+struct FwdIo {
+  enum IoTensor { kQ = 0, kK, kV, kO, kLse, kMeta, kKeepMask, kNumIoTensors };
+  static constexpr int kCount = kNumIoTensors;
+};
 
-template <bool kOn>
+template <bool kOn, class Keys = FwdIo>
 struct Io {
+  using K = Keys;
   __device__ __forceinline__ void add(int, uint64_t) {}
   __device__ __forceinline__ void flush(unsigned long long*) {}
 };
 
-template <>
-struct Io<true> {
-  uint64_t bytes[kNumIoTensors] = {0, 0, 0, 0, 0, 0, 0};
+template <class Keys>
+struct Io<true, Keys> {
+  using K = Keys;
+  uint64_t bytes[Keys::kCount] = {};
   __device__ __forceinline__ void add(int tensor, uint64_t n) { bytes[tensor] += n; }
   // One atomic per warp and tensor: sum over the warp's lanes first.
   __device__ __forceinline__ void flush(unsigned long long* counters) {
 #pragma unroll
-    for (int t = 0; t < kNumIoTensors; ++t) {
+    for (int t = 0; t < Keys::kCount; ++t) {
       uint64_t v = bytes[t];
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -62,26 +69,53 @@ __device__ __forceinline__ void load_tile_async(Elem* smem, const Elem* gmem, in
 // thread's read is the CTA's accounted one (the others hit the same L1 line).
 template <class IoT>
 __device__ __forceinline__ int32_t load_meta(const int32_t* p, IoT& io, bool count) {
-  if (count) io.add(kMeta, 4);
+  if (count) io.add(IoT::K::kMeta, 4);
   return __ldg(p);
 }
 
+// Two adjacent elements (packed in 32 bits) of tensor `tensor`.
 template <typename Elem, class IoT>
-__device__ __forceinline__ void store_pair(Elem* gmem, uint32_t packed, IoT& io) {
+__device__ __forceinline__ void store_pair(Elem* gmem, uint32_t packed, IoT& io, int tensor) {
   *reinterpret_cast<uint32_t*>(gmem) = packed;
-  io.add(kO, 4);
+  io.add(tensor, 4);
 }
 
 template <class IoT>
-__device__ __forceinline__ void store_lse(float* gmem, float lse, IoT& io) {
-  *gmem = lse;
-  io.add(kLse, 4);
+__device__ __forceinline__ void store_f32(float* gmem, float x, IoT& io, int tensor) {
+  *gmem = x;
+  io.add(tensor, 4);
+}
+
+template <class IoT>
+__device__ __forceinline__ float load_f32(const float* gmem, IoT& io, int tensor) {
+  io.add(tensor, 4);
+  return *gmem;
+}
+
+// fp32 accumulation into global memory (red.global.add): 4 bytes read and 4 written.
+template <class IoT>
+__device__ __forceinline__ void atomic_add_f32(float* gmem, float x, IoT& io, int tensor) {
+  atomicAdd(gmem, x);
+  io.add(tensor, 8);
+}
+
+// 16 bytes = 8 elements, read through the read-only path.
+template <typename Elem, class IoT>
+__device__ __forceinline__ uint4 load_16(const Elem* gmem, IoT& io, int tensor) {
+  io.add(tensor, 16);
+  return __ldg(reinterpret_cast<const uint4*>(gmem));
+}
+
+template <typename Elem, class IoT>
+__device__ __forceinline__ void store_16(Elem* gmem, uint4 v, IoT& io, int tensor) {
+  *reinterpret_cast<uint4*>(gmem) = v;
+  io.add(tensor, 16);
 }
 
 template <class IoT>
 __device__ __forceinline__ void store_keep(uint8_t* gmem, bool keep, IoT& io) {
   *gmem = keep ? 1 : 0;
-  io.add(kKeepMask, 1);
+  io.add(IoT::K::kKeepMask, 1);
 }
 
 }  // namespace fg

@@ -105,6 +105,9 @@ struct Mma<__nv_bfloat16> {
   }
 };
 
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
 // 2^x on the SFU. ex2.approx.ftz maps -inf to +0, which the online softmax relies on.
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;

@@ -4,10 +4,12 @@
 // Every field is 8 bytes wide (pointer, int64, uint64 or double), so the struct has no
 // padding and the same layout from C, C++ and Python (verify/runner.py packs it by hand).
 // Fields a kernel's spec does not use are ignored by that kernel.
+// Start from fg_fwd_params_default() (below), not from `= {0}`: the defaults are not all zero.
 #ifndef FLASHGEN_PARAMS_H
 #define FLASHGEN_PARAMS_H
 
 #include <stdint.h>
+#include <string.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -53,6 +55,19 @@ typedef struct fg_fwd_params {
   /* instrument_io: 7 uint64 counters: Q, K, V, O, LSE, META, KEEP_MASK (bytes) */
   unsigned long long* io_counters;
 } fg_fwd_params;
+
+/* The defaults: every pointer NULL, every stride, size, scale and dropout field 0, windows
+   unbounded (window_left = window_right = -1), blk_layout_heads = 1 (one shared layout).
+   Set the tensors, strides, sizes and softmax_scale (e.g. 1/sqrt(head_dim)) before launching,
+   plus the fields of the features the kernel's spec enables. C99 or newer, and C++. */
+static inline fg_fwd_params fg_fwd_params_default(void) {
+  fg_fwd_params p;
+  memset(&p, 0, sizeof(p));
+  p.window_left = -1;
+  p.window_right = -1;
+  p.blk_layout_heads = 1;
+  return p;
+}
 
 #ifdef __cplusplus
 }

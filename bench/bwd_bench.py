@@ -1,0 +1,240 @@
+"""Backward benchmark: flashgen backward kernels side by side with PyTorch's attention.
+
+For each (head_dim, causal, seqlen) the same bf16 inputs, output, LSE and dO go to the
+flashgen backward of the spec and to the backward of SDPA with each backend forced (FLASH =
+FlashAttention-2, CUDNN, EFFICIENT); times are medians of `triton.testing.do_bench`.
+TFLOP/s count 2.5 x the forward's 4*b*h*n^2*d (halved when causal), the FlashAttention
+papers' convention. batch * seqlen = 16k tokens, hidden = heads * head_dim = 2048. Also
+reported: forward + backward (flashgen forward + backward against each backend's pair), and
+with --check the largest difference of dQ, dK, dV from the FLASH backend's.
+
+    python -m flashgen.bench.bwd_bench --specs specs/bwd_dense.yaml --fwd-specs \
+        specs/fwd_dense.yaml --out bench/results/bwd_h200.json
+
+Needs a GPU, PyTorch and Triton; the kernel libraries come from `flashgen compile`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from flashgen.bench.fwd_bench import environment, flops, torch_params
+
+BACKENDS = ("FLASH", "CUDNN", "EFFICIENT")
+SEL = {"FLASH": "FLASH_ATTENTION", "CUDNN": "CUDNN_ATTENTION", "EFFICIENT": "EFFICIENT_ATTENTION"}
+
+
+def bwd_params(q, k, v, o, lse, do, dq, dk, dv, ws, scale: float, dq_accum_bytes: int) -> dict:
+    """fg_bwd_params for contiguous torch tensors (b, s, h, d); lse (b, h, s)."""
+    b, s, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    p = {
+        "q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(),
+        "dout": do.data_ptr(), "lse": lse.data_ptr(), "dq": dq.data_ptr(),
+        "dk": dk.data_ptr(), "dv": dv.data_ptr(), "dq_accum": ws.data_ptr(),
+        "dsum": ws.data_ptr() + dq_accum_bytes,
+        "batch": b, "heads": h, "kv_heads": hk, "seqlen_q": s, "seqlen_k": sk,
+        "softmax_scale": scale, "window_left": -1, "window_right": -1,
+        "lse_batch_stride": lse.stride(0), "lse_head_stride": lse.stride(1),
+    }  # fmt: skip
+    for nm, t in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do), ("dq", dq), ("dk", dk),
+                  ("dv", dv)):  # fmt: skip
+        st = t.stride()
+        p[f"{nm}_batch_stride"], p[f"{nm}_row_stride"], p[f"{nm}_head_stride"] = st[0], st[1], st[2]
+    return p
+
+
+def workspace_bytes(kernel, values: dict) -> int:
+    import ctypes
+
+    lib = kernel.library
+    fn = getattr(lib._lib, f"{lib.name}_workspace_bytes")
+    fn.argtypes, fn.restype = [ctypes.POINTER(lib.Params)], ctypes.c_size_t
+    return int(fn(ctypes.byref(lib.pack(values))))
+
+
+def flashgen_backward(kernel, q, k, v, o, lse, do, scale):
+    """(launch callable, dq, dk, dv) for the flashgen backward on these tensors."""
+    import torch
+
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    b, s, h, d = q.shape
+    acc_bytes = -(-b * s * h * d * 4 // 256) * 256
+    shape_only = bwd_params(q, k, v, o, lse, do, dq, dk, dv, q, scale, 0)
+    ws = torch.empty(workspace_bytes(kernel, shape_only), dtype=torch.uint8, device="cuda")
+    params = bwd_params(q, k, v, o, lse, do, dq, dk, dv, ws, scale, acc_bytes)
+    launch = kernel.library.launcher(params)
+    launch.keep = (ws,)
+    return launch, dq, dk, dv
+
+
+def bench_case(kernel, fwd_kernel, d, causal, n, tokens, hidden, backends, check) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+
+    batch, heads = max(1, tokens // n), hidden // d
+    scale = 1.0 / math.sqrt(d)
+    torch.manual_seed(0)
+    q, k, v, do = (
+        torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+    )
+    # O and LSE from SDPA FLASH's forward (the backward takes the caller's O and LSE).
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    out = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False)
+    o = out[0].transpose(1, 2).contiguous()
+    lse = out[1].contiguous()  # (b, h, n) natural log, fp32
+    fl_bwd = 2.5 * flops(batch, heads, n, d, causal)
+    fl_fwd = flops(batch, heads, n, d, causal)
+    row = {"d": d, "causal": causal, "seqlen": n, "batch": batch, "heads": heads,
+           "kernel": kernel.name, "ms": {}, "tflops": {}, "fwd_bwd_ms": {}}  # fmt: skip
+
+    def timed(fn):
+        try:
+            return do_bench(fn, warmup=25, rep=100, return_mode="median")
+        except Exception as exc:  # noqa: BLE001 - a backend that cannot run this case
+            row.setdefault("errors", {})[str(fn)] = f"{type(exc).__name__}: {str(exc)[:120]}"
+            return None
+
+    launch, dq, dk, dv = flashgen_backward(kernel, q, k, v, o, lse, do, scale)
+    ms = timed(launch)
+    row["ms"]["flashgen"] = ms
+    row["tflops"]["flashgen"] = fl_bwd / (ms * 1e-3) / 1e12 if ms else None
+    if fwd_kernel is not None:
+        o2, lse2 = torch.empty_like(q), torch.empty(batch, heads, n, device="cuda")
+        fwd = fwd_kernel.library.launcher(torch_params(fwd_kernel, q, k, v, o2, lse2, scale))
+        launch2, *_ = flashgen_backward(kernel, q, k, v, o2, lse2, do, scale)
+
+        def both():
+            fwd()
+            launch2()
+
+        row["fwd_bwd_ms"]["flashgen"] = timed(both)
+    dot = do.transpose(1, 2)
+    for be in backends:
+        sel = getattr(SDPBackend, SEL[be])
+        qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (qt, kt, vt))
+        try:
+            with sdpa_kernel(sel):
+                res = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+        except Exception as exc:  # noqa: BLE001
+            row.setdefault("errors", {})[be] = f"{type(exc).__name__}: {str(exc)[:120]}"
+            continue
+
+        def bwd(res=res, qg=qg, kg=kg, vg=vg):
+            torch.autograd.grad(res, (qg, kg, vg), dot, retain_graph=True)
+
+        ms = timed(bwd)
+        row["ms"][be] = ms
+        row["tflops"][be] = fl_bwd / (ms * 1e-3) / 1e12 if ms else None
+
+        def fwd_bwd(sel=sel, qg=qg, kg=kg, vg=vg):
+            with sdpa_kernel(sel):
+                r = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+            torch.autograd.grad(r, (qg, kg, vg), dot)
+
+        row["fwd_bwd_ms"][be] = timed(fwd_bwd)
+        if check and be == "FLASH":
+            launch()
+            torch.cuda.synchronize()
+            gq, gk, gv = torch.autograd.grad(res, (qg, kg, vg), dot, retain_graph=True)
+            row["max_abs_diff_vs_flash"] = {
+                nm: float((a.float() - b_.transpose(1, 2).float()).abs().max())
+                for nm, a, b_ in (("dq", dq, gq), ("dk", dk, gk), ("dv", dv, gv))
+            }
+    ours = row["tflops"].get("flashgen")
+    row["ratio"] = {
+        be: (ours / t if ours and t else None)
+        for be, t in row["tflops"].items()
+        if be != "flashgen"
+    }
+    row["fwd_bwd_tflops"] = {
+        be: (fl_fwd + fl_bwd) / (t * 1e-3) / 1e12 for be, t in row["fwd_bwd_ms"].items() if t
+    }
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bwd_bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--specs", nargs="+", default=["specs/bwd_dense.yaml"])
+    ap.add_argument("--fwd-specs", nargs="*", default=[], help="forward specs for fwd+bwd rows")
+    ap.add_argument("--libs", default=None, help="kernel libraries (default: build/kernels)")
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 8192, 16384])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--backends", nargs="*", default=list(BACKENDS))
+    ap.add_argument("--check", action="store_true", help="compare dQ, dK, dV with SDPA FLASH")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    from flashgen.generator.load import load_paths
+    from flashgen.verify.runner import load_kernel
+
+    def dense(s):
+        return (
+            s.dtype.yaml == "bf16" and s.head_dim in args.head_dims and not s.mask.window
+            and not s.mask.varlen and not s.dropout and not s.sparse and not s.instrument_io
+            and not s.gqa and s.mask.causal.yaml in ("none", "bottom_right")
+        )  # fmt: skip
+
+    specs = [s for s in load_paths(args.specs) if s.kernel.yaml == "backward" and dense(s)]
+    fwd = {
+        (s.head_dim, s.mask.causal): s
+        for s in load_paths(args.fwd_specs) if s.kernel.yaml == "forward" and dense(s)
+    } if args.fwd_specs else {}  # fmt: skip
+    if not specs:
+        print("bwd_bench: no bf16 dense backward spec matches", file=sys.stderr)
+        return 2
+    rows = []
+    for spec in specs:
+        kernel = load_kernel(spec, args.libs)
+        fspec = fwd.get((spec.head_dim, spec.mask.causal))
+        fkernel = load_kernel(fspec, args.libs) if fspec is not None else None
+        causal = spec.mask.causal.yaml != "none"
+        for n in args.seqlens:
+            row = bench_case(
+                kernel, fkernel, spec.head_dim, causal, n, args.tokens, args.hidden,
+                args.backends, args.check,
+            )  # fmt: skip
+            rows.append(row)
+            cells = "  ".join(f"{be}={t:6.1f}" for be, t in row["tflops"].items() if t)
+            extra = f"  diff={row.get('max_abs_diff_vs_flash')}" if args.check else ""
+            print(f"d={spec.head_dim:3d} causal={int(causal)} n={n:5d}  {cells}{extra}", flush=True)
+    result = {
+        "environment": environment(),
+        "convention": "TFLOP/s = 2.5 * 4*b*h*n^2*d (/2 causal) / time (backward only)",
+        "rows": rows,
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(format_table(rows))
+    return 0
+
+
+def format_table(rows: list[dict]) -> str:
+    cols = ["flashgen", *BACKENDS]
+    ratios = " | vs FLASH | vs CUDNN | fwd+bwd vs FLASH |"
+    head = "| d | causal | seqlen | " + " | ".join(cols) + ratios
+    lines = [head, "|" + "---|" * (len(cols) + 6)]
+    for r in rows:
+        cells = [f"{r['tflops'][c]:.0f}" if r["tflops"].get(c) else "-" for c in cols]
+        ratio = [r["ratio"].get(b) for b in ("FLASH", "CUDNN")]
+        fb = r["fwd_bwd_tflops"]
+        fbr = fb.get("flashgen") / fb["FLASH"] if fb.get("flashgen") and fb.get("FLASH") else None
+        rs = [f"{x:.2f}x" if x else "-" for x in (*ratio, fbr)]
+        lines.append(
+            f"| {r['d']} | {'yes' if r['causal'] else 'no'} | {r['seqlen']} | "
+            + " | ".join(cells) + " | " + " | ".join(rs) + " |"
+        )  # fmt: skip
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,524 @@
+// flashgen: the backward FlashAttention kernels (FlashAttention-2's layout) on mma.sync.
+//
+// Glossary
+//   CTA        one K/V tile of block_n keys [c0, c0 + kr) of one (batch b, KV head hk); it
+//              walks every query head h of hk's GQA group and, per head, the query tiles of
+//              its schedule (a step = one (h, query tile m) pair)
+//   slot       smem buffer of a step's Q, dO, LSE and D: step % kStages
+//   S, P       scores Q K^T of a step (block_m x block_n) and P = exp(scale S - LSE)
+//   dP, dS     dO V^T and dS = P * (dP - D), D = rowsum(dO * O) (the preprocess kernel)
+//   Pd         P with dropout applied (P * keep / (1 - p)), the operand of dV
+//   warp layouts  each stage tiles its output over the warps differently: S/dP over (query
+//              rows, keys), dK/dV over (keys, head dim), dQ over (query rows, head dim); P
+//              and dS go through shared memory between them (as in FlashAttention-2)
+//   dq_accum   fp32 workspace (rows, heads, d), rows = batch * seqlen_q (varlen: packed);
+//              steps add their dQ = dS K into it with atomics; the convert kernel scales it
+//              by softmax_scale and writes dQ
+//
+// Per step: S = Q K^T and dP = dO V^T (mma), mask (mask.cuh) and dropout (frag.cuh) exactly
+// as the forward, P from the caller's LSE, dS; then dV += Pd^T dO, dK += dS^T Q (kept in
+// registers over all steps, so GQA groups sum with no expanded copy) and dQ += dS K
+// (atomics). Q/dO of the next step stream in with cp.async while this one computes.
+#pragma once
+
+#include <stdint.h>
+
+#include "arch.cuh"
+#include "block_info.cuh"
+#include "bwd_params.h"
+#include "frag.cuh"
+#include "mask.cuh"
+#include "philox.cuh"
+#include "schedule.cuh"
+#include "tile_io.cuh"
+
+namespace fg {
+
+// The backward family's IO counters, in the order of its Python table (families/backward.py).
+struct BwdIo {
+  enum IoTensor {
+    kQ = 0, kK, kV, kO, kDO, kLse, kDsum, kDqAccum, kDq, kDk, kDv, kMeta, kKeepMask,
+    kNumIoTensors
+  };
+  static constexpr int kCount = kNumIoTensors;
+};
+
+constexpr int cmin(int a, int b) { return a < b ? a : b; }
+
+// S: the spec as named constants (templates/common/spec_struct.j2).
+template <class S>
+struct BwdConfig : S {
+  using S::kBlockM, S::kBlockN, S::kHeadDim, S::kWarps, S::kStages;
+  using Elem = typename S::Elem;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kStride = kHeadDim + 8;   // K, V, Q, dO rows (elements)
+  static constexpr int kPStride = kBlockN + 8;   // P, dS rows (elements)
+  // S/dP: warps over (query rows, keys)
+  static constexpr int kSRows = cmin(kWarps, kBlockM / 16), kSCols = kWarps / kSRows;
+  static constexpr int kSMT = kBlockM / 16 / kSRows, kSNT = kBlockN / kSCols / 8;
+  // dK/dV: warps over (keys, head dim)
+  static constexpr int kKvRows = cmin(kWarps, kBlockN / 16), kKvCols = kWarps / kKvRows;
+  static constexpr int kKvMT = kBlockN / 16 / kKvRows, kKvDT = kHeadDim / kKvCols / 8;
+  // dQ: warps over (query rows, head dim)
+  static constexpr int kQRows = cmin(kWarps, kBlockM / 16), kQCols = kWarps / kQRows;
+  static constexpr int kQMT = kBlockM / 16 / kQRows, kQDT = kHeadDim / kQCols / 8;
+  static constexpr int kKS = kHeadDim / 16, kMS = kBlockM / 16, kNS = kBlockN / 16;
+
+  static constexpr int kElem = static_cast<int>(sizeof(Elem));
+  static constexpr int kKvTile = kBlockN * kStride, kQTile = kBlockM * kStride;
+  static constexpr int kPTile = kBlockM * kPStride;
+  static constexpr int kSmemBytes = (2 * kKvTile + 2 * kStages * kQTile + 2 * kPTile) * kElem +
+                                    2 * kStages * kBlockM * 4;
+
+  static_assert(kSRows * kSCols == kWarps && kSNT % 2 == 0, "S/dP warp layout");
+  static_assert(kKvRows * kKvCols == kWarps && kKvDT % 2 == 0, "dK/dV warp layout");
+  static_assert(kQRows * kQCols == kWarps && kQDT % 2 == 0, "dQ warp layout");
+  static_assert(kStages == 1 || kStages == 2, "stages");
+  static_assert(!S::kKeepMaskOut || S::kDropout, "the keep-mask output needs dropout");
+};
+
+// One step of a CTA's walk: query head offset g in the group, schedule position it, query
+// tile m (sparse: read from the layout once, when the step is planned).
+struct BwdStep {
+  int g = 0, it = 0;
+  int64_t m = 0;
+  bool partial = false, valid = false;
+};
+
+template <class C>
+__device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
+  using Elem = typename C::Elem;
+  using MmaT = Mma<Elem>;
+  using Schedule = TileSchedule<C::kSparse, /*descending=*/false>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  Elem* sK = reinterpret_cast<Elem*>(smem_raw);
+  Elem* sV = sK + C::kKvTile;
+  Elem* sQ = sV + C::kKvTile;
+  Elem* sdO = sQ + C::kStages * C::kQTile;
+  Elem* sP = sdO + C::kStages * C::kQTile;
+  Elem* sdS = sP + C::kPTile;
+  float* sLse = reinterpret_cast<float*>(sdS + C::kPTile);
+  float* sD = sLse + C::kStages * C::kBlockM;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g8 = lane >> 2, t4 = lane & 3;
+  const LaneOffsets lo(lane);
+  Io<C::kInstrumentIo, BwdIo> io;
+
+  // ---- which (K/V tile, KV head, batch) this CTA is, and where its sequence lies ---------
+  const int64_t num_nt = (p.seqlen_k + C::kBlockN - 1) / C::kBlockN;
+  int64_t bid = blockIdx.x;
+  const int64_t nt = bid % num_nt;
+  bid /= num_nt;
+  const int64_t hk = bid % p.kv_heads, b = bid / p.kv_heads;
+  if (b >= p.batch) return;
+  const SeqInfo<C::kVarlen> seq(b, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k, io,
+                                tid == 0);
+  const int64_t sq = seq.sq, sk = seq.sk, c0 = nt * C::kBlockN;
+  if (c0 >= sk) {  // a shorter sequence of a varlen batch
+    io.flush(p.io_counters);
+    return;
+  }
+  const int64_t kr = min(static_cast<int64_t>(C::kBlockN), sk - c0);
+  const int group = C::kGqa ? static_cast<int>(p.heads / p.kv_heads) : 1;
+  const int64_t h0 = hk * group;
+  const MaskPolicy<C::kCausal, C::kWindow> mask(sq, sk, p.window_left, p.window_right);
+
+  // ---- the walk: heads of the group x each head's query tiles ----------------------------
+  auto schedule = [&](int g) {
+    if (C::kSparse) {
+      const int64_t row = (p.blk_layout_heads == 1 ? 0 : h0 + g) * num_nt + nt;
+      return Schedule::sparse(p.blk_full_count, p.blk_full_idx, p.blk_part_count,
+                              p.blk_part_idx, row, p.blk_max_blocks, io, tid == 0);
+    }
+    int64_t m_lo, m_hi;
+    mask.q_tile_range(c0, c0 + kr - 1, C::kBlockM, m_lo, m_hi);
+    return Schedule::dense(m_lo, m_hi);
+  };
+  // The step after `s`: the next position of head s.g's schedule `sched`, else the first of
+  // the next head with a non-empty one (`sched` then becomes that head's). Steps are planned
+  // in order, one ahead of the one computing, so one schedule is live at a time.
+  Schedule sched = schedule(0);
+  auto advance = [&](BwdStep s) {
+    s.it += 1;
+    while (s.it >= sched.count) {
+      if (s.g + 1 >= group) {
+        s.valid = false;
+        return s;
+      }
+      s.g += 1;
+      s.it = 0;
+      sched = schedule(s.g);
+    }
+    s.m = sched.tile(s.it, io, tid == 0);
+    s.partial = sched.partial(s.it);
+    s.valid = true;
+    return s;
+  };
+  BwdStep first;
+  first.it = -1;
+  BwdStep cur = advance(first);
+
+  const Elem* gK = static_cast<const Elem*>(p.k) + seq.k_off(p.k_batch_stride, p.k_row_stride, c0) +
+                   hk * p.k_head_stride;
+  const Elem* gV = static_cast<const Elem*>(p.v) + seq.k_off(p.v_batch_stride, p.v_row_stride, c0) +
+                   hk * p.v_head_stride;
+
+  // Loads one step's Q, dO, LSE and D into `slot` (one cp.async group).
+  auto load_step = [&](const BwdStep& s, int slot) {
+    const int64_t h = h0 + s.g, r0 = s.m * C::kBlockM;
+    const int64_t qr = min(static_cast<int64_t>(C::kBlockM), sq - r0);
+    const Elem* gQ = static_cast<const Elem*>(p.q) +
+                     seq.q_off(p.q_batch_stride, p.q_row_stride, r0) + h * p.q_head_stride;
+    const Elem* gdO = static_cast<const Elem*>(p.dout) +
+                      seq.q_off(p.do_batch_stride, p.do_row_stride, r0) + h * p.do_head_stride;
+    load_tile_async<C::kBlockM, C::kHeadDim, C::kThreads, C::kStride>(
+        sQ + slot * C::kQTile, gQ, p.q_row_stride, qr, io, BwdIo::kQ);
+    load_tile_async<C::kBlockM, C::kHeadDim, C::kThreads, C::kStride>(
+        sdO + slot * C::kQTile, gdO, p.do_row_stride, qr, io, BwdIo::kDO);
+    for (int r = tid; r < C::kBlockM; r += C::kThreads) {
+      const bool ok = r < qr;
+      const int64_t row = ok ? r0 + r : 0;
+      cp_async_4(sLse + slot * C::kBlockM + r,
+                 p.lse + seq.lse_off(p.lse_batch_stride, p.lse_head_stride, h, row), ok);
+      cp_async_4(sD + slot * C::kBlockM + r, p.dsum + seq.grow(row) * p.heads + h, ok);
+      io.add(BwdIo::kLse, ok ? 4 : 0);
+      io.add(BwdIo::kDsum, ok ? 4 : 0);
+    }
+    cp_async_commit();
+  };
+
+  float acc_dk[C::kKvMT][C::kKvDT][4], acc_dv[C::kKvMT][C::kKvDT][4];
+#pragma unroll
+  for (int mt = 0; mt < C::kKvMT; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < C::kKvDT; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dk[mt][dt][e] = acc_dv[mt][dt][e] = 0.f;
+
+  // Warp corners of the three layouts.
+  const int s_row0 = (warp % C::kSRows) * C::kSMT * 16, s_col0 = (warp / C::kSRows) * C::kSNT * 8;
+  const int kv_row0 = (warp % C::kKvRows) * C::kKvMT * 16;
+  const int kv_col0 = (warp / C::kKvRows) * C::kKvDT * 8;
+  const int q_row0 = (warp % C::kQRows) * C::kQMT * 16, q_col0 = (warp / C::kQRows) * C::kQDT * 8;
+  constexpr uint32_t kE = sizeof(Elem);
+  const uint32_t sK_a = smem_addr(sK), sV_a = smem_addr(sV), sQ_a = smem_addr(sQ);
+  const uint32_t sdO_a = smem_addr(sdO), sP_a = smem_addr(sP), sdS_a = smem_addr(sdS);
+  const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
+  const float drop_scale = C::kDropout ? static_cast<float>(1.0 / (1.0 - p.dropout_p)) : 1.f;
+
+  if (cur.valid) {
+    load_tile_async<C::kBlockN, C::kHeadDim, C::kThreads, C::kStride>(sK, gK, p.k_row_stride, kr,
+                                                                       io, BwdIo::kK);
+    load_tile_async<C::kBlockN, C::kHeadDim, C::kThreads, C::kStride>(sV, gV, p.v_row_stride, kr,
+                                                                       io, BwdIo::kV);
+    load_step(cur, 0);  // K and V ride in the same group
+  }
+  BwdStep nxt = cur.valid ? advance(cur) : cur;
+
+  for (int step = 0; cur.valid; ++step) {
+    const int slot = C::kStages == 2 ? (step & 1) : 0;
+    if (C::kStages == 1 && step > 0) load_step(cur, 0);
+    cp_async_wait<0>();
+    __syncthreads();  // this step's tiles are visible; every warp finished the last step
+    if (C::kStages == 2 && nxt.valid) load_step(nxt, slot ^ 1);
+
+    const int64_t h = h0 + cur.g, r0 = cur.m * C::kBlockM;
+    const int64_t qr = min(static_cast<int64_t>(C::kBlockM), sq - r0);
+    const uint32_t q_slot = sQ_a + slot * C::kQTile * kE, do_slot = sdO_a + slot * C::kQTile * kE;
+    const float* lse_s = sLse + slot * C::kBlockM;
+    const float* d_s = sD + slot * C::kBlockM;
+
+    // ---- S = Q K^T and dP = dO V^T over (query rows, keys) ------------------------------
+    float acc_s[C::kSMT][C::kSNT][4], acc_dp[C::kSMT][C::kSNT][4];
+#pragma unroll
+    for (int mt = 0; mt < C::kSMT; ++mt)
+#pragma unroll
+      for (int n8 = 0; n8 < C::kSNT; ++n8)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[mt][n8][e] = acc_dp[mt][n8][e] = 0.f;
+    // Two passes (S, then dP) keep one operand set live at a time.
+    auto scores = [&](uint32_t a_slot, uint32_t b_base, float (&acc)[C::kSMT][C::kSNT][4]) {
+#pragma unroll
+      for (int kk = 0; kk < C::kKS; ++kk) {
+        uint32_t a[C::kSMT][4];
+#pragma unroll
+        for (int mt = 0; mt < C::kSMT; ++mt)
+          ldmatrix_x4(a[mt], a_slot + ((s_row0 + mt * 16 + lo.a_row) * C::kStride + kk * 16 +
+                                       lo.a_col) * kE);
+#pragma unroll
+        for (int np = 0; np < C::kSNT / 2; ++np) {
+          uint32_t bk[4];
+          ldmatrix_x4(bk, b_base + ((s_col0 + np * 16 + lo.b_row) * C::kStride + kk * 16 +
+                                    lo.b_col) * kE);
+#pragma unroll
+          for (int mt = 0; mt < C::kSMT; ++mt) {
+            MmaT::run(acc[mt][2 * np], a[mt], bk[0], bk[1]);
+            MmaT::run(acc[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+          }
+        }
+      }
+    };
+    scores(q_slot, sK_a, acc_s);
+    scores(do_slot, sV_a, acc_dp);
+
+    const bool masked = C::kSparse ? (cur.partial || c0 + C::kBlockN > sk)
+                                   : mask.tile_needs_mask(r0, r0 + qr - 1, nt, C::kBlockN);
+    if (masked) mask_frag(acc_s, mask.tile(r0 + s_row0, c0 + s_col0), lane);
+
+    // P = exp2(S * scale * log2 e - LSE * log2 e); a row whose LSE is -inf (no visible key)
+    // gets P = 0, never inf * 0.
+#pragma unroll
+    for (int mt = 0; mt < C::kSMT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = s_row0 + mt * 16 + g8 + r * 8;
+        const float lse = lse_s[row];
+        const float base = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
+        const float dsum = d_s[row];
+#pragma unroll
+        for (int n8 = 0; n8 < C::kSNT; ++n8)
+#pragma unroll
+          for (int e = 2 * r; e < 2 * r + 2; ++e) {
+            const float pe = exp2_approx(__fsub_rn(__fmul_rn(acc_s[mt][n8][e], scale_log2), base));
+            acc_s[mt][n8][e] = pe;
+            if (!C::kDropout) acc_dp[mt][n8][e] = pe * (acc_dp[mt][n8][e] - dsum);
+          }
+      }
+    if (C::kDropout) {
+      const DropoutRng rng = make_dropout_rng(p.seed, p.offset, b * p.heads + h, p.dropout_p);
+      dropout_frag<C::kSMT, C::kSNT>(
+          rng, r0 + s_row0, c0 + s_col0, lane,
+          [&](int mt, int n8, int e, bool keep, int64_t i, int64_t j) {
+            if (C::kKeepMaskOut && i < sq && j < sk)
+              store_keep(p.keep_mask + ((b * p.heads + h) * p.seqlen_q + i) * p.seqlen_k + j, keep,
+                         io);
+            const float pe = acc_s[mt][n8][e];
+            const float dsum = d_s[s_row0 + mt * 16 + g8 + (e >> 1) * 8];
+            acc_dp[mt][n8][e] = pe * ((keep ? acc_dp[mt][n8][e] * drop_scale : 0.f) - dsum);
+            acc_s[mt][n8][e] = keep ? pe * drop_scale : 0.f;
+          });
+    }
+    // Pd and dS to shared memory, rows = query, columns = key.
+#pragma unroll
+    for (int mt = 0; mt < C::kSMT; ++mt)
+#pragma unroll
+      for (int n8 = 0; n8 < C::kSNT; ++n8)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int idx = (s_row0 + mt * 16 + g8 + r * 8) * C::kPStride + s_col0 + n8 * 8 + 2 * t4;
+          *reinterpret_cast<uint32_t*>(sP + idx) =
+              MmaT::pack(acc_s[mt][n8][2 * r], acc_s[mt][n8][2 * r + 1]);
+          *reinterpret_cast<uint32_t*>(sdS + idx) =
+              MmaT::pack(acc_dp[mt][n8][2 * r], acc_dp[mt][n8][2 * r + 1]);
+        }
+    __syncthreads();  // Pd and dS visible to every warp
+
+    // ---- dV += Pd^T dO and dK += dS^T Q over (keys, head dim) ---------------------------
+#pragma unroll
+    for (int ks = 0; ks < C::kMS; ++ks) {
+      uint32_t ap[C::kKvMT][4], ads[C::kKvMT][4];
+#pragma unroll
+      for (int mt = 0; mt < C::kKvMT; ++mt) {
+        // A = Pd^T from its transposed storage [query][key]: ldmatrix.trans, "b" offsets
+        const uint32_t off =
+            ((ks * 16 + lo.b_row) * C::kPStride + kv_row0 + mt * 16 + lo.b_col) * kE;
+        ldmatrix_x4_trans(ap[mt], sP_a + off);
+        ldmatrix_x4_trans(ads[mt], sdS_a + off);
+      }
+#pragma unroll
+      for (int dp = 0; dp < C::kKvDT / 2; ++dp) {
+        const uint32_t off = ((ks * 16 + lo.a_row) * C::kStride + kv_col0 + dp * 16 + lo.a_col) * kE;
+        uint32_t bdo[4], bq[4];
+        ldmatrix_x4_trans(bdo, do_slot + off);
+        ldmatrix_x4_trans(bq, q_slot + off);
+#pragma unroll
+        for (int mt = 0; mt < C::kKvMT; ++mt) {
+          MmaT::run(acc_dv[mt][2 * dp], ap[mt], bdo[0], bdo[1]);
+          MmaT::run(acc_dv[mt][2 * dp + 1], ap[mt], bdo[2], bdo[3]);
+          MmaT::run(acc_dk[mt][2 * dp], ads[mt], bq[0], bq[1]);
+          MmaT::run(acc_dk[mt][2 * dp + 1], ads[mt], bq[2], bq[3]);
+        }
+      }
+    }
+
+    // ---- dQ += dS K over (query rows, head dim), added to dq_accum ----------------------
+    {
+      float acc_dq[C::kQMT][C::kQDT][4];
+#pragma unroll
+      for (int mt = 0; mt < C::kQMT; ++mt)
+#pragma unroll
+        for (int dt = 0; dt < C::kQDT; ++dt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_dq[mt][dt][e] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < C::kNS; ++ks) {
+        uint32_t a[C::kQMT][4];
+#pragma unroll
+        for (int mt = 0; mt < C::kQMT; ++mt)
+          ldmatrix_x4(a[mt], sdS_a + ((q_row0 + mt * 16 + lo.a_row) * C::kPStride + ks * 16 +
+                                      lo.a_col) * kE);
+#pragma unroll
+        for (int dp = 0; dp < C::kQDT / 2; ++dp) {
+          uint32_t bk[4];
+          ldmatrix_x4_trans(bk, sK_a + ((ks * 16 + lo.a_row) * C::kStride + q_col0 + dp * 16 +
+                                        lo.a_col) * kE);
+#pragma unroll
+          for (int mt = 0; mt < C::kQMT; ++mt) {
+            MmaT::run(acc_dq[mt][2 * dp], a[mt], bk[0], bk[1]);
+            MmaT::run(acc_dq[mt][2 * dp + 1], a[mt], bk[2], bk[3]);
+          }
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < C::kQMT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = q_row0 + mt * 16 + g8 + r * 8;
+          if (row < qr) {
+            float* dst = p.dq_accum + (seq.grow(r0 + row) * p.heads + h) * C::kHeadDim + q_col0 +
+                         2 * t4;
+#pragma unroll
+            for (int dt = 0; dt < C::kQDT; ++dt) {
+              atomic_add_f32(dst + dt * 8, acc_dq[mt][dt][2 * r], io, BwdIo::kDqAccum);
+              atomic_add_f32(dst + dt * 8 + 1, acc_dq[mt][dt][2 * r + 1], io, BwdIo::kDqAccum);
+            }
+          }
+        }
+    }
+    if (C::kStages == 1) __syncthreads();  // the only buffers are refilled next step
+    cur = nxt;
+    if (nxt.valid) nxt = advance(nxt);
+  }
+
+  // ---- epilogue: dK = scale * dS^T Q, dV; zeros when no step saw these keys ---------------
+  const float scale = static_cast<float>(p.softmax_scale);
+  Elem* gdK = static_cast<Elem*>(p.dk) + seq.k_off(p.dk_batch_stride, p.dk_row_stride, c0) +
+              hk * p.dk_head_stride;
+  Elem* gdV = static_cast<Elem*>(p.dv) + seq.k_off(p.dv_batch_stride, p.dv_row_stride, c0) +
+              hk * p.dv_head_stride;
+#pragma unroll
+  for (int mt = 0; mt < C::kKvMT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = kv_row0 + mt * 16 + g8 + r * 8;
+      if (row < kr) {
+#pragma unroll
+        for (int dt = 0; dt < C::kKvDT; ++dt) {
+          const int col = kv_col0 + dt * 8 + 2 * t4;
+          store_pair(gdK + row * p.dk_row_stride + col,
+                     MmaT::pack(acc_dk[mt][dt][2 * r] * scale, acc_dk[mt][dt][2 * r + 1] * scale),
+                     io, BwdIo::kDk);
+          store_pair(gdV + row * p.dv_row_stride + col,
+                     MmaT::pack(acc_dv[mt][dt][2 * r], acc_dv[mt][dt][2 * r + 1]), io, BwdIo::kDv);
+        }
+      }
+    }
+  io.flush(p.io_counters);
+}
+
+// ---- the two row kernels: one warp per row, lanes over 8-element chunks ----------------
+constexpr int kRowWarps = 4, kRowsPerWarp = 8;  // 32 rows of one head per CTA
+
+template <class C>
+__device__ __forceinline__ void bwd_row_coords(const fg_bwd_params& p, int64_t& r_first,
+                                               int64_t& h, int64_t& b) {
+  const int64_t row_blocks = (p.seqlen_q + kRowWarps * kRowsPerWarp - 1) / (kRowWarps * kRowsPerWarp);
+  int64_t bid = blockIdx.x;
+  r_first = (bid % row_blocks) * kRowWarps * kRowsPerWarp;
+  bid /= row_blocks;
+  h = bid % p.heads;
+  b = bid / p.heads;
+}
+
+// D = rowsum(dO * O) in fp32, into dsum (rows, heads).
+template <class C>
+__device__ __forceinline__ void bwd_preprocess_body(const fg_bwd_params& p) {
+  using Elem = typename C::Elem;
+  Io<C::kInstrumentIo, BwdIo> io;
+  int64_t r_first, h, b;
+  bwd_row_coords<C>(p, r_first, h, b);
+  if (b >= p.batch) return;
+  Io<false, BwdIo> quiet;  // cu_seqlens reads of the row kernels are not counted
+  const SeqInfo<C::kVarlen> seq(b, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k, quiet,
+                                false);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int64_t r = r_first + warp * kRowsPerWarp + i;
+    if (r >= seq.sq) break;
+    const Elem* o = static_cast<const Elem*>(p.o) + seq.q_off(p.o_batch_stride, p.o_row_stride, r) +
+                    h * p.o_head_stride;
+    const Elem* d = static_cast<const Elem*>(p.dout) +
+                    seq.q_off(p.do_batch_stride, p.do_row_stride, r) + h * p.do_head_stride;
+    float acc = 0.f;
+    for (int c = lane; c < C::kHeadDim / 8; c += 32) {
+      const uint4 ov = load_16(o + c * 8, io, BwdIo::kO), dv = load_16(d + c * 8, io, BwdIo::kDO);
+      const Elem* oe = reinterpret_cast<const Elem*>(&ov);
+      const Elem* de = reinterpret_cast<const Elem*>(&dv);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc += to_float(oe[e]) * to_float(de[e]);
+    }
+#pragma unroll
+    for (int o2 = 16; o2 > 0; o2 >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o2);
+    if (lane == 0) store_f32(p.dsum + seq.grow(r) * p.heads + h, acc, io, BwdIo::kDsum);
+  }
+  io.flush(p.io_counters);
+}
+
+// dQ = softmax_scale * dq_accum, in the output dtype.
+template <class C>
+__device__ __forceinline__ void bwd_convert_body(const fg_bwd_params& p) {
+  using Elem = typename C::Elem;
+  using MmaT = Mma<Elem>;
+  Io<C::kInstrumentIo, BwdIo> io;
+  int64_t r_first, h, b;
+  bwd_row_coords<C>(p, r_first, h, b);
+  if (b >= p.batch) return;
+  Io<false, BwdIo> quiet;
+  const SeqInfo<C::kVarlen> seq(b, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k, quiet,
+                                false);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float scale = static_cast<float>(p.softmax_scale);
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int64_t r = r_first + warp * kRowsPerWarp + i;
+    if (r >= seq.sq) break;
+    const float* acc = p.dq_accum + (seq.grow(r) * p.heads + h) * C::kHeadDim;
+    Elem* dq = static_cast<Elem*>(p.dq) + seq.q_off(p.dq_batch_stride, p.dq_row_stride, r) +
+               h * p.dq_head_stride;
+    for (int c = lane; c < C::kHeadDim / 8; c += 32) {
+      const float4 a0 = *reinterpret_cast<const float4*>(acc + c * 8);
+      const float4 a1 = *reinterpret_cast<const float4*>(acc + c * 8 + 4);
+      io.add(BwdIo::kDqAccum, 32);
+      uint4 out;
+      out.x = MmaT::pack(a0.x * scale, a0.y * scale);
+      out.y = MmaT::pack(a0.z * scale, a0.w * scale);
+      out.z = MmaT::pack(a1.x * scale, a1.y * scale);
+      out.w = MmaT::pack(a1.z * scale, a1.w * scale);
+      store_16(dq + c * 8, out, io, BwdIo::kDq);
+    }
+  }
+  io.flush(p.io_counters);
+}
+
+template <class C>
+int64_t bwd_grid(const fg_bwd_params& p) {
+  return (p.seqlen_k + C::kBlockN - 1) / C::kBlockN * p.kv_heads * p.batch;
+}
+template <class C>
+int64_t bwd_row_grid(const fg_bwd_params& p) {
+  return (p.seqlen_q + kRowWarps * kRowsPerWarp - 1) / (kRowWarps * kRowsPerWarp) * p.heads *
+         p.batch;
+}
+
+// The caller's fp32 workspace: dq_accum, then dsum, each rounded up to 256 bytes.
+inline int64_t bwd_round256(int64_t n) { return (n + 255) / 256 * 256; }
+template <class C>
+int64_t bwd_dq_accum_bytes(const fg_bwd_params& p) {
+  return bwd_round256(p.batch * p.seqlen_q * p.heads * C::kHeadDim * 4);
+}
+template <class C>
+int64_t bwd_workspace_bytes(const fg_bwd_params& p) {
+  return bwd_dq_accum_bytes<C>(p) + bwd_round256(p.batch * p.seqlen_q * p.heads * 4);
+}
+
+}  // namespace fg

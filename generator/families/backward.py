@@ -1,0 +1,297 @@
+"""The backward family (`kernel: backward`): FlashAttention-2's backward on mma.sync.
+
+One launch runs three kernels (`<name>_launch`): a preprocess computing D = rowsum(dO * O)
+into the workspace, the main kernel, in which each CTA owns one K/V tile of `block_n` keys
+of one (batch, KV head) and walks the query tiles of `block_m` rows (of every query head of
+its GQA group, so dK and dV are summed in registers, with no expanded copy) recomputing
+P = exp(scale * Q K^T - LSE), accumulating dV += P^T dO and dK += dS^T Q and adding
+dQ += dS K into an fp32 workspace with atomics; and a kernel converting that workspace to
+dQ in the output dtype. Extra memory is O(N): dq_accum and D.
+
+Tile rules (each measured against ptxas for spills, generator/families/backward.py tests):
+`warps` in {4, 8}; `block_m` and `block_n` multiples of 16 in 16..128; `stages` in {1, 2}
+(query-side buffers in flight); the three warp layouts below must tile their blocks.
+Shared memory: K and V tiles, `stages` Q and dO tiles, P and dS tiles, LSE and D rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flashgen.generator.families import Family, params_table
+from flashgen.generator.spec import Dtype, KernelKind, KernelSpec, Target, Tile
+
+HEAD_DIMS = tuple(range(16, 129, 16)) + (160, 192, 224, 256)
+TILE_WARPS = (4, 8)
+TILE_STAGES = (1, 2)
+SMEM_ROW_PAD = 8
+
+PARAMS = params_table(
+    """
+    ptr q
+    ptr k
+    ptr v
+    ptr o
+    ptr dout
+    ptr lse
+    ptr dq
+    ptr dk
+    ptr dv
+    ptr dq_accum
+    ptr dsum
+    i64 q_batch_stride
+    i64 q_row_stride
+    i64 q_head_stride
+    i64 k_batch_stride
+    i64 k_row_stride
+    i64 k_head_stride
+    i64 v_batch_stride
+    i64 v_row_stride
+    i64 v_head_stride
+    i64 o_batch_stride
+    i64 o_row_stride
+    i64 o_head_stride
+    i64 do_batch_stride
+    i64 do_row_stride
+    i64 do_head_stride
+    i64 dq_batch_stride
+    i64 dq_row_stride
+    i64 dq_head_stride
+    i64 dk_batch_stride
+    i64 dk_row_stride
+    i64 dk_head_stride
+    i64 dv_batch_stride
+    i64 dv_row_stride
+    i64 dv_head_stride
+    i64 lse_batch_stride
+    i64 lse_head_stride
+    i64 batch
+    i64 heads
+    i64 kv_heads
+    i64 seqlen_q
+    i64 seqlen_k
+    ptr cu_seqlens_q
+    ptr cu_seqlens_k
+    f64 softmax_scale
+    i64 window_left
+    i64 window_right
+    f64 dropout_p
+    u64 seed
+    u64 offset
+    ptr keep_mask
+    ptr blk_full_count
+    ptr blk_full_idx
+    ptr blk_part_count
+    ptr blk_part_idx
+    i64 blk_layout_heads
+    i64 blk_max_blocks
+    ptr io_counters
+    """
+)
+IO_KEYS = (
+    "Q",
+    "K",
+    "V",
+    "O",
+    "DO",
+    "LSE",
+    "DSUM",
+    "DQ_ACCUM",
+    "DQ",
+    "DK",
+    "DV",
+    "META",
+    "KEEP_MASK",
+)
+GRID_FORMULA = "ceil(max_seqlen_k/block_n) * kv_heads * batch (main kernel)"
+
+
+def warp_layouts(tile: Tile) -> dict[str, tuple[int, int]]:
+    """How the warps tile each stage: (warps along rows, warps along columns).
+
+    S/dP: query rows x keys of the (block_m x block_n) score tile; dKV: keys x head dim of
+    dK and dV; dQ: query rows x head dim. Mirrors BwdConfig in bwd_kernel.cuh.
+    """
+    w = tile.warps
+    s_rows = min(w, tile.block_m // 16)
+    kv_rows = min(w, tile.block_n // 16)
+    q_rows = min(w, tile.block_m // 16)
+    return {
+        "s": (s_rows, w // max(s_rows, 1)),
+        "kv": (kv_rows, w // max(kv_rows, 1)),
+        "q": (q_rows, w // max(q_rows, 1)),
+    }
+
+
+def tile_problems(tile: Tile, head_dim: int) -> list[tuple[str, str]]:
+    out = tile.type_problems()
+    if out:
+        return out
+    if tile.warps not in TILE_WARPS:
+        out.append(("tile.warps", f"{tile.warps} is not allowed (allowed: 4, 8)"))
+    for fld, v in (("block_m", tile.block_m), ("block_n", tile.block_n)):
+        if not (16 <= v <= 128 and v % 16 == 0):
+            out.append((f"tile.{fld}", f"{v} is not allowed (allowed: multiples of 16 in 16..128)"))
+    if tile.stages not in TILE_STAGES:
+        out.append(("tile.stages", f"{tile.stages} is not allowed (allowed: 1, 2)"))
+    if out:
+        return out
+    lay = warp_layouts(tile)
+    s_rows, s_cols = lay["s"]
+    if s_rows * s_cols != tile.warps or (tile.block_n // 16) % s_cols:
+        out.append(
+            (
+                "tile",
+                f"{tile.short}: the score tile's {tile.block_n} keys do not split into "
+                f"{s_cols} warp columns of a multiple of 16 keys",
+            )
+        )
+    for stage, what in (("kv", "dK/dV"), ("q", "dQ")):
+        rows, cols = lay[stage]
+        if rows * cols != tile.warps or head_dim % (16 * cols):
+            out.append(
+                (
+                    "tile",
+                    f"{tile.short}: {what} split over {cols} warp columns needs head_dim to be a "
+                    f"multiple of {16 * cols} (head_dim {head_dim}); use warps: 4 or a "
+                    "larger block",
+                )
+            )
+    return out
+
+
+def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype) -> int:
+    """K, V, `stages` x (Q, dO) rows padded; P and dS (block_m x block_n, padded);
+    `stages` x (LSE, D) fp32 rows."""
+    stride = head_dim + SMEM_ROW_PAD
+    rows = 2 * tile.block_n + 2 * tile.stages * tile.block_m
+    tiles = rows * stride * dtype.nbytes
+    p_ds = 2 * tile.block_m * (tile.block_n + SMEM_ROW_PAD) * dtype.nbytes
+    return tiles + p_ds + 2 * tile.stages * tile.block_m * 4
+
+
+def default_tile(head_dim: int, dropout: bool = False) -> Tile:
+    """The largest tiles that compile without spills on sm_90, measured with ptxas
+    (docs/benchmarks.md, "Backward tiles"): 128-key tiles hold dK and dV for 16 keys x d per
+    warp, which spills from d = 96 (causal) and with dropout's Philox state; 64-key tiles
+    split d over two warps. d = 256 keeps 64 keys and halves the query rows per step."""
+    if head_dim % 32:
+        return Tile(64, 64, 4, 2)
+    if head_dim <= 64 and not dropout:
+        return Tile(64, 128, 8, 2)
+    if head_dim <= 192:
+        return Tile(64, 64, 8, 2)
+    return Tile(32, 64, 8, 2)
+
+
+def fit(tile: Tile, target: Target, dtype: Dtype, head_dim: int) -> Tile:
+    """Shrink until the tile fits the target: one stage, then block_n 64, then block_m 32."""
+    candidates = [
+        tile,
+        Tile(tile.block_m, tile.block_n, tile.warps, 1),
+        Tile(tile.block_m, min(tile.block_n, 64), tile.warps, 1),
+        Tile(min(tile.block_m, 32), min(tile.block_n, 64), 4, 1),
+        Tile(32, 32, 4, 1),
+    ]
+    for t in candidates:
+        if (
+            not tile_problems(t, head_dim)
+            and smem_bytes(t, head_dim, dtype) <= target.info.max_smem_per_block
+        ):
+            return t
+    return candidates[-1]  # reported by validation
+
+
+class Backward(Family):
+    kind = KernelKind.BACKWARD
+    templates = "backward"
+    params_struct = "fg_bwd_params"
+    params_header = "bwd_params.h"
+    params = PARAMS
+    io_keys = IO_KEYS
+    io_header = "bwd_kernel.cuh"
+    io_enum = "IoTensor"
+    io_model = "flashgen.verify.io_model_bwd:backward_bytes"
+
+    def head_dim_ok(self, head_dim: Any) -> bool:
+        return head_dim in HEAD_DIMS
+
+    def problems(self, spec: KernelSpec) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        if spec.target.value.suffix:
+            out.append(
+                (
+                    "target",
+                    f"{spec.target.yaml} has no backward yet (allowed: sm_80, sm_86, sm_89, "
+                    "sm_90)",
+                )
+            )
+        if not self.head_dim_ok(spec.head_dim):
+            allowed = ", ".join(map(str, HEAD_DIMS))
+            out.append(("head_dim", f"{spec.head_dim} is not allowed (allowed: {allowed})"))
+            return out
+        if spec.deterministic:
+            out.append(
+                (
+                    "deterministic",
+                    "true is not implemented yet: dQ is accumulated with atomics (dK and dV "
+                    "are already summed in a fixed order); allowed: false",
+                )
+            )
+        tile = tile_problems(spec.tile, spec.head_dim)
+        out.extend(tile)
+        if not out:
+            out.extend(
+                self.smem_problem(
+                    spec,
+                    f"(2*block_n + 2*stages*block_m) * (head_dim + {SMEM_ROW_PAD}) * "
+                    f"{spec.dtype.nbytes} + 2*block_m*(block_n + {SMEM_ROW_PAD})*"
+                    f"{spec.dtype.nbytes} + 8*stages*block_m",
+                )
+            )
+        return out
+
+    def smem_bytes(self, spec: KernelSpec) -> int:
+        return smem_bytes(spec.tile, spec.head_dim, spec.dtype)
+
+    def auto_tile(self, target: Target, dtype: Dtype, head_dim: int, values: dict) -> Tile:
+        return fit(default_tile(head_dim, bool(values.get("dropout"))), target, dtype, head_dim)
+
+    def config(self, spec: KernelSpec) -> dict[str, Any]:
+        t = spec.tile
+        return {
+            "dtype_cpp": spec.dtype.cpp,
+            "head_dim": spec.head_dim,
+            "block_m": t.block_m,
+            "block_n": t.block_n,
+            "warps": t.warps,
+            "threads": spec.threads,
+            "stages": t.stages,
+            "smem_bytes": spec.smem_bytes,
+            "causal_cpp": spec.mask.causal.cpp,
+            "window": spec.mask.window,
+            "varlen": spec.mask.varlen,
+            "gqa": spec.gqa,
+            "dropout": spec.dropout,
+            "debug_keep_mask": spec.debug_keep_mask,
+            "sparse": spec.sparse,
+            "instrument_io": spec.instrument_io,
+            "deterministic": spec.deterministic,
+            "sm": spec.target.cc,
+        }
+
+    def entry_points(self, name: str) -> dict[str, str]:
+        return {
+            "kernel": f"{name}_kernel",
+            "preprocess": f"{name}_preprocess",
+            "convert": f"{name}_convert_dq",
+            "workspace": f"{name}_workspace_bytes",
+            "check": f"{name}_check",
+            "launch": f"{name}_launch",
+        }
+
+    def launch_info(self, spec: KernelSpec) -> dict[str, Any]:
+        return {"threads": spec.threads, "block_n": spec.tile.block_n, "grid": GRID_FORMULA}
+
+
+FAMILY = Backward()
