@@ -29,7 +29,8 @@ SEL = {"FLASH": "FLASH_ATTENTION", "CUDNN": "CUDNN_ATTENTION", "EFFICIENT": "EFF
 
 
 def bwd_params(q, k, v, o, lse, do, dq, dk, dv, ws, scale: float, dq_accum_bytes: int) -> dict:
-    """fg_bwd_params for contiguous torch tensors (b, s, h, d); lse (b, h, s)."""
+    """fg_bwd_params for contiguous torch tensors (b, s, h, d); lse (b, h, s); the workspace
+    `ws` holds dq_accum, dsum and (deterministic builds) dq_sem, each 256-byte aligned."""
     b, s, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     p = {
@@ -37,6 +38,7 @@ def bwd_params(q, k, v, o, lse, do, dq, dk, dv, ws, scale: float, dq_accum_bytes
         "dout": do.data_ptr(), "lse": lse.data_ptr(), "dq": dq.data_ptr(),
         "dk": dk.data_ptr(), "dv": dv.data_ptr(), "dq_accum": ws.data_ptr(),
         "dsum": ws.data_ptr() + dq_accum_bytes,
+        "dq_sem": ws.data_ptr() + dq_accum_bytes + -(-b * s * h * 4 // 256) * 256,
         "batch": b, "heads": h, "kv_heads": hk, "seqlen_q": s, "seqlen_k": sk,
         "softmax_scale": scale, "window_left": -1, "window_right": -1,
         "lse_batch_stride": lse.stride(0), "lse_head_stride": lse.stride(1),
@@ -170,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--backends", nargs="*", default=list(BACKENDS))
     ap.add_argument("--check", action="store_true", help="compare dQ, dK, dV with SDPA FLASH")
+    ap.add_argument(
+        "--deterministic", action="store_true", help="benchmark the deterministic kernels only"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -183,7 +188,11 @@ def main(argv: list[str] | None = None) -> int:
             and not s.gqa and s.mask.causal.yaml in ("none", "bottom_right")
         )  # fmt: skip
 
-    specs = [s for s in load_paths(args.specs) if s.kernel.yaml == "backward" and dense(s)]
+    specs = [
+        s
+        for s in load_paths(args.specs)
+        if s.kernel.yaml == "backward" and dense(s) and s.deterministic == args.deterministic
+    ]
     fwd = {
         (s.head_dim, s.mask.causal): s
         for s in load_paths(args.fwd_specs) if s.kernel.yaml == "forward" and dense(s)

@@ -39,6 +39,7 @@ PARAMS = params_table(
     ptr dv
     ptr dq_accum
     ptr dsum
+    ptr dq_sem
     i64 q_batch_stride
     i64 q_row_stride
     i64 q_head_stride
@@ -230,12 +231,12 @@ class Backward(Family):
             allowed = ", ".join(map(str, HEAD_DIMS))
             out.append(("head_dim", f"{spec.head_dim} is not allowed (allowed: {allowed})"))
             return out
-        if spec.deterministic:
+        if spec.deterministic and spec.sparse:
             out.append(
                 (
                     "deterministic",
-                    "true is not implemented yet: dQ is accumulated with atomics (dK and dV "
-                    "are already summed in a fixed order); allowed: false",
+                    "true is not implemented with sparsity: block yet (the ordered dQ adds "
+                    "follow the dense schedule); allowed: false, or sparsity: none",
                 )
             )
         tile = tile_problems(spec.tile, spec.head_dim)
@@ -278,6 +279,13 @@ class Backward(Family):
             "instrument_io": spec.instrument_io,
             "deterministic": spec.deterministic,
             "sm": spec.target.cc,
+            # CTAs per SM the register allocation aims for: two when two fit in shared memory
+            # and the tile is small enough (<= 64 x 64) to live in 128 registers per thread.
+            "min_blocks": 2
+            if 2 * spec.smem_bytes <= spec.target.info.max_smem_per_block
+            and t.block_m * t.block_n <= 64 * 64
+            and spec.head_dim <= 64
+            else 1,
         }
 
     def entry_points(self, name: str) -> dict[str, str]:

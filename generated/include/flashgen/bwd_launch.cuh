@@ -50,6 +50,8 @@ const char* check_bwd_params(const fg_bwd_params& p) {
   if (C::kDropout && !(p.dropout_p >= 0.0 && p.dropout_p < 1.0))
     return "dropout_p must be in [0, 1)";
   if (C::kKeepMaskOut && !p.keep_mask) return "debug_keep_mask needs a keep_mask buffer";
+  if (C::kDeterministic && (!p.dq_sem || !aligned(p.dq_sem, 4)))
+    return "deterministic needs dq_sem (the workspace's third part), 4-byte aligned";
   if (C::kSparse) {
     if (!p.blk_full_count || !p.blk_full_idx || !p.blk_part_count || !p.blk_part_idx)
       return "block sparsity needs all four (transposed) layout arrays";

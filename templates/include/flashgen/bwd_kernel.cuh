@@ -14,6 +14,11 @@
 //   dq_accum   fp32 workspace (rows, heads, d), rows = batch * seqlen_q (varlen: packed);
 //              steps add their dQ = dS K into it with atomics; the convert kernel scales it
 //              by softmax_scale and writes dQ
+//   dq_sem     deterministic builds: per (batch, head, query tile) the number of K/V tiles
+//              whose dQ adds are done; the CTA of K/V tile n waits for its turn (the K/V
+//              tiles visiting query tile m are a contiguous range, added in ascending order),
+//              so the fp32 sums are the same on every run. CTAs only wait for CTAs of lower
+//              index, which the hardware starts first: no deadlock.
 //
 // Per step: S = Q K^T and dP = dO V^T (mma), mask (mask.cuh) and dropout (frag.cuh) exactly
 // as the forward, P from the caller's LSE, dS; then dV += Pd^T dO, dK += dS^T Q (kept in
@@ -76,6 +81,28 @@ struct BwdConfig : S {
   static_assert(kStages == 1 || kStages == 2, "stages");
   static_assert(!S::kKeepMaskOut || S::kDropout, "the keep-mask output needs dropout");
 };
+
+__device__ __forceinline__ int ld_acquire(const int32_t* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// The first K/V tile (of tiles [0, n]) whose dense schedule visits query tile m: m_hi grows
+// with the tile, so a binary search over m_hi(n') > m finds it.
+template <class Mask>
+__device__ __forceinline__ int64_t first_visitor(const Mask& mask, int64_t m, int64_t n,
+                                                 int64_t sk, int block_m, int block_n) {
+  int64_t lo = 0, hi = n;  // the answer lies in [lo, hi]
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    const int64_t c0 = mid * block_n, c1 = min(c0 + block_n, sk) - 1;
+    int64_t m_lo, m_hi;
+    mask.q_tile_range(c0, c1, block_m, m_lo, m_hi);
+    if (m_hi > m) hi = mid; else lo = mid + 1;
+  }
+  return lo;
+}
 
 // One step of a CTA's walk: query head offset g in the group, schedule position it, query
 // tile m (sparse: read from the layout once, when the step is planned).
@@ -370,6 +397,15 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
           }
         }
       }
+      int32_t* sem = nullptr;
+      int turn = 0;
+      if (C::kDeterministic) {  // wait until the K/V tiles before this one have added
+        sem = p.dq_sem + (b * p.heads + h) * ((p.seqlen_q + C::kBlockM - 1) / C::kBlockM) + cur.m;
+        turn = static_cast<int>(nt - first_visitor(mask, cur.m, nt, sk, C::kBlockM, C::kBlockN));
+        if (tid == 0)
+          while (ld_acquire(sem) != turn) __nanosleep(64);
+        __syncthreads();
+      }
 #pragma unroll
       for (int mt = 0; mt < C::kQMT; ++mt)
 #pragma unroll
@@ -385,6 +421,11 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
             }
           }
         }
+      if (C::kDeterministic) {  // this tile's adds are done: the next K/V tile's turn
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) atomicExch(sem, turn + 1);
+      }
     }
     if (C::kStages == 1) __syncthreads();  // the only buffers are refilled next step
     cur = nxt;
@@ -517,8 +558,15 @@ int64_t bwd_dq_accum_bytes(const fg_bwd_params& p) {
   return bwd_round256(p.batch * p.seqlen_q * p.heads * C::kHeadDim * 4);
 }
 template <class C>
+int64_t bwd_sem_bytes(const fg_bwd_params& p) {
+  return C::kDeterministic
+             ? bwd_round256(p.batch * p.heads * ((p.seqlen_q + C::kBlockM - 1) / C::kBlockM) * 4)
+             : 0;
+}
+template <class C>
 int64_t bwd_workspace_bytes(const fg_bwd_params& p) {
-  return bwd_dq_accum_bytes<C>(p) + bwd_round256(p.batch * p.seqlen_q * p.heads * 4);
+  return bwd_dq_accum_bytes<C>(p) + bwd_round256(p.batch * p.seqlen_q * p.heads * 4) +
+         bwd_sem_bytes<C>(p);
 }
 
 }  // namespace fg

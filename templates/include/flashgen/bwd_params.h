@@ -9,7 +9,8 @@
 // a context-parallel caller may pass merged ones), and dout = dL/dO. Outputs dq, dk, dv have
 // the layouts of q, k, v. The workspace (fp32, caller-allocated, see <name>_workspace_bytes)
 // holds dq_accum (rows, heads, head_dim) and dsum = rowsum(dO * O) (rows, heads), rows being
-// batch * seqlen_q (varlen: the same bound, rows indexed by packed position).
+// batch * seqlen_q (varlen: the same bound, rows indexed by packed position); deterministic
+// builds also need dq_sem, one int32 per (batch, head, query tile), which orders the dQ adds.
 #ifndef FLASHGEN_BWD_PARAMS_H
 #define FLASHGEN_BWD_PARAMS_H
 
@@ -35,6 +36,7 @@ typedef struct fg_bwd_params {
   /* workspace: see the header comment */
   float* dq_accum;
   float* dsum;
+  int32_t* dq_sem; /* deterministic builds: (batch, heads, ceil(seqlen_q/block_m)) counters */
 
   int64_t q_batch_stride, q_row_stride, q_head_stride;
   int64_t k_batch_stride, k_row_stride, k_head_stride;
