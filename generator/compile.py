@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from flashgen.generator import paths
+from flashgen.generator.families import family
 from flashgen.generator.render import Renderer
-from flashgen.generator.spec import KernelSpec, SpecError, Target
+from flashgen.generator.spec import FIELDS, KernelSpec, SpecError, Target
 from flashgen.generator.writer import write_if_different
 
 __all__ = [
@@ -241,11 +242,17 @@ class _Progress:
 
 def retarget(specs: Sequence[KernelSpec], arch: Target) -> list[KernelSpec]:
     """The specs built for another target: new specs (so new names, never another kernel's
-    cache entry), validated against that target's limits (SpecError naming the kernel)."""
+    cache entry), validated against that target's limits (SpecError naming the kernel). An
+    auto tile is chosen again for the new target; an explicit one is kept (and refused when
+    it does not fit)."""
     out = []
     for s in specs:
         try:
-            out.append(s.replace(target=arch))
+            tile = s.tile
+            if s.tile_auto:
+                values = {f.path: f.get(s) for f in FIELDS}
+                tile = family(s).auto_tile(arch, s.dtype, s.head_dim, values)
+            out.append(s.replace(target=arch, tile=tile))
         except SpecError as e:
             raise SpecError(
                 f"cannot build for {arch.yaml}: {e.message}",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from flashgen.generator.cli import main
-from flashgen.generator.compile import LIB_SUFFIX
+from flashgen.generator.compile import LIB_SUFFIX, retarget
 from flashgen.generator.families.forward import smem_bytes
 from flashgen.generator.load import load_paths
 from flashgen.generator.naming import kernel_name
@@ -548,7 +548,7 @@ def test_compile_arch_writes_nothing_named_after_the_original_kernel(
     assert rc == 0, capsys.readouterr().err
     specs = load_paths([spec_file])
     original = [kernel_name(s, templates) for s in specs]
-    retargeted = [kernel_name(s.replace(target=Target.SM86), templates) for s in specs]
+    retargeted = [kernel_name(s, templates) for s in retarget(specs, Target.SM86)]
     assert set(original).isdisjoint(retargeted)
     written = [p.name for p in out.rglob("*") if p.is_file()]
     assert not [f for f in written for name in original if name in f]

@@ -18,6 +18,7 @@ import subprocess
 import pytest
 from flashgen.generator.naming import kernel_name
 from flashgen.generator.paths import PACKAGE_ROOT, build_dir, records_dir
+from flashgen.generator.spec import KernelSpec
 from flashgen.verify.runner import gpu_available
 
 REPO = PACKAGE_ROOT  # the checkout, or the installed flashgen package (same layout)
@@ -37,9 +38,15 @@ def pytest_collection_modifyitems(config, items):  # noqa: ARG001
 
 
 def shipped_specs():
+    """The shipped specs; FLASHGEN_TARGET=sm_80 (say) runs the suite on their builds for
+    that target instead (on a newer GPU the driver JIT-compiles the embedded PTX)."""
+    from flashgen.generator.compile import retarget
     from flashgen.generator.load import load_paths
+    from flashgen.generator.spec import Target
 
-    return load_paths([REPO / "specs"])
+    specs = load_paths([REPO / "specs"])
+    target = os.environ.get("FLASHGEN_TARGET")
+    return retarget(specs, Target.from_yaml(target)) if target else specs
 
 
 def ensure_cubins(specs) -> None:
@@ -69,6 +76,7 @@ class Recorder:
                 "tests": {},
             },
         )
+        rec["target_cc"] = spec.target.cc
         rec["examples"] += 1
         rec["tests"][test] = rec["tests"].get(test, 0) + 1
         for out, v in verdicts.items():
@@ -100,6 +108,12 @@ class Recorder:
             out.update(env)
             out["passed"] = rec["failures"] == 0 and not session_failed and rec["examples"] > 0
             out["sanitizer"] = os.environ.get("FLASHGEN_SANITIZER", "not run in this session")
+            target_cc = rec.get("target_cc")
+            if target_cc and "%d" % target_cc != env["compute_capability"].replace(".", ""):
+                out["ran_as"] = (
+                    f"compute_{target_cc} PTX, JIT-compiled by the driver for "
+                    f"sm_{env['compute_capability'].replace('.', '')}"
+                )
             path = RECORDS_DIR / f"{name}.json"
             path.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
 
@@ -137,7 +151,7 @@ def pytest_runtest_makereport(item, call):  # noqa: ARG001
     outcome = yield
     report = outcome.get_result()
     spec = getattr(getattr(item, "callspec", None), "params", {}).get("spec")
-    if report.failed and spec is not None and hasattr(spec, "name"):
+    if report.failed and isinstance(spec, KernelSpec):
         RECORDER.fail(spec, item.name)
 
 
