@@ -1,6 +1,8 @@
-"""Plot a forward benchmark JSON (bench/fwd_bench.py --out) as TFLOP/s against seqlen.
+"""Plot a forward or backward benchmark JSON (bench/fwd_bench.py / bwd_bench.py --out) as
+TFLOP/s against seqlen.
 
 python3 bench/plot.py bench/results/fwd_h200.json docs/fwd_h200.png
+python3 bench/plot.py bench/results/bwd_h200.json docs/bwd_h200.png backward
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ import json
 import sys
 
 
-def main(src: str, dst: str) -> None:
+def main(src: str, dst: str, what: str = "forward") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -41,7 +43,7 @@ def main(src: str, dst: str) -> None:
         ax.set_title(f"d={d}, {'causal' if causal else 'non-causal'}")
         ax.set_xlabel("seqlen (batch*seqlen = 16k)")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("TFLOP/s (bf16 forward)")
+    axes[0].set_ylabel(f"TFLOP/s (bf16 {what})")
     axes[-1].legend(fontsize=8)
     env = data["environment"]
     fig.suptitle(f"{env['gpu']}, torch {env['torch']}, {env['date'][:10]}", fontsize=9)
@@ -50,4 +52,4 @@ def main(src: str, dst: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])

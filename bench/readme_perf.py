@@ -57,13 +57,37 @@ def section() -> str:
         for r in sorted(sp["rows"], key=lambda r: -r["density"])
     )
     gb = g["measured_dram_bytes"]
+    bwd = json.loads((REPO / "bench/results/bwd_h200.json").read_text())
+    benv = bwd["environment"]
+    brows = [
+        "| d | causal | seqlen | flashgen | SDPA FLASH | SDPA CUDNN | SDPA EFFICIENT | "
+        "flashgen / FLASH | flashgen / CUDNN | fwd+bwd flashgen / FLASH |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in bwd["rows"]:
+        fb = r["fwd_bwd_tflops"]
+        fbr = fb["flashgen"] / fb["FLASH"] if fb.get("flashgen") and fb.get("FLASH") else None
+        brows.append(
+            f"| {r['d']} | {'yes' if r['causal'] else 'no'} | {r['seqlen']} | "
+            + " | ".join(_f(r["tflops"].get(c)) for c in ("flashgen", "FLASH", "CUDNN", "EFFICIENT"))
+            + f" | {r['ratio']['FLASH']:.2f}x | {r['ratio']['CUDNN']:.2f}x | "
+            + (f"{fbr:.2f}x |" if fbr else "- |")
+        )
+    bspan = {
+        d: (min(r["ratio"]["FLASH"] for r in bwd["rows"] if r["d"] == d),
+            max(r["ratio"]["FLASH"] for r in bwd["rows"] if r["d"] == d))
+        for d in sorted({r["d"] for r in bwd["rows"]})
+    }  # fmt: skip
+    bspan_s = ", ".join(f"{lo:.2f}-{hi:.2f}x at d = {d}" for d, (lo, hi) in bspan.items())
     return f"""## Performance
 
 Forward pass, bf16, batch x seqlen = 16k tokens, hidden 2048 (heads = 2048 / d), TFLOP/s
 (4*b*h*n^2*d, halved when causal), medians of `triton.testing.do_bench`, every backend measured
 side by side in one run on one {env["gpu"]} (torch {env["torch"]}, CUDA {env["cuda"]},
 cuDNN {env["cudnn"]}, {env["date"][:10]}). Reproduce with
-`flashgen bench --specs specs/fwd_dense.yaml --flex-min-seqlen 4096 --check --out bench/results/fwd_h200.json`,
+`flashgen bench --specs specs/fwd_dense.yaml --seqlens 4096 16384 --no-flex --check --out bench/results/fwd_h200.json`
+(this run; the previous version's full sweep from seqlen 512 with FlexAttention is
+`bench/results/fwd_h200_v6.json`),
 then `python3 bench/plot.py bench/results/fwd_h200.json docs/fwd_h200.png` and
 `python3 bench/readme_perf.py`. History and analysis: `docs/benchmarks.md`.
 
@@ -104,6 +128,22 @@ model to the byte. (The GPT-2 and block-size measurements ran on the kernel revi
 review fixes, whose dense code path differs only by an early-exit guard.)
 
 ![HBM bytes, GPT-2 medium](docs/hbm_gpt2_h200.png) ![bytes and runtime against block size](docs/blocksize_h200.png)
+
+### Backward
+
+Backward pass (`specs/bwd_dense.yaml`), same shapes and inputs for every backend, the caller's
+O and LSE from SDPA FLASH's forward; TFLOP/s count 2.5 x the forward's FLOPs; measured side by
+side in one run on one {benv["gpu"]} ({benv["date"][:10]}) with
+`python3 -m flashgen.bench.bwd_bench --specs specs/bwd_dense.yaml --fwd-specs specs/fwd_dense.yaml --seqlens 4096 16384 --check --out bench/results/bwd_h200.json`;
+"fwd+bwd" pairs flashgen's forward and backward against SDPA FLASH's. The largest absolute
+difference of dQ, dK, dV from SDPA FLASH's is {max(max(r["max_abs_diff_vs_flash"].values()) for r in bwd["rows"]):.4f} over these shapes (`--check`, in the JSON).
+
+![backward TFLOP/s](docs/bwd_h200.png)
+
+{chr(10).join(brows)}
+
+The backward is correct but slow: {bspan_s} of FlashAttention-2, short of the 1.0x bar;
+`docs/benchmarks.md` ("Backward v1") says where the time goes and what comes next.
 """
 
 
