@@ -50,15 +50,6 @@ def bwd_params(q, k, v, o, lse, do, dq, dk, dv, ws, scale: float, dq_accum_bytes
     return p
 
 
-def workspace_bytes(kernel, values: dict) -> int:
-    import ctypes
-
-    lib = kernel.library
-    fn = getattr(lib._lib, f"{lib.name}_workspace_bytes")
-    fn.argtypes, fn.restype = [ctypes.POINTER(lib.Params)], ctypes.c_size_t
-    return int(fn(ctypes.byref(lib.pack(values))))
-
-
 def flashgen_backward(kernel, q, k, v, o, lse, do, scale):
     """(launch callable, dq, dk, dv) for the flashgen backward on these tensors."""
     import torch
@@ -67,7 +58,7 @@ def flashgen_backward(kernel, q, k, v, o, lse, do, scale):
     b, s, h, d = q.shape
     acc_bytes = -(-b * s * h * d * 4 // 256) * 256
     shape_only = bwd_params(q, k, v, o, lse, do, dq, dk, dv, q, scale, 0)
-    ws = torch.empty(workspace_bytes(kernel, shape_only), dtype=torch.uint8, device="cuda")
+    ws = torch.empty(kernel.library.workspace_bytes(shape_only), dtype=torch.uint8, device="cuda")
     params = bwd_params(q, k, v, o, lse, do, dq, dk, dv, ws, scale, acc_bytes)
     launch = kernel.library.launcher(params)
     launch.keep = (ws,)

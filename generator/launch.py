@@ -81,6 +81,15 @@ class KernelLibrary:
         self._launch = getattr(self._lib, f"{self.name}_launch")
         self._launch.argtypes, self._launch.restype = [ptr, ctypes.c_void_p], ctypes.c_int
 
+    def workspace_bytes(self, values: dict[str, Any]) -> int:
+        """Bytes of workspace the kernel needs for these parameters (`<name>_workspace_bytes`;
+        0 for kernels that export none, such as the forward)."""
+        fn = getattr(self._lib, f"{self.name}_workspace_bytes", None)
+        if fn is None:
+            return 0
+        fn.argtypes, fn.restype = [ctypes.POINTER(self.Params)], ctypes.c_size_t
+        return int(fn(ctypes.byref(self.pack(values))))
+
     def pack(self, values: dict[str, Any]) -> ctypes.Structure:
         """The parameter struct; missing fields are 0, unknown ones a KeyError."""
         known = {p.name for p in self.family.params}

@@ -218,10 +218,10 @@ def check_layout(spec, layout, *, heads, seqlen_q, seqlen_k, lens_q, lens_k) -> 
             raise RunnerError(f"layout {nm}_idx names K/V tiles outside [0, {n_kt})")
 
 
-class _Gpu:
+class Gpu:
     """PyCUDA on the device's primary context (shared with PyTorch when both are loaded)."""
 
-    _instance: _Gpu | None = None
+    _instance: Gpu | None = None
 
     def __init__(self) -> None:
         import pycuda.driver as cuda
@@ -242,9 +242,9 @@ class _Gpu:
             pass
 
     @classmethod
-    def get(cls) -> _Gpu:
+    def get(cls) -> Gpu:
         if cls._instance is None:
-            cls._instance = _Gpu()
+            cls._instance = Gpu()
         return cls._instance
 
 
@@ -252,7 +252,7 @@ class _Gpu:
 def gpu_available() -> tuple[bool, str]:
     """(True, device name) when PyCUDA can open a GPU, else (False, why not)."""
     try:
-        gpu = _Gpu.get()
+        gpu = Gpu.get()
     except Exception as exc:  # noqa: BLE001 - any failure means "no usable GPU"
         return False, f"{type(exc).__name__}: {exc}"
     return True, gpu.device.name()
@@ -261,7 +261,7 @@ def gpu_available() -> tuple[bool, str]:
 class DeviceBuffer:
     """A device allocation with poisoned margins on both sides."""
 
-    def __init__(self, gpu: _Gpu, nbytes: int, fill: int = 0xFF) -> None:
+    def __init__(self, gpu: Gpu, nbytes: int, fill: int = 0xFF) -> None:
         self.gpu = gpu
         self.nbytes = nbytes
         self.alloc = gpu.cuda.mem_alloc(max(nbytes, 1) + 2 * MARGIN_BYTES)
@@ -292,7 +292,7 @@ class DeviceBuffer:
         self.alloc.free()
 
 
-def _strided_upload(gpu, bits: np.ndarray, layout: str, pad: int):
+def strided_upload(gpu, bits: np.ndarray, layout: str, pad: int):
     """Upload (b, s, h, d) or (t, h, d) element bits in a chosen memory layout.
 
     layout 'bshd' stores rows as given; 'bhsd' stores heads outermost (non-contiguous view);
@@ -329,7 +329,7 @@ class FwdKernel:
             self.library = KernelLibrary(spec, lib_dir)
         except FileNotFoundError as e:
             raise RunnerError(str(e)) from None
-        self.gpu = _Gpu.get()
+        self.gpu = Gpu.get()
         self.smem = spec.smem_bytes
         self.threads = spec.threads
 
@@ -389,7 +389,7 @@ class FwdKernel:
         try:
             params: dict[str, Any] = {}
             for nm in ("q", "k", "v"):
-                buf, strides = _strided_upload(gpu, bits[nm], memory_layout, pad)
+                buf, strides = strided_upload(gpu, bits[nm], memory_layout, pad)
                 bufs.append(buf)
                 params[nm] = buf.ptr
                 (

@@ -36,7 +36,6 @@ PyCUDA is imported lazily: importing this module needs no GPU.
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,10 +48,10 @@ from flashgen.verify.io_model_bwd import IO_KEYS
 from flashgen.verify.numerics import from_dtype_bits, to_dtype_bits
 from flashgen.verify.runner import (
     DeviceBuffer,
+    Gpu,
     Problem,
     RunnerError,
-    _Gpu,
-    _strided_upload,
+    strided_upload,
     validate,
 )
 
@@ -174,7 +173,7 @@ def workspace_layout(
 
 def _output_buffer(gpu, shape: tuple[int, ...], memory_layout: str, pad: int):
     """A poisoned output in the chosen memory layout: (buffer, strides in elements)."""
-    return _strided_upload(gpu, np.full(shape, 0xFFFF, dtype=np.uint16), memory_layout, pad)
+    return strided_upload(gpu, np.full(shape, 0xFFFF, dtype=np.uint16), memory_layout, pad)
 
 
 def _strided_download(
@@ -209,16 +208,11 @@ class BwdKernel:
             self.library = KernelLibrary(spec, lib_dir)
         except FileNotFoundError as e:
             raise RunnerError(str(e)) from None
-        # Not (yet) part of KernelLibrary: size_t <name>_workspace_bytes(const fg_bwd_params*).
-        fn = getattr(self.library._lib, f"{self.name}_workspace_bytes")
-        fn.argtypes = [ctypes.POINTER(self.library.Params)]
-        fn.restype = ctypes.c_size_t
-        self._workspace_bytes = fn
-        self.gpu = _Gpu.get()
+        self.gpu = Gpu.get()
 
     def workspace_bytes(self, params: dict[str, Any]) -> int:
         """What the kernel's `<name>_workspace_bytes` asks for with these parameters."""
-        return int(self._workspace_bytes(ctypes.byref(self.library.pack(params))))
+        return self.library.workspace_bytes(params)
 
     def launch_raw(self, params: dict[str, Any], stream: int = 0) -> None:
         """Launch with explicit device pointers (fg_bwd_params fields) through the C
@@ -298,7 +292,7 @@ class BwdKernel:
             params: dict[str, Any] = {}
             prefix = {"q": "q", "k": "k", "v": "v", "o": "o", "dout": "do"}
             for nm, pre in prefix.items():
-                buf, strides = _strided_upload(gpu, bits[nm], memory_layout, pad)
+                buf, strides = strided_upload(gpu, bits[nm], memory_layout, pad)
                 bufs.append(buf)
                 params[nm] = buf.ptr
                 params[f"{pre}_batch_stride"], params[f"{pre}_row_stride"] = strides[:2]

@@ -119,9 +119,9 @@ class Recorder:
 
 
 def _environment() -> dict:
-    from flashgen.verify.runner import _Gpu
+    from flashgen.verify.runner import Gpu
 
-    gpu = _Gpu.get()
+    gpu = Gpu.get()
     cuda = gpu.cuda
     env = {
         "gpu": gpu.device.name(),
