@@ -46,7 +46,7 @@ static_assert(Cfg::kThreads == 256, "generator and kernel disagree on threads");
 static_assert(Cfg::kSmemBytes == 74752, "generator and kernel disagree on smem");
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(256, 2)
+extern "C" __global__ void __launch_bounds__(256, 1)
 fa_bwd_d64_bf16_drop_dropdbg_io_m64n64w8s2_sm90_b27c2b55_kernel(const __grid_constant__ fg_bwd_params params) {
   fg::bwd_kernel_body<Cfg>(params);
 }

@@ -5,8 +5,8 @@ machine code for its target plus PTX, and the generated C launcher `<name>_check
 `<name>_launch`), with its report `<out>/<name>.json`. Python runs kernels through that
 library (`verify.launch`), so tests, benchmarks and users take one launch path. The cache
 key ("stamp") is sha256 of the kernel name (which already hashes spec, sources and
-generator version), the nvcc version and the flags; a library whose report carries the same
-stamp is not rebuilt. No GPU is needed.
+generator version), the nvcc version, the flags and the rendered source; a library whose
+report carries the same stamp is not rebuilt. No GPU is needed.
 """
 
 from __future__ import annotations
@@ -194,7 +194,12 @@ def _compile_one(
     lib = out_dir / f"{name}{LIB_SUFFIX}"
     report = out_dir / f"{name}.json"
     flags = nvcc_flags(target)
-    stamp = hashlib.sha256("\0".join([name, version, *flags]).encode()).hexdigest()[:16]
+    # The rendered source is part of the stamp: the name hashes the spec and the template
+    # files, but a family's Python render context could change the text under the same name.
+    source = (src_dir / f"{name}.cu").read_bytes()
+    stamp = hashlib.sha256(
+        "\0".join([name, version, *flags]).encode() + b"\0" + source
+    ).hexdigest()[:16]
     command = [nvcc, *flags, "-o", str(lib.resolve()), f"{name}.cu"]
     if lib.is_file():
         try:

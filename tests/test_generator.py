@@ -565,6 +565,19 @@ def test_compile_writes_library_and_report_and_caches_by_stamp(tmp_path, templat
     assert not third[0].cached and third[0].arch == "sm_80"
 
 
+def test_a_changed_rendered_source_under_the_same_name_is_rebuilt(tmp_path, templates, monkeypatch):
+    from flashgen.generator.families import forward
+
+    nvcc = fake_nvcc(tmp_path, CLEAN)
+    specs = specs_of("dtype: fp16\nhead_dim: 64\n")
+    build = tmp_path / "build"
+    compile_specs(specs, build, templates_dir=templates, nvcc=str(nvcc), progress=False)
+    config = forward.FAMILY.config
+    monkeypatch.setattr(forward.FAMILY, "config", lambda s: {**config(s), "warps": 99})
+    (again,) = compile_specs(specs, build, templates_dir=templates, nvcc=str(nvcc), progress=False)
+    assert not again.cached  # same kernel name, different text: never a stale library
+
+
 def test_compile_flags_spills_unless_allowed(tmp_path, templates):
     nvcc = fake_nvcc(tmp_path, PTXAS)
     specs = specs_of("dtype: fp16\nhead_dim: 64\nallow_spills: [false, true]\n")

@@ -280,11 +280,13 @@ class Backward(Family):
             "deterministic": spec.deterministic,
             "sm": spec.target.cc,
             # CTAs per SM the register allocation aims for: two when two fit in shared memory
-            # and the tile is small enough (<= 64 x 64) to live in 128 registers per thread.
+            # and the tile is small enough (<= 64 x 64, d <= 64, no dropout: measured to fit
+            # 128 registers; with dropout's Philox state it spills) for 128 per thread.
             "min_blocks": 2
             if 2 * spec.smem_bytes <= spec.target.info.max_smem_per_block
             and t.block_m * t.block_n <= 64 * 64
             and spec.head_dim <= 64
+            and not spec.dropout
             else 1,
         }
 
