@@ -1,4 +1,4 @@
-"""compute-sanitizer over a sample of shipped kernels (one per feature family).
+"""compute-sanitizer over a sample of shipped kernels (one per kernel kind and feature family).
 
     compute-sanitizer --tool memcheck python3 bench/sanitize.py run
     compute-sanitizer --tool racecheck python3 bench/sanitize.py run
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 from flashgen.generator.naming import kernel_name
+from flashgen.generator.paths import PACKAGE_ROOT, records_dir
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+REPO = PACKAGE_ROOT
 
 
 def sample_specs():
@@ -29,6 +29,9 @@ def sample_specs():
     picked, seen = [], set()
     for s in load_paths([REPO / "specs"]):
         family = (
+            s.kernel,
+            s.deterministic,
+            s.gqa,
             s.tile.warps,
             s.mask.window,
             s.mask.varlen,
@@ -48,10 +51,12 @@ def sample_specs():
 def run() -> None:
     from flashgen.verify.blocksparse import compact_layout_for_spec
     from flashgen.verify.runner import load_kernel
+    from flashgen.verify.runner_bwd import load_bwd_kernel
 
     rng = np.random.default_rng(0)
     for spec in sample_specs():
-        kernel = load_kernel(spec)
+        backward = spec.kernel.yaml == "backward"
+        kernel = load_bwd_kernel(spec) if backward else load_kernel(spec)
         # sk spans at least 3 K/V tiles past the pipeline depth, so the smem ring wraps
         d, sq, sk = spec.head_dim, 257, (spec.tile.stages + 3) * spec.tile.block_n + 13
         kw = {}
@@ -75,7 +80,14 @@ def run() -> None:
             kw["layout"] = compact_layout_for_spec(
                 mask, spec, seqlen_q=sq, seqlen_k=sk, window=kw.get("window", (-1, -1))
             )
-        kernel.run(q, k, v, **kw)
+        if backward:
+            # O and LSE need not be a forward's for memory and race checking: any finite
+            # values exercise every load, atomic and store of the three kernels.
+            lse = rng.standard_normal(q.shape[:-1]).astype(np.float32)
+            lse = lse.transpose(1, 0) if spec.mask.varlen else lse.transpose(0, 2, 1)
+            kernel.run(q, k, v, q, np.ascontiguousarray(lse), q, **kw)
+        else:
+            kernel.run(q, k, v, **kw)
         print("ran", kernel_name(spec), flush=True)
 
 
@@ -86,7 +98,7 @@ def merge(paths: list[str]) -> None:
         tool = "racecheck" if "RACECHECK" in text or "racecheck" in Path(p).name else "memcheck"
         m = re.search(r"(ERROR|RACECHECK) SUMMARY: (\d+) (errors|hazards)", text)
         verdicts[tool] = m.group(0) if m else "no summary (tool did not finish)"
-    records = REPO / "verify" / "records"
+    records = records_dir()
     for spec in sample_specs():
         path = records / f"{kernel_name(spec)}.json"
         if path.exists():
