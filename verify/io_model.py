@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from flashgen.generator.families.forward import IO_KEYS as FWD_IO_KEYS
 from flashgen.verify.blocksparse import CompactLayout
 from flashgen.verify.reference import causal_name, shift_for, spec_window
 
@@ -32,7 +33,8 @@ __all__ = [
     "standard_attention_bytes",
 ]
 
-IO_KEYS = ("Q", "K", "V", "O", "LSE", "META", "KEEP_MASK")
+# The kernel's counter order: the forward family's one list (families/forward.py).
+IO_KEYS = FWD_IO_KEYS
 
 
 def _dense_key_rows(

@@ -41,27 +41,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from flashgen.generator.families.backward import IO_KEYS as BWD_IO_KEYS
 from flashgen.verify.blocksparse import CompactLayout
 from flashgen.verify.blocksparse_bwd import BwdLayout, transpose_layout
 from flashgen.verify.reference import causal_name, shift_for, spec_window
 
 __all__ = ["IO_KEYS", "backward_bytes", "q_tile_range", "standard_attention_bytes"]
 
-IO_KEYS = (
-    "Q",
-    "K",
-    "V",
-    "O",
-    "DO",
-    "LSE",
-    "DSUM",
-    "DQ_ACCUM",
-    "DQ",
-    "DK",
-    "DV",
-    "META",
-    "KEEP_MASK",
-)
+# The kernel's counter order: the backward family's one list (families/backward.py).
+IO_KEYS = BWD_IO_KEYS
 
 
 def q_tile_range(
