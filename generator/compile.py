@@ -291,7 +291,8 @@ def compile_specs(
     if shutil.which(nvcc) is None:
         raise FileNotFoundError(f"{nvcc} not found on PATH")
     if arch is not None:
-        specs = retarget(specs, arch)
+        # Two specs can become one (sm_89 and sm_90 with one explicit tile): build it once.
+        specs = list(dict.fromkeys(retarget(specs, arch)))
     out_dir = Path(out_dir or paths.build_dir())
     src_dir = out_dir / "src"
     renderer = Renderer(templates_dir)

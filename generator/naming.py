@@ -73,13 +73,17 @@ def kernel_sources(spec: KernelSpec, templates_dir: Path | None = None) -> list[
         if folder.is_dir()
         else []
     )
-    include_root = root / INCLUDE_SUBDIR
-    headers = sorted(include_root.rglob("*")) if include_root.is_dir() else []
-    key = (str(root), fam.templates, _stat_key(tmpl), _stat_key(headers))
+    # Cached on the listing of every file under the templates root (family folders, shared
+    # Jinja macros, headers), so an edit anywhere is seen by a long-lived process.
+    everything = sorted(
+        p for p in root.rglob("*") if p.is_file() and not ignored(p.relative_to(root))
+    )
+    key = (str(root), fam.templates, _stat_key(everything))
     cached = _sources_cache.get(key)
     if cached is not None:
         return list(cached)
     found: dict[str, bytes] = {}
+    include_root = root / INCLUDE_SUBDIR
     pending = list(tmpl)
     while pending:
         path = pending.pop()

@@ -566,6 +566,12 @@ class KernelSpec:
             if f.kind is FieldKind.ENUM:
                 raw = f.enum.from_yaml(raw)
             elif f.kind is FieldKind.TILE:
+                if not isinstance(raw, dict) or any(n not in raw for n in Tile.FIELDS):
+                    raise SpecError(
+                        f"canonical tile must be a mapping of {', '.join(Tile.FIELDS)}, "
+                        f"got {raw!r}",
+                        field="tile",
+                    )
                 raw = Tile(*(raw[name] for name in Tile.FIELDS))
             values[f.path] = raw
         return build_spec(values, tile_auto=bool(data.get("tile_auto", False)), source=source)

@@ -649,3 +649,26 @@ def test_invalid_specs_raise_spec_error_and_write_nothing(
     assert not (root / "gen").exists()
     with pytest.raises(SpecError):
         load_spec_text((root / "s.yaml").read_text(), "s.yaml")
+
+
+def test_editing_a_shared_jinja_macro_renames_the_kernel_in_the_same_process(templates):
+    (templates / "common").mkdir()
+    (templates / "common" / "m.j2").write_text("{% macro m() %}v1{% endmacro %}\n")
+    cu = templates / "forward" / "kernel.cu.j2"
+    cu.write_text('{% from "common/m.j2" import m %}' + cu.read_text())
+    spec = spec_of(NAME_CASES[0][0])
+    before = kernel_name(spec, templates)
+    (templates / "common" / "m.j2").write_text("{% macro m() %}v2{% endmacro %}\n")
+    os.utime(templates / "common" / "m.j2", ns=(1, 1))
+    assert kernel_name(spec, templates) != before
+
+
+def test_specs_that_retarget_to_one_kernel_are_built_once(tmp_path, templates):
+    nvcc = fake_nvcc(tmp_path, CLEAN)
+    specs = specs_of(
+        "dtype: fp16\nhead_dim: 64\ntarget: [sm_89, sm_90]\n"
+        "tile: {block_m: 64, block_n: 64, warps: 4, stages: 2}\n"
+    )
+    res = compile_specs(specs, tmp_path / "b", arch=Target.SM80, templates_dir=templates,
+                        nvcc=str(nvcc), progress=False)  # fmt: skip
+    assert len(res) == 1 and res[0].arch == "sm_80"

@@ -592,3 +592,10 @@ def test_every_field_of_the_table_is_in_the_canonical_form():
     c = one("dtype: bf16\nhead_dim: 64\n").to_canonical()
     for f in FIELDS:
         assert (c[f.top][f.sub] if f.sub else c[f.path]) is not None
+
+
+@pytest.mark.parametrize("tile", ["auto", {"block_m": 64}, None])
+def test_a_malformed_canonical_tile_is_a_spec_error(tile):
+    c = one("dtype: bf16\nhead_dim: 64\n").to_canonical()
+    with pytest.raises(SpecError, match="canonical tile must be a mapping"):
+        KernelSpec.from_canonical({**c, "tile": tile})

@@ -139,23 +139,28 @@ def tile_problems(tile: Tile, head_dim: int) -> list[tuple[str, str]]:
         return out
     lay = warp_layouts(tile)
     s_rows, s_cols = lay["s"]
-    if s_rows * s_cols != tile.warps or (tile.block_n // 16) % s_cols:
+    if (
+        s_rows * s_cols != tile.warps
+        or (tile.block_m // 16) % s_rows
+        or (tile.block_n // 16) % s_cols
+    ):
         out.append(
             (
                 "tile",
-                f"{tile.short}: the score tile's {tile.block_n} keys do not split into "
-                f"{s_cols} warp columns of a multiple of 16 keys",
+                f"{tile.short}: the {tile.block_m} x {tile.block_n} score tile does not split "
+                f"into {s_rows} x {s_cols} warp tiles of whole 16 x 16 blocks",
             )
         )
-    for stage, what in (("kv", "dK/dV"), ("q", "dQ")):
+    for stage, what, rows_of in (("kv", "dK/dV", tile.block_n), ("q", "dQ", tile.block_m)):
         rows, cols = lay[stage]
-        if rows * cols != tile.warps or head_dim % (16 * cols):
+        if rows * cols != tile.warps or (rows_of // 16) % rows or head_dim % (16 * cols):
             out.append(
                 (
                     "tile",
-                    f"{tile.short}: {what} split over {cols} warp columns needs head_dim to be a "
-                    f"multiple of {16 * cols} (head_dim {head_dim}); use warps: 4 or a "
-                    "larger block",
+                    f"{tile.short}: {what} ({rows_of} rows x head_dim {head_dim}) does not split "
+                    f"into {rows} x {cols} warp tiles of whole 16-row, 16-column blocks; use "
+                    "block sizes of 16 * (a multiple of the warp rows), warps: 4, or another "
+                    "head_dim",
                 )
             )
     return out

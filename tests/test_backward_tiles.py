@@ -1,0 +1,62 @@
+"""The backward family's tile rules against its kernel's warp layouts (bwd_kernel.cuh's
+BwdConfig), without a GPU: every tile validation accepts must be covered exactly by the
+three warp layouts, and every auto tile must be accepted."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from flashgen.generator.families import backward
+from flashgen.generator.spec import Dtype, Target, Tile
+
+SIZES = tuple(range(16, 129, 16))
+
+
+def covered(tile: Tile, d: int) -> bool:
+    """BwdConfig's integer arithmetic: each layout's warp tiles times its warps must give the
+    whole block (the C code rounds down, so a mismatch leaves rows unwritten)."""
+    w, bm, bn = tile.warps, tile.block_m, tile.block_n
+    s_rows = min(w, bm // 16)
+    s_cols = w // s_rows
+    smt, snt = bm // 16 // s_rows, bn // s_cols // 8
+    kv_rows = min(w, bn // 16)
+    kv_cols = w // kv_rows
+    kvmt, kvdt = bn // 16 // kv_rows, d // kv_cols // 8
+    q_rows = min(w, bm // 16)
+    q_cols = w // q_rows
+    qmt, qdt = bm // 16 // q_rows, d // q_cols // 8
+    return (
+        smt * s_rows * 16 == bm
+        and snt * s_cols * 8 == bn
+        and snt % 2 == 0
+        and snt > 0
+        and kvmt * kv_rows * 16 == bn
+        and kvdt * kv_cols * 8 == d
+        and kvdt % 2 == 0
+        and qmt * q_rows * 16 == bm
+        and qdt * q_cols * 8 == d
+        and qdt % 2 == 0
+    )
+
+
+@pytest.mark.parametrize("d", backward.HEAD_DIMS)
+def test_every_accepted_tile_is_covered_by_the_warp_layouts(d):
+    for bm, bn, w, st in itertools.product(SIZES, SIZES, backward.TILE_WARPS, (1, 2)):
+        tile = Tile(bm, bn, w, st)
+        if not backward.tile_problems(tile, d):
+            assert covered(tile, d), (tile, d)
+
+
+def test_a_tile_the_layouts_cover_only_in_part_is_refused_by_name():
+    problems = dict(backward.tile_problems(Tile(96, 64, 4, 2), 64))
+    assert "does not split" in problems["tile"]
+
+
+@pytest.mark.parametrize("target", [t for t in Target if t is not Target.SM90A])
+@pytest.mark.parametrize("dropout", [False, True])
+def test_auto_tiles_are_accepted_for_every_head_dim(target, dropout):
+    for d in backward.HEAD_DIMS:
+        tile = backward.FAMILY.auto_tile(target, Dtype.BF16, d, {"dropout": dropout})
+        assert not backward.tile_problems(tile, d), (target, d, tile)
+        assert backward.smem_bytes(tile, d, Dtype.BF16) <= target.info.max_smem_per_block
