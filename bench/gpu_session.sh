@@ -7,7 +7,8 @@
 #   2. backward suite, 200 examples per shipped spec (GPU 1, or after 1)
 #   3. the sm_80 builds run as compute_80 PTX on this GPU (a few examples each)
 #   4. compute-sanitizer memcheck and racecheck over one kernel per family
-#   5. forward and backward benchmarks side by side with SDPA's backends
+#   5. forward and backward benchmarks side by side with SDPA's backends, and (with
+#      BASELINE=<an earlier version's generated/ folder>) this forward against that one
 set -u
 out=${RESULTS:-bench/results/session}
 mkdir -p "$out"
@@ -20,6 +21,10 @@ fwd() {
     tests/gpu/test_backward.py -p no:cacheprovider -k "not repeat" > "$out/sm80.txt" 2>&1
   python3 -m flashgen.bench.fwd_bench --specs specs/fwd_dense.yaml --flex-min-seqlen 4096 \
     --check --out "$out/fwd_h200.json" > "$out/bench_fwd.txt" 2>&1
+  if [ -n "${BASELINE:-}" ]; then
+    python3 -m flashgen.bench.ab_bench --baseline "$BASELINE" --out "$out/fwd_ab.json" \
+      > "$out/bench_ab.txt" 2>&1
+  fi
 }
 bwd() {
   FLASHGEN_GPU_EXAMPLES=$examples python3 -m pytest -q tests/gpu/test_backward.py \

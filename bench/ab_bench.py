@@ -1,0 +1,132 @@
+"""A/B forward benchmark: this version's kernels against another version's, side by side in
+one run, on the same tensors, with SDPA FLASH as the anchor.
+
+The other version is given as its `generated/` folder (a git checkout or `git archive` of an
+earlier commit): each of its forward `.cu` files whose readable name (the name without the
+hash) matches one of this version's shipped bf16 dense kernels is compiled here into a host
+library with the same nvcc flags, and both are launched through their C launchers with one
+`fg_fwd_params` (the struct is unchanged since the first version).
+
+    git archive <old-commit> generated | tar -x -C /tmp/old
+    flashgen compile specs/fwd_dense.yaml
+    python3 -m flashgen.bench.ab_bench --baseline /tmp/old/generated --out ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from flashgen.bench.fwd_bench import environment, flops, torch_params
+
+
+def baseline_libraries(generated: Path, names: dict[str, str], out: Path) -> dict[str, Path]:
+    """readable name -> compiled library of the other version's kernel of that name."""
+    from flashgen.generator.compile import nvcc_flags
+    from flashgen.generator.spec import Target
+
+    found = {}
+    for cu in sorted(generated.glob("fa_fwd_*.cu")):
+        readable = cu.stem.rpartition("_")[0]
+        if readable not in names:
+            continue
+        lib = out / f"{cu.stem}.so"
+        cmd = ["nvcc", *nvcc_flags(Target.SM90), "-o", str(lib), cu.name]
+        proc = subprocess.run(cmd, cwd=generated, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"ab_bench: {cu.name} does not build: {proc.stderr[-400:]}", file=sys.stderr)
+            continue
+        found[readable] = lib
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ab_bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--baseline", required=True, help="the other version's generated/ folder")
+    ap.add_argument("--specs", nargs="+", default=["specs/fwd_dense.yaml"])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--repeats", type=int, default=2, help="rounds over all cases (spread)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+    import torch.nn.functional as F
+    from flashgen.generator.families import family
+    from flashgen.generator.launch import params_struct
+    from flashgen.generator.load import load_paths
+    from flashgen.generator.naming import kernel_name, readable_parts
+    from flashgen.verify.runner import load_kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+
+    specs = [
+        s for s in load_paths(args.specs)
+        if s.kernel.yaml == "forward" and s.dtype.yaml == "bf16" and s.head_dim in args.head_dims
+        and s.mask.causal.yaml in ("none", "bottom_right") and not (
+            s.mask.window or s.mask.varlen or s.gqa or s.dropout or s.sparse or s.instrument_io)
+    ]  # fmt: skip
+    names = {"_".join(readable_parts(s)): kernel_name(s) for s in specs}
+    tmp = Path(tempfile.mkdtemp(prefix="flashgen-ab-"))
+    libs = baseline_libraries(Path(args.baseline), names, tmp)
+    Params = params_struct(family(specs[0]))
+    rows = []
+    for rnd in range(args.repeats):
+        for spec in specs:
+            readable = "_".join(readable_parts(spec))
+            if readable not in libs:
+                print(f"ab_bench: no baseline kernel named {readable}_*", file=sys.stderr)
+                continue
+            old_name = libs[readable].stem
+            old = getattr(ctypes.CDLL(str(libs[readable])), f"{old_name}_launch")
+            old.argtypes, old.restype = [ctypes.POINTER(Params), ctypes.c_void_p], ctypes.c_int
+            kernel = load_kernel(spec)
+            causal = spec.mask.causal.yaml != "none"
+            for n in args.seqlens:
+                d = spec.head_dim
+                b, h = max(1, 16384 // n), 2048 // d
+                q, k, v = (
+                    torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)
+                )
+                o, lse = torch.empty_like(q), torch.empty(b, h, n, device="cuda")
+                values = torch_params(kernel, q, k, v, o, lse, 1 / math.sqrt(d))
+                new = kernel.library.launcher(values)
+                packed = kernel.library.pack(values)
+                qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+                def flash(qt=qt, kt=kt, vt=vt, causal=causal):
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+                ms = {
+                    "old": do_bench(
+                        lambda old=old, packed=packed: old(ctypes.byref(packed), None),
+                        warmup=25,
+                        rep=100,
+                    ),
+                    "new": do_bench(new, warmup=25, rep=100),
+                    "FLASH": do_bench(flash, warmup=25, rep=100),
+                }
+                fl = flops(b, h, n, d, causal)
+                tf = {key: fl / (t * 1e-3) / 1e12 for key, t in ms.items()}
+                rows.append({"round": rnd, "d": d, "causal": causal, "seqlen": n,
+                             "old": old_name, "new": kernel.name, "tflops": tf,
+                             "new_over_old": tf["new"] / tf["old"]})  # fmt: skip
+                print(f"round {rnd} d={d} causal={int(causal)} n={n}: old {tf['old']:.0f} "
+                      f"new {tf['new']:.0f} FLASH {tf['FLASH']:.0f} TFLOP/s, new/old "
+                      f"{tf['new'] / tf['old']:.3f}", flush=True)  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(
+            json.dumps({"environment": environment(), "rows": rows}, indent=2) + "\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
