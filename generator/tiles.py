@@ -1,29 +1,59 @@
 """Automatic tile choice of the forward family (`tile: auto`).
 
-Rule (documented in docs/spec.md):
-1. `MEASURED_DEFAULTS[(target, head_dim)]`, when present, wins (filled from GPU measurements).
-2. Otherwise FlashAttention's rule: with `M` the target's shared memory per block in elements
-   (`max_smem_per_block // dtype.nbytes`), `B_c = ceil(M / (4 d))`, `B_r = min(B_c, d)`;
-   `block_n = B_c` rounded down to a multiple of 16 and clamped to 16..128; `block_m = 128`
-   if `B_r >= 128` else 64; `warps = 4` (so each warp owns 32 or 16 query rows); `stages = 2`.
-3. Either way the tile is then shrunk until it satisfies every constraint of `KernelSpec`
-   (see `fit_tile`).
+Rule (documented in docs/spec.md; the measurements behind it are in docs/tiles.md):
+
+1. The spec's features put it in a *register class* (`register_class`): `dense` (only
+   `mask.causal`), `masked` (also `mask.window`, `mask.varlen` or `gqa`), `heavy` (also
+   `dropout`, `sparsity: block` or `instrument_io`) or `debug` (`debug_keep_mask`). Each
+   class keeps more values live per thread than the one before it.
+2. A `dense` spec takes `MEASURED_DEFAULTS[(target, head_dim)]` when present: the fastest
+   non-spilling tile measured on a GPU.
+3. Otherwise the tile is the class's row of `REGISTER_SAFE` for the target's register group
+   (`REGISTER_GROUP`): the largest tile that nvcc compiled without a spill for every feature
+   combination of the class, per head dim. The rows read "8 warps x 16 query rows,
+   block_n <= Y(d)": two 16-row tiles per warp (`block_m = 128` on 4 warps) spill from d = 96
+   without features, from d = 64 with GQA or varlen alone, and at every d with the debug
+   keep-mask; 64-key tiles stop being safe at d = 224 (dense, masked), 112 (heavy) or 80
+   (debug); the largest head dims take 16 keys, and the debug class a single-stage K/V ring
+   from d = 224.
+4. The tile is then shrunk until it fits the target's shared memory: a `REGISTER_SAFE` tile
+   loses `block_n`, then stages, which never adds registers; others go through `fit_tile`.
+
+Why a table and not a formula: ptxas under `__launch_bounds__(threads, 1)` schedules up to 255
+registers, and whether it then spills is not monotone in the tile or in the features (a
+smaller block_n, or one feature fewer, can spill where the larger one does not). So each row
+was chosen by compiling every feature combination with nvcc and reading the spill counts of
+the ptxas report; `tests/test_auto_tiles_nvcc.py` recompiles a covering subset.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from flashgen.generator.families.forward import smem_bytes, tile_problems
 from flashgen.generator.spec import Dtype, Target, Tile
 
-__all__ = ["MEASURED_DEFAULTS", "auto_tile", "fit_tile", "paper_tile", "tile_fits"]
+__all__ = [
+    "MEASURED_DEFAULTS",
+    "REGISTER_CLASSES",
+    "REGISTER_GROUP",
+    "REGISTER_SAFE",
+    "auto_tile",
+    "fit_tile",
+    "paper_tile",
+    "register_class",
+    "register_safe_tile",
+    "tile_fits",
+]
 
-_T = Tile  # short alias for the table below
+_T = Tile  # short alias for the tables below
 
 MEASURED_DEFAULTS: dict[tuple[Target, int], Tile] = {
     # sm_90, measured on an H200 side by side with SDPA FLASH (bench/results/v2_tiles.json,
     # docs/benchmarks.md): the fastest tile per head dim among those that do not spill.
+    # Used for the `dense` register class only (the benchmark's kernels had no other feature).
     **{(Target.SM90, d): _T(128, 64, 4, 2) for d in (16, 32, 48, 64)},
     (Target.SM90, 80): _T(128, 64, 8, 2),
     (Target.SM90, 96): _T(128, 64, 8, 2),
@@ -33,9 +63,75 @@ MEASURED_DEFAULTS: dict[tuple[Target, int], Tile] = {
     (Target.SM90, 256): _T(128, 32, 8, 2),
 }
 
+REGISTER_CLASSES = ("dense", "masked", "heavy", "debug")
+
+# Targets whose ptxas makes the same register decisions share a row set. Measured: sm_86 and
+# sm_89 gave identical registers and spills on every kernel compiled for both; sm_80 and sm_90
+# each differ (docs/tiles.md). fp16 and bf16 gave identical results everywhere, so the dtype
+# is not a key.
+REGISTER_GROUP: dict[Target, str] = {
+    Target.SM80: "sm_80",
+    Target.SM86: "sm_86",
+    Target.SM89: "sm_86",
+    Target.SM90: "sm_90",
+    Target.SM90A: "sm_90",
+}
+
+_SM90_ROWS: dict[str, tuple[tuple[int, Tile], ...]] = {
+    # class: ((largest head_dim of the band, tile), ...), head dims ascending
+    "dense": ((64, _T(128, 64, 4, 2)), (208, _T(128, 64, 8, 2)), (224, _T(128, 32, 8, 2)),
+              (240, _T(128, 16, 8, 2)), (256, _T(128, 32, 8, 2))),
+    "masked": ((48, _T(128, 64, 4, 2)), (208, _T(128, 64, 8, 2)), (240, _T(128, 16, 8, 2)),
+               (256, _T(128, 32, 8, 2))),
+    "heavy": ((96, _T(128, 64, 8, 2)), (192, _T(128, 32, 8, 2)), (256, _T(128, 16, 8, 2))),
+    # d = 240: no tile is spill-free for every debug combination (docs/tiles.md, "Known
+    # spills"); 64 rows on 4 warps, one stage spills on the fewest (14 of 96, <= 40 bytes).
+    "debug": ((64, _T(128, 64, 8, 2)), (192, _T(128, 32, 8, 2)), (208, _T(128, 16, 8, 2)),
+              (224, _T(128, 16, 8, 1)), (240, _T(64, 16, 4, 1)), (256, _T(128, 16, 8, 1))),
+}  # fmt: skip
+
+# Measured with nvcc 13.0 (V13.0.88) on the forward kernel of templates/ (docs/tiles.md).
+# sm_80 and sm_86 start from the sm_90 rows and differ where they were measured to spill:
+# sm_80 spills 8-12 bytes at d = 256 with 32 keys (dense, masked); on sm_86 the d = 240 debug
+# row of sm_90 spills and 128x16 with one stage does not.
+REGISTER_SAFE: dict[str, dict[str, tuple[tuple[int, Tile], ...]]] = {
+    "sm_90": _SM90_ROWS,
+    "sm_80": {
+        **_SM90_ROWS,
+        "dense": ((64, _T(128, 64, 4, 2)), (208, _T(128, 64, 8, 2)), (224, _T(128, 32, 8, 2)),
+                  (256, _T(128, 16, 8, 2))),
+        "masked": ((48, _T(128, 64, 4, 2)), (208, _T(128, 64, 8, 2)), (256, _T(128, 16, 8, 2))),
+    },
+    "sm_86": {
+        **_SM90_ROWS,
+        "debug": ((64, _T(128, 64, 8, 2)), (192, _T(128, 32, 8, 2)), (208, _T(128, 16, 8, 2)),
+                  (256, _T(128, 16, 8, 1))),
+    },
+}  # fmt: skip
+
+
+def register_class(features: Mapping[str, Any] | None = None) -> str:
+    """The register class of a spec's features, keyed by field path as the loader parses them
+    (`"dropout"`, `"mask.window"`, `"sparsity"`, ...); None or {} is a plain dense kernel."""
+    f = features or {}
+    if f.get("debug_keep_mask"):
+        return "debug"
+    if f.get("dropout") or f.get("instrument_io") or str(f.get("sparsity", "none")) != "none":
+        return "heavy"
+    if f.get("mask.window") or f.get("mask.varlen") or f.get("gqa"):
+        return "masked"
+    return "dense"
+
+
+def register_safe_tile(target: Target, reg_class: str, head_dim: int) -> Tile | None:
+    """The `REGISTER_SAFE` tile of this target, class and head dim (None: no row for it)."""
+    rows = REGISTER_SAFE.get(REGISTER_GROUP.get(target, ""), {}).get(reg_class, ())
+    return next((tile for max_d, tile in rows if head_dim <= max_d), None)
+
 
 def paper_tile(target: Target, dtype: Dtype, head_dim: int) -> Tile:
-    """FlashAttention's B_c = ceil(M / 4d), B_r = min(B_c, d), at tensor-core granularity."""
+    """FlashAttention's B_c = ceil(M / 4d), B_r = min(B_c, d), at tensor-core granularity.
+    The fallback for a target without `REGISTER_SAFE` rows."""
     m_elems = target.info.max_smem_per_block // dtype.nbytes
     b_c = math.ceil(m_elems / (4 * head_dim))
     b_r = min(b_c, head_dim)
@@ -75,7 +171,30 @@ def fit_tile(tile: Tile, target: Target, dtype: Dtype, head_dim: int) -> Tile:
     return tile
 
 
-def auto_tile(target: Target, dtype: Dtype, head_dim: int) -> Tile:
-    """The tile `tile: auto` resolves to (see module docstring)."""
-    tile = MEASURED_DEFAULTS.get((target, head_dim)) or paper_tile(target, dtype, head_dim)
-    return fit_tile(tile, target, dtype, head_dim)
+def _fit_keeping_rows(tile: Tile, target: Target, dtype: Dtype, head_dim: int) -> Tile:
+    """Shrink a `REGISTER_SAFE` tile to the target's shared memory without adding registers:
+    block_n down by 16 to 16, then fewer stages (block_m and warps stay)."""
+    while not tile_fits(tile, target, dtype, head_dim):
+        bm, bn, w, s = tile.block_m, tile.block_n, tile.warps, tile.stages
+        if bn > 16:
+            tile = Tile(bm, bn - 16, w, s)
+        elif s > 1:
+            tile = Tile(bm, bn, w, s - 1)
+        else:
+            return fit_tile(tile, target, dtype, head_dim)
+    return tile
+
+
+def auto_tile(
+    target: Target, dtype: Dtype, head_dim: int, *, features: Mapping[str, Any] | None = None
+) -> Tile:
+    """The tile `tile: auto` resolves to (see module docstring). `features` are the spec's
+    parsed fields keyed by path (the loader's values); None means no feature is on."""
+    reg_class = register_class(features)
+    measured = MEASURED_DEFAULTS.get((target, head_dim))
+    if measured is not None and reg_class == "dense":
+        return fit_tile(measured, target, dtype, head_dim)
+    safe = register_safe_tile(target, reg_class, head_dim)
+    if safe is not None:
+        return _fit_keeping_rows(safe, target, dtype, head_dim)
+    return fit_tile(paper_tile(target, dtype, head_dim), target, dtype, head_dim)

@@ -614,7 +614,7 @@ INVALID_FIELDS = [
     ("head_dim", "64"),
     ("dropout", "no"),
     ("target", "sm_75"),
-    ("kernel", "backward"),
+    ("kernel", "decode"),
     ("heads", 8),
     ("mask", {"causal": "bottom-right"}),
     ("tile", {"block_m": 64, "block_n": 64, "warps": 3, "stages": 2}),

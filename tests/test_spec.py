@@ -21,7 +21,7 @@ from flashgen.generator.spec import (
     Target,
     Tile,
 )
-from flashgen.generator.tiles import MEASURED_DEFAULTS, auto_tile, paper_tile, tile_fits
+from flashgen.generator.tiles import MEASURED_DEFAULTS, auto_tile, fit_tile, paper_tile, tile_fits
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -482,9 +482,17 @@ def test_paper_rule_from_shared_memory_size():
 
 def test_paper_tile_is_shrunk_until_it_fits():
     # sm_86 d=128 paper tile needs (64 + 4*96) * 136 * 2 = 121856 > 101376 bytes
-    t = auto_tile(Target.SM86, Dtype.BF16, 128)
+    t = fit_tile(paper_tile(Target.SM86, Dtype.BF16, 128), Target.SM86, Dtype.BF16, 128)
     assert tile_fits(t, Target.SM86, Dtype.BF16, 128)
     assert t == Tile(64, 64, 4, 2)
+
+
+def test_the_register_safe_tile_shrinks_its_keys_not_its_rows_to_fit():
+    # sm_86 d=128: the measured 128x64 on 8 warps needs 104448 > 101376 bytes; block_n goes
+    # down (fewer registers), rows per warp stay (docs/tiles.md)
+    t = auto_tile(Target.SM86, Dtype.BF16, 128)
+    assert tile_fits(t, Target.SM86, Dtype.BF16, 128)
+    assert t == Tile(128, 48, 8, 2)
 
 
 FORWARD_TARGETS = [t for t in Target if t is not Target.SM90A]

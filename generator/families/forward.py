@@ -149,7 +149,7 @@ class Forward(Family):
     def auto_tile(self, target: Target, dtype: Dtype, head_dim: int, values: dict) -> Tile:
         from flashgen.generator.tiles import auto_tile
 
-        return auto_tile(target, dtype, head_dim)
+        return auto_tile(target, dtype, head_dim, features=values)
 
     def config(self, spec: KernelSpec) -> dict[str, Any]:
         t = spec.tile

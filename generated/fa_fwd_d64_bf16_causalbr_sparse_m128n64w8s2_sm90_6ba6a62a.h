@@ -16,19 +16,19 @@
 // tile:
 //   block_m: 128
 //   block_n: 64
-//   warps: 4
+//   warps: 8
 //   stages: 2
 // tile_auto: true
 // target: sm_90
 // allow_spills: false
 //
 // C ABI of one flashgen forward kernel. Layouts and conventions: docs/conventions.md.
-//   fa_fwd_d64_bf16_causalbr_sparse_m128n64w4s2_sm90_22df93c6_launch: checks the parameters (cudaErrorInvalidValue when they are unusable:
-//     call fa_fwd_d64_bf16_causalbr_sparse_m128n64w4s2_sm90_22df93c6_check for the reason), then launches on `stream`.
-//   Tile: block_m=128, block_n=64, 128 threads,
+//   fa_fwd_d64_bf16_causalbr_sparse_m128n64w8s2_sm90_6ba6a62a_launch: checks the parameters (cudaErrorInvalidValue when they are unusable:
+//     call fa_fwd_d64_bf16_causalbr_sparse_m128n64w8s2_sm90_6ba6a62a_check for the reason), then launches on `stream`.
+//   Tile: block_m=128, block_n=64, 256 threads,
 //     55296 bytes of dynamic shared memory, built for sm_90.
-#ifndef FA_FWD_D64_BF16_CAUSALBR_SPARSE_M128N64W4S2_SM90_22DF93C6_H
-#define FA_FWD_D64_BF16_CAUSALBR_SPARSE_M128N64W4S2_SM90_22DF93C6_H
+#ifndef FA_FWD_D64_BF16_CAUSALBR_SPARSE_M128N64W8S2_SM90_6BA6A62A_H
+#define FA_FWD_D64_BF16_CAUSALBR_SPARSE_M128N64W8S2_SM90_6BA6A62A_H
 
 #include <cuda_runtime.h>
 
@@ -39,10 +39,10 @@ extern "C" {
 #endif
 
 /* NULL when the parameters are acceptable, else a message naming what is wrong. */
-const char* fa_fwd_d64_bf16_causalbr_sparse_m128n64w4s2_sm90_22df93c6_check(const fg_fwd_params* params);
-cudaError_t fa_fwd_d64_bf16_causalbr_sparse_m128n64w4s2_sm90_22df93c6_launch(const fg_fwd_params* params, cudaStream_t stream);
+const char* fa_fwd_d64_bf16_causalbr_sparse_m128n64w8s2_sm90_6ba6a62a_check(const fg_fwd_params* params);
+cudaError_t fa_fwd_d64_bf16_causalbr_sparse_m128n64w8s2_sm90_6ba6a62a_launch(const fg_fwd_params* params, cudaStream_t stream);
 
 #ifdef __cplusplus
 }
 #endif
-#endif /* FA_FWD_D64_BF16_CAUSALBR_SPARSE_M128N64W4S2_SM90_22DF93C6_H */
+#endif /* FA_FWD_D64_BF16_CAUSALBR_SPARSE_M128N64W8S2_SM90_6BA6A62A_H */

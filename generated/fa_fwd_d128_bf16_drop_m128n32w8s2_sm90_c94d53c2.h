@@ -15,7 +15,7 @@
 // instrument_io: false
 // tile:
 //   block_m: 128
-//   block_n: 64
+//   block_n: 32
 //   warps: 8
 //   stages: 2
 // tile_auto: true
@@ -23,12 +23,12 @@
 // allow_spills: true
 //
 // C ABI of one flashgen forward kernel. Layouts and conventions: docs/conventions.md.
-//   fa_fwd_d128_bf16_drop_m128n64w8s2_sm90_df3c5a53_launch: checks the parameters (cudaErrorInvalidValue when they are unusable:
-//     call fa_fwd_d128_bf16_drop_m128n64w8s2_sm90_df3c5a53_check for the reason), then launches on `stream`.
-//   Tile: block_m=128, block_n=64, 256 threads,
-//     104448 bytes of dynamic shared memory, built for sm_90.
-#ifndef FA_FWD_D128_BF16_DROP_M128N64W8S2_SM90_DF3C5A53_H
-#define FA_FWD_D128_BF16_DROP_M128N64W8S2_SM90_DF3C5A53_H
+//   fa_fwd_d128_bf16_drop_m128n32w8s2_sm90_c94d53c2_launch: checks the parameters (cudaErrorInvalidValue when they are unusable:
+//     call fa_fwd_d128_bf16_drop_m128n32w8s2_sm90_c94d53c2_check for the reason), then launches on `stream`.
+//   Tile: block_m=128, block_n=32, 256 threads,
+//     69632 bytes of dynamic shared memory, built for sm_90.
+#ifndef FA_FWD_D128_BF16_DROP_M128N32W8S2_SM90_C94D53C2_H
+#define FA_FWD_D128_BF16_DROP_M128N32W8S2_SM90_C94D53C2_H
 
 #include <cuda_runtime.h>
 
@@ -39,10 +39,10 @@ extern "C" {
 #endif
 
 /* NULL when the parameters are acceptable, else a message naming what is wrong. */
-const char* fa_fwd_d128_bf16_drop_m128n64w8s2_sm90_df3c5a53_check(const fg_fwd_params* params);
-cudaError_t fa_fwd_d128_bf16_drop_m128n64w8s2_sm90_df3c5a53_launch(const fg_fwd_params* params, cudaStream_t stream);
+const char* fa_fwd_d128_bf16_drop_m128n32w8s2_sm90_c94d53c2_check(const fg_fwd_params* params);
+cudaError_t fa_fwd_d128_bf16_drop_m128n32w8s2_sm90_c94d53c2_launch(const fg_fwd_params* params, cudaStream_t stream);
 
 #ifdef __cplusplus
 }
 #endif
-#endif /* FA_FWD_D128_BF16_DROP_M128N64W8S2_SM90_DF3C5A53_H */
+#endif /* FA_FWD_D128_BF16_DROP_M128N32W8S2_SM90_C94D53C2_H */

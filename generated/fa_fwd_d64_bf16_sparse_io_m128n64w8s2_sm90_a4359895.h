@@ -16,19 +16,19 @@
 // tile:
 //   block_m: 128
 //   block_n: 64
-//   warps: 4
+//   warps: 8
 //   stages: 2
 // tile_auto: true
 // target: sm_90
 // allow_spills: true
 //
 // C ABI of one flashgen forward kernel. Layouts and conventions: docs/conventions.md.
-//   fa_fwd_d64_bf16_sparse_io_m128n64w4s2_sm90_830fa33b_launch: checks the parameters (cudaErrorInvalidValue when they are unusable:
-//     call fa_fwd_d64_bf16_sparse_io_m128n64w4s2_sm90_830fa33b_check for the reason), then launches on `stream`.
-//   Tile: block_m=128, block_n=64, 128 threads,
+//   fa_fwd_d64_bf16_sparse_io_m128n64w8s2_sm90_a4359895_launch: checks the parameters (cudaErrorInvalidValue when they are unusable:
+//     call fa_fwd_d64_bf16_sparse_io_m128n64w8s2_sm90_a4359895_check for the reason), then launches on `stream`.
+//   Tile: block_m=128, block_n=64, 256 threads,
 //     55296 bytes of dynamic shared memory, built for sm_90.
-#ifndef FA_FWD_D64_BF16_SPARSE_IO_M128N64W4S2_SM90_830FA33B_H
-#define FA_FWD_D64_BF16_SPARSE_IO_M128N64W4S2_SM90_830FA33B_H
+#ifndef FA_FWD_D64_BF16_SPARSE_IO_M128N64W8S2_SM90_A4359895_H
+#define FA_FWD_D64_BF16_SPARSE_IO_M128N64W8S2_SM90_A4359895_H
 
 #include <cuda_runtime.h>
 
@@ -39,10 +39,10 @@ extern "C" {
 #endif
 
 /* NULL when the parameters are acceptable, else a message naming what is wrong. */
-const char* fa_fwd_d64_bf16_sparse_io_m128n64w4s2_sm90_830fa33b_check(const fg_fwd_params* params);
-cudaError_t fa_fwd_d64_bf16_sparse_io_m128n64w4s2_sm90_830fa33b_launch(const fg_fwd_params* params, cudaStream_t stream);
+const char* fa_fwd_d64_bf16_sparse_io_m128n64w8s2_sm90_a4359895_check(const fg_fwd_params* params);
+cudaError_t fa_fwd_d64_bf16_sparse_io_m128n64w8s2_sm90_a4359895_launch(const fg_fwd_params* params, cudaStream_t stream);
 
 #ifdef __cplusplus
 }
 #endif
-#endif /* FA_FWD_D64_BF16_SPARSE_IO_M128N64W4S2_SM90_830FA33B_H */
+#endif /* FA_FWD_D64_BF16_SPARSE_IO_M128N64W8S2_SM90_A4359895_H */

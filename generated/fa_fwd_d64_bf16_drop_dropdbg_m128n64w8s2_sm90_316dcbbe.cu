@@ -8,25 +8,25 @@
 //   window: false
 //   varlen: false
 // gqa: false
-// dropout: false
-// debug_keep_mask: false
-// sparsity: block
+// dropout: true
+// debug_keep_mask: true
+// sparsity: none
 // deterministic: false
 // instrument_io: false
 // tile:
 //   block_m: 128
 //   block_n: 64
-//   warps: 4
+//   warps: 8
 //   stages: 2
 // tile_auto: true
 // target: sm_90
-// allow_spills: false
+// allow_spills: true
 //
 // Glossary (docs/conventions.md): block_m query rows per CTA, block_n keys per K/V tile,
 // stages K/V tiles in flight, LSE natural log, empty rows give O = 0 and LSE = -inf.
 #include <cuda_runtime.h>
 
-#include "fa_fwd_d64_bf16_sparse_m128n64w4s2_sm90_2860f7a1.h"
+#include "fa_fwd_d64_bf16_drop_dropdbg_m128n64w8s2_sm90_316dcbbe.h"
 #include "include/flashgen/fwd_kernel.cuh"
 #include "include/flashgen/launch.cuh"
 
@@ -34,37 +34,37 @@ namespace {
 struct Spec {
   using Elem = __nv_bfloat16;
   static constexpr int kHeadDim = 64, kBlockM = 128, kBlockN = 64;
-  static constexpr int kWarps = 4, kStages = 2;
+  static constexpr int kWarps = 8, kStages = 2;
   static constexpr fg::Causal kCausal = fg::Causal::kNone;
   static constexpr bool kWindow = false, kVarlen = false, kGqa = false;
-  static constexpr bool kDropout = false, kKeepMaskOut = false;
-  static constexpr bool kSparse = true, kInstrumentIo = false;
+  static constexpr bool kDropout = true, kKeepMaskOut = true;
+  static constexpr bool kSparse = false, kInstrumentIo = false;
 };
 using Cfg = fg::FwdConfig<Spec>;
-static_assert(Cfg::kThreads == 128, "generator and kernel disagree on threads");
+static_assert(Cfg::kThreads == 256, "generator and kernel disagree on threads");
 static_assert(Cfg::kSmemBytes == 55296, "generator and kernel disagree on smem");
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(128, 1)
-fa_fwd_d64_bf16_sparse_m128n64w4s2_sm90_2860f7a1_kernel(const __grid_constant__ fg_fwd_params params) {
+extern "C" __global__ void __launch_bounds__(256, 1)
+fa_fwd_d64_bf16_drop_dropdbg_m128n64w8s2_sm90_316dcbbe_kernel(const __grid_constant__ fg_fwd_params params) {
   fg::fwd_kernel_body<Cfg>(params);
 }
 
-extern "C" const char* fa_fwd_d64_bf16_sparse_m128n64w4s2_sm90_2860f7a1_check(const fg_fwd_params* params) {
+extern "C" const char* fa_fwd_d64_bf16_drop_dropdbg_m128n64w8s2_sm90_316dcbbe_check(const fg_fwd_params* params) {
   if (!params) return "params must be non-null";
   return fg::check_fwd_params<Cfg>(*params);
 }
 
-extern "C" cudaError_t fa_fwd_d64_bf16_sparse_m128n64w4s2_sm90_2860f7a1_launch(const fg_fwd_params* params, cudaStream_t stream) {
-  if (fa_fwd_d64_bf16_sparse_m128n64w4s2_sm90_2860f7a1_check(params) != nullptr) return cudaErrorInvalidValue;
+extern "C" cudaError_t fa_fwd_d64_bf16_drop_dropdbg_m128n64w8s2_sm90_316dcbbe_launch(const fg_fwd_params* params, cudaStream_t stream) {
+  if (fa_fwd_d64_bf16_drop_dropdbg_m128n64w8s2_sm90_316dcbbe_check(params) != nullptr) return cudaErrorInvalidValue;
   const int64_t grid = fg::fwd_grid<Cfg>(*params);
   if (grid == 0) return cudaSuccess;  // nothing to compute
   if (Cfg::kSmemBytes > 48 * 1024) {
     // Once per process (thread-safe static initialisation), not on every launch.
     static const cudaError_t attr = cudaFuncSetAttribute(
-        fa_fwd_d64_bf16_sparse_m128n64w4s2_sm90_2860f7a1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+        fa_fwd_d64_bf16_drop_dropdbg_m128n64w8s2_sm90_316dcbbe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
     if (attr != cudaSuccess) return attr;
   }
-  fa_fwd_d64_bf16_sparse_m128n64w4s2_sm90_2860f7a1_kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(*params);
+  fa_fwd_d64_bf16_drop_dropdbg_m128n64w8s2_sm90_316dcbbe_kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(*params);
   return cudaGetLastError();
 }
