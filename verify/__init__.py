@@ -11,6 +11,8 @@ they share with the CUDA templates):
 - `tiled_model`: a NumPy emulation of the kernel's tile loop that counts HBM bytes.
 - `io_model`: closed-form HBM bytes of a kernel, standard attention and the paper's bound.
 - `strategies`: Hypothesis strategies (shapes, lengths, windows, layouts, values, specs).
+- `runner`, `runner_bwd`: NumPy in, NumPy out through a kernel's C launcher (poisoned margins).
+- `io_model_bwd`, `blocksparse_bwd`: the backward's exact HBM bytes and transposed layout.
 
 Nothing is imported here, so `import flashgen.verify.reference` does not pull in Hypothesis.
 """
