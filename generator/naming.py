@@ -6,6 +6,9 @@ target), then 8 hex digits of sha256 over
 
 - the canonical spec (JSON, sorted keys),
 - the generator version,
+- the family's render context (`Family.config(spec)`, the constants the templates see as
+  `cfg`, JSON with sorted keys), so a change to a family's Python rules renames exactly
+  the kernels whose generated code it can change,
 - the bytes of the kernel's family templates (`templates/<family>/`), of the shared Jinja
   files they import (`templates/common/`) and of every header they include, transitively
   (`#include "include/flashgen/X"` in a template, `#include "X"` in a header), in sorted
@@ -109,11 +112,14 @@ def kernel_sources(spec: KernelSpec, templates_dir: Path | None = None) -> list[
 
 
 def spec_hash(spec: KernelSpec, templates_dir: Path | None = None) -> str:
-    """8 hex digits identifying (canonical spec, generator version, kernel sources)."""
+    """8 hex digits identifying (canonical spec, generator version, render context, kernel
+    sources)."""
     h = hashlib.sha256()
     h.update(json.dumps(spec.to_canonical(), sort_keys=True, separators=(",", ":")).encode())
     h.update(b"\0")
     h.update(__version__.encode())
+    h.update(b"\0")
+    h.update(json.dumps(family(spec).config(spec), sort_keys=True, default=str).encode())
     for rel, data in kernel_sources(spec, templates_dir):
         h.update(f"\0{rel}\0{len(data)}\0".encode())
         h.update(data)

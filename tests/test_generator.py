@@ -575,7 +575,18 @@ def test_a_changed_rendered_source_under_the_same_name_is_rebuilt(tmp_path, temp
     config = forward.FAMILY.config
     monkeypatch.setattr(forward.FAMILY, "config", lambda s: {**config(s), "warps": 99})
     (again,) = compile_specs(specs, build, templates_dir=templates, nvcc=str(nvcc), progress=False)
-    assert not again.cached  # same kernel name, different text: never a stale library
+    assert not again.cached  # different text: never a stale library
+
+
+def test_a_changed_render_context_renames_the_kernel(monkeypatch):
+    from flashgen.generator.families import forward
+
+    (spec,) = specs_of("dtype: fp16\nhead_dim: 64\n")
+    before = kernel_name(spec)
+    config = forward.FAMILY.config
+    monkeypatch.setattr(forward.FAMILY, "config", lambda s: {**config(s), "warps": 99})
+    after = kernel_name(spec)
+    assert before != after and before.rsplit("_", 1)[0] == after.rsplit("_", 1)[0]
 
 
 def test_compile_flags_spills_unless_allowed(tmp_path, templates):
