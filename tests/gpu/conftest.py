@@ -6,6 +6,9 @@ Environment:
   FLASHGEN_RECORDS_DIR    where records are written (default: the checkout's verify/records)
   FLASHGEN_BUILD_DIR      where the kernel libraries are (default: the checkout's build/kernels)
   FLASHGEN_SANITIZER      set by the sanitizer driver to the tool's verdict (recorded as is)
+  FLASHGEN_SHARD          `i/n`: run only the shipped kernels whose index (in name order) is
+                          i mod n, and the tests that take no shipped kernel only in shard 0,
+                          so n processes share the suite (the float64 references are CPU-bound)
 """
 
 from __future__ import annotations
@@ -28,7 +31,31 @@ RECORDS_DIR = records_dir()
 _ok, _why = gpu_available()
 
 
-def pytest_collection_modifyitems(config, items):  # noqa: ARG001
+def shard() -> tuple[int, int]:
+    """(i, n) from FLASHGEN_SHARD=i/n; (0, 1) when unset."""
+    text = os.environ.get("FLASHGEN_SHARD", "").strip()
+    if not text:
+        return 0, 1
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"FLASHGEN_SHARD={text!r}: expected i/n, e.g. 0/4") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise pytest.UsageError(f"FLASHGEN_SHARD={text!r}: need n >= 1 and 0 <= i < n")
+    return i, n
+
+
+def pytest_collection_modifyitems(config, items):
+    i, n = shard()
+    if i != 0:  # tests that take no shipped kernel run in shard 0 only
+        keep, drop = [], []
+        for item in items:
+            spec = getattr(getattr(item, "callspec", None), "params", {}).get("spec")
+            gpu = "tests/gpu" in str(item.fspath).replace(os.sep, "/")
+            (keep if not gpu or isinstance(spec, KernelSpec) else drop).append(item)
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = keep
     if _ok:
         return
     skip = pytest.mark.skip(reason=f"no usable GPU for the flashgen GPU suite ({_why})")
@@ -46,7 +73,13 @@ def shipped_specs():
 
     specs = load_paths([REPO / "specs"])
     target = os.environ.get("FLASHGEN_TARGET")
-    return retarget(specs, Target.from_yaml(target)) if target else specs
+    specs = retarget(specs, Target.from_yaml(target)) if target else specs
+    i, n = shard()
+    if n > 1:
+        names = sorted(kernel_name(s) for s in specs)
+        mine = set(names[i::n])
+        specs = [s for s in specs if kernel_name(s) in mine]
+    return specs
 
 
 def ensure_cubins(specs) -> None:

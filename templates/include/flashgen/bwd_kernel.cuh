@@ -78,6 +78,10 @@ struct BwdConfig : S {
   static_assert(kSRows * kSCols == kWarps && kSNT % 2 == 0, "S/dP warp layout");
   static_assert(kKvRows * kKvCols == kWarps && kKvDT % 2 == 0, "dK/dV warp layout");
   static_assert(kQRows * kQCols == kWarps && kQDT % 2 == 0, "dQ warp layout");
+  // Each layout covers its output exactly (families/backward.py tile_problems checks the same).
+  static_assert(kSMT * kSRows * 16 == kBlockM && kSNT * kSCols * 8 == kBlockN, "S/dP cover");
+  static_assert(kKvMT * kKvRows * 16 == kBlockN && kKvDT * kKvCols * 8 == kHeadDim, "dK/dV cover");
+  static_assert(kQMT * kQRows * 16 == kBlockM && kQDT * kQCols * 8 == kHeadDim, "dQ cover");
   static_assert(kStages == 1 || kStages == 2, "stages");
   static_assert(!S::kKeepMaskOut || S::kDropout, "the keep-mask output needs dropout");
 };
@@ -422,9 +426,11 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
           }
         }
       if (C::kDeterministic) {  // this tile's adds are done: the next K/V tile's turn
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) atomicExch(sem, turn + 1);
+        __syncthreads();  // every thread's adds precede thread 0's fence (CTA order) ...
+        if (tid == 0) {
+          __threadfence();  // ... and the fence is cumulative: all of them before the release
+          atomicExch(sem, turn + 1);
+        }
       }
     }
     if (C::kStages == 1) __syncthreads();  // the only buffers are refilled next step
@@ -552,16 +558,24 @@ int64_t bwd_row_grid(const fg_bwd_params& p) {
 }
 
 // The caller's fp32 workspace: dq_accum, then dsum, each rounded up to 256 bytes.
+// `_used` is what the kernels touch (and the launcher zeroes), `_bytes` its padded share.
 inline int64_t bwd_round256(int64_t n) { return (n + 255) / 256 * 256; }
 template <class C>
+int64_t bwd_dq_accum_used(const fg_bwd_params& p) {
+  return p.batch * p.seqlen_q * p.heads * C::kHeadDim * 4;
+}
+template <class C>
 int64_t bwd_dq_accum_bytes(const fg_bwd_params& p) {
-  return bwd_round256(p.batch * p.seqlen_q * p.heads * C::kHeadDim * 4);
+  return bwd_round256(bwd_dq_accum_used<C>(p));
+}
+template <class C>
+int64_t bwd_sem_used(const fg_bwd_params& p) {
+  return C::kDeterministic ? p.batch * p.heads * ((p.seqlen_q + C::kBlockM - 1) / C::kBlockM) * 4
+                           : 0;
 }
 template <class C>
 int64_t bwd_sem_bytes(const fg_bwd_params& p) {
-  return C::kDeterministic
-             ? bwd_round256(p.batch * p.heads * ((p.seqlen_q + C::kBlockM - 1) / C::kBlockM) * 4)
-             : 0;
+  return bwd_round256(bwd_sem_used<C>(p));
 }
 template <class C>
 int64_t bwd_workspace_bytes(const fg_bwd_params& p) {
