@@ -1,47 +1,114 @@
 #!/usr/bin/env bash
-# One GPU session's verification and benchmarks, split over two GPUs when there are two
-# (the kernel libraries must be built first: `flashgen compile specs/` and, for the sm_80 PTX
-# run, `flashgen compile specs/ --arch sm_80`). Writes records to $FLASHGEN_RECORDS_DIR
-# (default: verify/records) and results/logs to ${RESULTS:-bench/results/session}.
-#   1. forward suite, 200 Hypothesis examples per shipped spec (GPU 0)
-#   2. backward suite, 200 examples per shipped spec (GPU 1, or after 1)
-#   3. the sm_80 builds run as compute_80 PTX on this GPU (a few examples each)
-#   4. compute-sanitizer memcheck and racecheck over one kernel per family
-#   5. forward and backward benchmarks side by side with SDPA's backends, and (with
-#      BASELINE=<an earlier version's generated/ folder>) this forward against that one
+# One GPU session's verification and benchmarks, in one command. The kernel libraries must be
+# built first (`flashgen compile specs/`, and for the sm_80 PTX run `flashgen compile specs/
+# --arch sm_80`; FLASHGEN_BUILD_DIR points at them). Records go to $FLASHGEN_RECORDS_DIR
+# (default verify/records), results and logs to ${RESULTS:-bench/results/session}.
+#
+# Two lanes: verification (GPU 0) and benchmarks (GPU 1), in parallel when there are two
+# GPUs, one after the other otherwise, so no benchmark shares its GPU with other work.
+#   verify lane, stages VERIFY (default "suite sm80 sanitize"):
+#     suite     the GPU suite, FLASHGEN_GPU_EXAMPLES (200) Hypothesis examples per shipped
+#               spec, in SHARDS (12) processes (FLASHGEN_SHARD): the float64 references
+#               are CPU-bound, the GPU is shared
+#     sm80      the sm_80 builds, run as compute_80 PTX on this GPU (5 examples each)
+#     sanitize  compute-sanitizer memcheck and racecheck on one kernel per feature family
+#               (bench/sanitize.py), then merged into the records
+#   bench lane, stages BENCH (default "fwd ab bwd det"):
+#     fwd       forward vs SDPA's backends and FlexAttention   -> fwd_h200.json
+#     ab        this forward vs BASELINE (an earlier generated/) -> fwd_ab.json
+#     bwd       backward and forward+backward vs SDPA          -> bwd_h200.json
+#     det       deterministic backward                         -> bwd_det_h200.json
+#     decode    decode / paged KV cache vs copy and SDPA        -> decode_h200.json
+#     train     examples/train_gpt.py, flashgen vs SDPA         -> train_h200.json
+#     hbm       Nsight DRAM bytes, forward+backward, GPT-2-medium -> hbm_fwdbwd_h200.json
 set -u
 out=${RESULTS:-bench/results/session}
 mkdir -p "$out"
 ngpu=$(nvidia-smi -L | wc -l)
+shards=${SHARDS:-12}
 examples=${FLASHGEN_GPU_EXAMPLES:-200}
-fwd() {
-  FLASHGEN_GPU_EXAMPLES=$examples python3 -m pytest -q tests/gpu -p no:cacheprovider \
-    --ignore=tests/gpu/test_backward.py > "$out/fwd_suite.txt" 2>&1
-  FLASHGEN_TARGET=sm_80 FLASHGEN_GPU_EXAMPLES=3 python3 -m pytest -q tests/gpu/test_forward.py \
-    tests/gpu/test_backward.py -p no:cacheprovider -k "not repeat" > "$out/sm80.txt" 2>&1
-  python3 -m flashgen.bench.fwd_bench --specs specs/fwd_dense.yaml --flex-min-seqlen 4096 \
-    --check --out "$out/fwd_h200.json" > "$out/bench_fwd.txt" 2>&1
-  if [ -n "${BASELINE:-}" ]; then
-    python3 -m flashgen.bench.ab_bench --baseline "$BASELINE" --out "$out/fwd_ab.json" \
-      > "$out/bench_ab.txt" 2>&1
-  fi
+export OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 MKL_NUM_THREADS=2 PYTHONUNBUFFERED=1
+t() { timeout "$@"; }  # every stage is bounded, so the session always ends with its logs
+
+stage_suite() {
+  for i in $(seq 0 $((shards - 1))); do
+    FLASHGEN_SHARD=$i/$shards FLASHGEN_GPU_EXAMPLES=$examples t "${SUITE_TIMEOUT:-420}" \
+      python3 -m pytest -q tests/gpu -p no:cacheprovider > "$out/suite_$i.txt" 2>&1 &
+  done
+  wait
 }
-bwd() {
-  FLASHGEN_GPU_EXAMPLES=$examples python3 -m pytest -q tests/gpu/test_backward.py \
-    -p no:cacheprovider > "$out/bwd_suite.txt" 2>&1
-  python3 -m flashgen.bench.bwd_bench --specs specs/bwd_dense.yaml --fwd-specs \
+stage_sm80() {
+  for i in 0 1 2 3; do
+    FLASHGEN_TARGET=sm_80 FLASHGEN_SHARD=$i/4 FLASHGEN_GPU_EXAMPLES=5 t 150 \
+      python3 -m pytest -q tests/gpu/test_forward.py tests/gpu/test_backward.py \
+      tests/gpu/test_extras.py -p no:cacheprovider -k "not repeat and not long" \
+      > "$out/sm80_$i.txt" 2>&1 &
+  done
+  wait
+}
+stage_sanitize() {
+  for tool in memcheck racecheck; do
+    for i in 0 1 2 3 4 5; do
+      t 240 compute-sanitizer --tool $tool python3 -m flashgen.bench.sanitize run $i/6 \
+        > "$out/${tool}_$i.txt" 2>&1 &
+    done
+  done
+  wait
+  python3 -m flashgen.bench.sanitize merge "$out"/memcheck_*.txt "$out"/racecheck_*.txt \
+    > "$out/sanitize.txt" 2>&1
+}
+stage_fwd() {
+  t 200 python3 -m flashgen.bench.fwd_bench --specs specs/fwd_dense.yaml \
+    --seqlens 1024 4096 8192 16384 --flex-min-seqlen 4096 --check --out "$out/fwd_h200.json" \
+    > "$out/bench_fwd.txt" 2>&1
+}
+stage_ab() {
+  [ -n "${BASELINE:-}" ] || return 0
+  t 90 python3 -m flashgen.bench.ab_bench --baseline "$BASELINE" --out "$out/fwd_ab.json" \
+    > "$out/bench_ab.txt" 2>&1
+}
+stage_bwd() {
+  t 200 python3 -m flashgen.bench.bwd_bench --specs specs/bwd_dense.yaml --fwd-specs \
     specs/fwd_dense.yaml --seqlens 4096 8192 16384 --check --out "$out/bwd_h200.json" \
     > "$out/bench_bwd.txt" 2>&1
-  python3 -m flashgen.bench.bwd_bench --specs specs/bwd_det.yaml --deterministic \
-    --seqlens 4096 16384 --out "$out/bwd_det_h200.json" >> "$out/bench_bwd.txt" 2>&1
 }
+stage_det() {
+  t 90 python3 -m flashgen.bench.bwd_bench --specs specs/bwd_det.yaml --deterministic \
+    --seqlens 4096 16384 --out "$out/bwd_det_h200.json" > "$out/bench_det.txt" 2>&1
+}
+stage_decode() {
+  t 240 python3 -m flashgen.bench.decode_bench --out "$out/decode_h200.json" ${DECODE_ARGS:-} \
+    > "$out/bench_decode.txt" 2>&1
+}
+stage_train() {
+  t 300 python3 examples/train_gpt.py --out "$out/train_h200.json" ${TRAIN_ARGS:-} \
+    > "$out/train.txt" 2>&1
+}
+stage_hbm() {
+  for impl in flashgen math flash cudnn; do
+    t 120 ncu --clock-control none --nvtx --nvtx-include "fwdbwd/" --csv \
+      --metrics dram__bytes_read.sum,dram__bytes_write.sum \
+      python3 -m flashgen.bench.hbm_fwdbwd run --impl $impl > "$out/$impl.csv" 2> "$out/hbm_$impl.err"
+  done
+  python3 -m flashgen.bench.hbm_fwdbwd summarize "$out"/{flashgen,math,flash,cudnn}.csv \
+    --out "$out/hbm_fwdbwd_h200.json" > "$out/hbm.txt" 2>&1
+}
+
+lane() {  # lane GPU STAGES...
+  local gpu=$1
+  shift
+  for s in "$@"; do
+    echo "[$(date +%T)] gpu $gpu: $s"
+    CUDA_VISIBLE_DEVICES=$gpu "stage_$s"
+  done
+}
+# shellcheck disable=SC2086
 if [ "$ngpu" -ge 2 ]; then
-  (CUDA_VISIBLE_DEVICES=0 fwd) & (CUDA_VISIBLE_DEVICES=1 bwd) & wait
+  lane 0 ${VERIFY-suite sm80 sanitize} &
+  lane 1 ${BENCH-fwd ab bwd det} &
+  wait
 else
-  fwd; bwd
+  lane 0 ${VERIFY-suite sm80 sanitize} ${BENCH-fwd ab bwd det}
 fi
-for tool in memcheck racecheck; do
-  compute-sanitizer --tool $tool python3 -m flashgen.bench.sanitize run > "$out/$tool.txt" 2>&1
-done
-python3 -m flashgen.bench.sanitize merge "$out/memcheck.txt" "$out/racecheck.txt"
-tail -n 3 "$out"/*_suite.txt "$out/sm80.txt"
+echo "[$(date +%T)] done"
+for f in "$out"/suite_*.txt "$out"/sm80_*.txt; do [ -f "$f" ] && echo "$f: $(tail -n 1 "$f")"; done
