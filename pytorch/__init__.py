@@ -1,0 +1,38 @@
+"""flashgen kernels as PyTorch operators, behind flash-attn 2's interface.
+
+    from flashgen.torch import flash_attn_func            # instead of: from flash_attn import ...
+    out = flash_attn_func(q, k, v, causal=True)          # (batch, seqlen, heads, head_dim)
+
+Needs PyTorch (`pip install 'flashgen[torch]'`). The functions, the operators
+`torch.ops.flashgen.fwd` / `torch.ops.flashgen.bwd` and their conventions are documented in
+`flashgen.torch.interface` and docs/torch.md. Kernel selection (`flashgen.torch.selection`)
+and the kernel cache (`flashgen.torch.cache`) import no torch, so importing this package does
+not either: torch is imported when one of the names below is first used, and its absence is
+an ImportError saying how to install it.
+"""
+
+from importlib import import_module
+from typing import Any
+
+__all__ = ["UnsupportedCall", "flash_attn_func", "flash_attn_varlen_func"]
+
+_FROM = {
+    "flash_attn_func": "flashgen.torch.interface",
+    "flash_attn_varlen_func": "flashgen.torch.interface",
+    "UnsupportedCall": "flashgen.torch.selection",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _FROM.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flashgen.torch' has no attribute {name!r}")
+    if module.endswith(".interface"):
+        try:
+            import torch  # noqa: F401
+        except ImportError as e:
+            raise ImportError(
+                f"flashgen.torch.{name} needs PyTorch >= 2.4, which is not importable here "
+                f"({e}): pip install 'flashgen[torch]'"
+            ) from e
+    return getattr(import_module(module), name)

@@ -1,0 +1,472 @@
+"""The PyTorch operators `flashgen::fwd` and `flashgen::bwd` and their autograd formula.
+
+Both are `torch.library.custom_op`s with fake (meta) implementations, so they work under
+`torch.compile(fullgraph=True)`, `torch.export` and CUDA graph capture. The real
+implementations allocate their outputs (and the backward's workspace) with `torch.empty` on
+the caller's device, launch the kernel through its C launcher (`generator.launch.
+KernelLibrary`) on `torch.cuda.current_stream()` and return: no host synchronisation, no copy
+of any input. The kernel comes from `flashgen.torch.cache` (shipped build, else the per-user
+cache, else compiled on first use) for the spec `flashgen.torch.selection` derives.
+
+Schemas (all sizes in elements; see `flashgen.torch.flash_attn_func` for the layouts):
+
+    fwd(q, k, v, cu_seqlens_q?, cu_seqlens_k?, max_seqlen_q, max_seqlen_k, dropout_p,
+        softmax_scale, causal, window_left, window_right, deterministic)
+        -> (out, softmax_lse, philox_seed, philox_offset)
+    bwd(dout, q, k, v, out, softmax_lse, philox_seed, philox_offset, cu_seqlens_q?,
+        cu_seqlens_k?, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_left, window_right, deterministic) -> (dq, dk, dv)
+
+`philox_seed` and `philox_offset` are 0-dim int64 CPU tensors (as torch's own fused attention
+returns them): the seed's 64 bits are stored two's-complement. Dense calls pass `None`
+cu_seqlens and ignore the max_seqlen arguments.
+"""
+
+import math
+from functools import lru_cache
+from typing import Optional
+
+import torch
+from flashgen.torch import cache, selection
+from flashgen.torch.selection import AttentionCall, Problem, TensorMeta, UnsupportedCall
+from flashgen.verify.runner_bwd import workspace_layout
+from torch import Tensor
+
+__all__ = ["PHILOX_OFFSET_STEP", "bwd", "fwd", "philox_state"]
+
+# How far one forward advances the CUDA generator's Philox offset. The kernels' counter is
+# (key group j >> 2, row i, b * heads + h, offset) (docs/conventions.md, "Dropout"): every
+# counter of one call shares the fourth word `offset`, so a call consumes exactly one offset
+# value, whatever its shape. torch requires increments that are multiples of 4, hence 4.
+PHILOX_OFFSET_STEP = 4
+
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _meta(t: Tensor) -> TensorMeta:
+    return TensorMeta(
+        tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."), t.device.type
+    )
+
+
+@lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
+
+
+def _device_index(t: Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def _problem(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    extra: tuple = (),
+) -> Problem:
+    pb = selection.check_problem(
+        _meta(q),
+        _meta(k),
+        _meta(v),
+        cu_seqlens_q=None if cu_seqlens_q is None else _meta(cu_seqlens_q),
+        cu_seqlens_k=None if cu_seqlens_k is None else _meta(cu_seqlens_k),
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        extra=tuple((name, _meta(t), like) for name, t, like in extra),
+    )
+    devices = {t.device for t in (q, k, v, cu_seqlens_q, cu_seqlens_k) if t is not None}
+    devices |= {t.device for _, t, _ in extra}
+    if len(devices) > 1:
+        raise UnsupportedCall(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    return pb
+
+
+def _call(
+    q: Tensor,
+    pb: Problem,
+    dropout_p: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    deterministic: bool,
+) -> tuple[AttentionCall, tuple[int, int]]:
+    """The call's kernel-selecting features and its runtime window."""
+    if not (0.0 <= dropout_p < 1.0):  # also refuses NaN
+        raise UnsupportedCall(f"dropout_p must be in [0, 1), got {dropout_p}")
+    mask_causal, window, runtime_window = selection.resolve_mask(
+        bool(causal), (window_left, window_right)
+    )
+    call = AttentionCall(
+        dtype=pb.dtype,
+        head_dim=int(pb.head_dim),
+        capability=_capability(_device_index(q)),
+        causal=mask_causal,
+        window=window,
+        varlen=pb.varlen,
+        gqa=bool(pb.gqa),
+        dropout=dropout_p > 0.0,
+        deterministic=bool(deterministic),
+    )
+    return call, runtime_window
+
+
+def _check_scale(softmax_scale: float) -> None:
+    if not (softmax_scale > 0.0) or math.isinf(softmax_scale):
+        raise UnsupportedCall(f"softmax_scale must be finite and > 0, got {softmax_scale}")
+
+
+def _check_aligned(**tensors: Tensor) -> None:
+    for name, t in tensors.items():
+        if t.numel() and t.data_ptr() % 16:
+            raise UnsupportedCall(
+                f"{name} starts at an address that is not 16-byte aligned (a view that begins "
+                "mid-vector?): pass .contiguous()"
+            )
+
+
+def _strides(prefix: str, t: Tensor, varlen: bool) -> dict[str, int]:
+    """`<prefix>_batch_stride`, `_row_stride`, `_head_stride` of a (b, s, h, d) or packed
+    (total, h, d) tensor (varlen rows are packed positions: no batch stride)."""
+    s = t.stride()
+    batch, row, head = (0, s[0], s[1]) if varlen else (s[0], s[1], s[2])
+    return {
+        f"{prefix}_batch_stride": batch,
+        f"{prefix}_row_stride": row,
+        f"{prefix}_head_stride": head,
+    }
+
+
+def _lse_shape(q: Tensor, pb: Problem) -> tuple[int, ...]:
+    """`(batch, heads, seqlen_q)`, varlen `(heads, total_q)`: docs/conventions.md."""
+    return (pb.heads, q.shape[0]) if pb.varlen else (pb.batch, pb.heads, pb.seqlen_q)
+
+
+def _lse_strides(lse: Tensor, varlen: bool) -> dict[str, int]:
+    s = lse.stride()
+    batch, head = (0, s[0]) if varlen else (s[0], s[1])
+    return {"lse_batch_stride": batch, "lse_head_stride": head}
+
+
+def _scalar(value: int) -> Tensor:
+    """A 0-dim int64 CPU tensor holding a uint64 (two's complement)."""
+    value &= 2**64 - 1
+    return torch.tensor(value - 2**64 if value >= 2**63 else value, dtype=torch.int64)
+
+
+def _u64(t: Tensor) -> int:
+    return int(t.item()) & (2**64 - 1)
+
+
+def philox_state(device: torch.device, dropout_p: float) -> tuple[int, int]:
+    """(seed, offset) for one forward, taken from the device's default CUDA generator, whose
+    offset then advances by PHILOX_OFFSET_STEP (as torch's fused ops advance it). (0, 0) when
+    there is no dropout. Refused under CUDA graph capture: the generator's host-side offset
+    would be baked into the graph and every replay would draw the same mask."""
+    if dropout_p == 0.0:
+        return 0, 0
+    if torch.cuda.is_current_stream_capturing():
+        raise UnsupportedCall(
+            "dropout_p > 0 is not supported under CUDA graph capture (the kernels take the "
+            "Philox seed and offset by value, so every replay would reuse one mask); capture "
+            "with dropout_p=0.0, or run dropout outside the graph"
+        )
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    gen = torch.cuda.default_generators[index]
+    seed, offset = int(gen.initial_seed()), int(gen.get_offset())
+    gen.set_offset(offset + PHILOX_OFFSET_STEP)
+    return seed, offset
+
+
+class _OnDevice:
+    """Makes `device` the current CUDA device for a launch when it is not already."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.index = device.index
+
+    def __enter__(self) -> None:
+        self.prev = torch.cuda.current_device()
+        if self.index is not None and self.index != self.prev:
+            torch.cuda.set_device(self.index)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.index is not None and self.index != self.prev:
+            torch.cuda.set_device(self.prev)
+
+
+# --------------------------------------------------------------------------------------------
+# Forward.
+# --------------------------------------------------------------------------------------------
+
+
+def _fwd_outputs(q: Tensor, pb: Problem) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The fake implementation's outputs: the metadata of what `fwd` returns."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(_lse_shape(q, pb), dtype=torch.float32, device=q.device)
+    seed = torch.empty((), dtype=torch.int64, device="cpu")
+    return out, lse, seed, torch.empty((), dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("flashgen::fwd", mutates_args=())
+def fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    call, (win_l, win_r) = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic)
+    _check_scale(softmax_scale)
+    lib = cache.kernel_library(selection.forward_spec(call))
+    seed, offset = philox_state(q.device, dropout_p)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(_lse_shape(q, pb), dtype=torch.float32, device=q.device)
+    if q.numel() == 0:
+        return out, lse, _scalar(seed), _scalar(offset)
+    if k.numel() == 0:  # no key anywhere: every row is empty (O = 0, LSE = -inf)
+        out.zero_()
+        lse.fill_(-math.inf)
+        return out, lse, _scalar(seed), _scalar(offset)
+    _check_aligned(q=q, k=k, v=v)
+    params = {
+        "q": q.data_ptr(),
+        "k": k.data_ptr(),
+        "v": v.data_ptr(),
+        "o": out.data_ptr(),
+        "lse": lse.data_ptr(),
+        **_strides("q", q, pb.varlen),
+        **_strides("k", k, pb.varlen),
+        **_strides("v", v, pb.varlen),
+        **_strides("o", out, pb.varlen),
+        **_lse_strides(lse, pb.varlen),
+        "batch": pb.batch,
+        "heads": pb.heads,
+        "kv_heads": pb.kv_heads,
+        "seqlen_q": pb.seqlen_q,
+        "seqlen_k": pb.seqlen_k,
+        "cu_seqlens_q": 0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
+        "cu_seqlens_k": 0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
+        "softmax_scale": softmax_scale,
+        "window_left": win_l,
+        "window_right": win_r,
+        "dropout_p": dropout_p,
+        "seed": seed,
+        "offset": offset,
+        "blk_layout_heads": 1,
+    }
+    with _OnDevice(q.device):
+        lib.launch(params, torch.cuda.current_stream(q.device).cuda_stream)
+    return out, lse, _scalar(seed), _scalar(offset)
+
+
+@fwd.register_fake
+def _fwd_fake(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+    causal, window_left, window_right, deterministic,
+):  # fmt: skip
+    pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    call, _ = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic)
+    selection.forward_spec(call)  # refuse at trace time what the kernel cannot serve
+    return _fwd_outputs(q, pb)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward.
+# --------------------------------------------------------------------------------------------
+
+
+def _bwd_problem(dout, q, k, v, out, lse, seed, offset, cu_q, cu_k, max_q, max_k) -> Problem:
+    pb = _problem(q, k, v, cu_q, cu_k, max_q, max_k, extra=(("out", out, "q"), ("dout", dout, "q")))
+    want = _lse_shape(q, pb)
+    if lse.dtype != torch.float32 or tuple(lse.shape) != tuple(want) or lse.stride(-1) != 1:
+        raise UnsupportedCall(
+            f"softmax_lse must be the forward's float32 {tuple(want)} with unit row stride; "
+            f"got {str(lse.dtype).removeprefix('torch.')} {tuple(lse.shape)}"
+        )
+    for name, t in (("philox_seed", seed), ("philox_offset", offset)):
+        if t.dtype != torch.int64 or t.dim() != 0 or t.device.type != "cpu":
+            raise UnsupportedCall(f"{name} must be the forward's 0-dim int64 CPU tensor")
+    return pb
+
+
+def _bwd_outputs(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+
+@torch.library.custom_op("flashgen::bwd", mutates_args=())
+def bwd(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    softmax_lse: Tensor,
+    philox_seed: Tensor,
+    philox_offset: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    lse = softmax_lse
+    pb = _bwd_problem(
+        dout, q, k, v, out, lse, philox_seed, philox_offset,
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    )  # fmt: skip
+    call, (win_l, win_r) = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic)
+    _check_scale(softmax_scale)
+    spec = selection.backward_spec(call)
+    lib = cache.kernel_library(spec)
+    dq, dk, dv = _bwd_outputs(q, k, v)
+    if q.numel() == 0 or k.numel() == 0:  # nothing visible anywhere: every gradient is 0
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    _check_aligned(q=q, k=k, v=v, out=out, dout=dout)
+    params = {
+        "q": q.data_ptr(),
+        "k": k.data_ptr(),
+        "v": v.data_ptr(),
+        "o": out.data_ptr(),
+        "dout": dout.data_ptr(),
+        "lse": lse.data_ptr(),
+        "dq": dq.data_ptr(),
+        "dk": dk.data_ptr(),
+        "dv": dv.data_ptr(),
+        **_strides("q", q, pb.varlen),
+        **_strides("k", k, pb.varlen),
+        **_strides("v", v, pb.varlen),
+        **_strides("o", out, pb.varlen),
+        **_strides("do", dout, pb.varlen),
+        **_strides("dq", dq, pb.varlen),
+        **_strides("dk", dk, pb.varlen),
+        **_strides("dv", dv, pb.varlen),
+        **_lse_strides(lse, pb.varlen),
+        "batch": pb.batch,
+        "heads": pb.heads,
+        "kv_heads": pb.kv_heads,
+        "seqlen_q": pb.seqlen_q,
+        "seqlen_k": pb.seqlen_k,
+        "cu_seqlens_q": 0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
+        "cu_seqlens_k": 0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
+        "softmax_scale": softmax_scale,
+        "window_left": win_l,
+        "window_right": win_r,
+        "dropout_p": dropout_p,
+        "seed": _u64(philox_seed),
+        "offset": _u64(philox_offset),
+        "blk_layout_heads": 1,
+    }
+    # The workspace, carved exactly as verify.runner_bwd does (the C ABI's layout): fp32
+    # dq_accum, fp32 dsum, then the int32 dq_sem of deterministic builds, each 256-byte
+    # aligned; the launcher zeroes what must start at zero, so torch.empty suffices.
+    carve = workspace_layout(
+        pb.batch,
+        pb.seqlen_q,
+        pb.heads,
+        pb.head_dim,
+        block_m=spec.tile.block_m,
+        deterministic=spec.deterministic,
+    )
+    asked = lib.workspace_bytes(params)
+    if asked < carve["bytes"]:
+        raise RuntimeError(
+            f"{lib.name}_workspace_bytes returned {asked} bytes, less than the {carve['bytes']} "
+            "the dq_accum + dsum (+ dq_sem) carve needs"
+        )
+    workspace = torch.empty(asked, dtype=torch.uint8, device=q.device)
+    base = workspace.data_ptr()
+    params["dq_accum"] = base + carve["dq_accum"]
+    params["dsum"] = base + carve["dsum"]
+    if spec.deterministic:
+        params["dq_sem"] = base + carve["dq_sem"]
+    with _OnDevice(q.device):
+        lib.launch(params, torch.cuda.current_stream(q.device).cuda_stream)
+    return dq, dk, dv
+
+
+@bwd.register_fake
+def _bwd_fake(
+    dout, q, k, v, out, softmax_lse, philox_seed, philox_offset, cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
+    deterministic,
+):  # fmt: skip
+    pb = _bwd_problem(
+        dout, q, k, v, out, softmax_lse, philox_seed, philox_offset,
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    )  # fmt: skip
+    call, _ = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic)
+    selection.backward_spec(call)
+    return _bwd_outputs(q, k, v)
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd: the backward family serves loss.backward().
+# --------------------------------------------------------------------------------------------
+
+
+def check_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    deterministic: bool,
+) -> None:
+    """Raise UnsupportedCall now if this call's backward has no kernel (so a training step
+    fails at its forward, not after it)."""
+    pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    call, _ = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic)
+    selection.backward_spec(call)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    (q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, win_l, win_r, det) = inputs
+    out, lse, seed, offset = output
+    check_backward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, win_l, win_r, det)
+    ctx.save_for_backward(q, k, v, out, lse, seed, offset, cu_q, cu_k)
+    ctx.attrs = (max_q, max_k, dropout_p, scale, causal, win_l, win_r, det)
+    # The LSE is an output for inspection and merging, not a differentiable one (as in
+    # flash-attn): the backward kernel has no term for a gradient flowing into it.
+    ctx.mark_non_differentiable(lse, seed, offset)
+
+
+def _usable(dout: Tensor) -> Tensor:
+    """dout as the kernel takes it (unit last stride, strides multiples of 8); a gradient
+    arriving in another layout (e.g. expanded) is copied once, as flash-attn does."""
+    if dout.stride(-1) != 1 or any(s % 8 for s in dout.stride()[:-1]):
+        return dout.contiguous()
+    return dout
+
+
+def _backward(ctx, dout, _dlse, _dseed, _doffset):
+    q, k, v, out, lse, seed, offset, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flashgen.bwd.default(
+        _usable(dout), q, k, v, out, lse, seed, offset, cu_q, cu_k, *ctx.attrs
+    )
+    return (dq, dk, dv) + (None,) * 10
+
+
+fwd.register_autograd(_backward, setup_context=_setup_context)

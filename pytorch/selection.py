@@ -1,0 +1,320 @@
+"""From a flash-attn style call to the one `KernelSpec` that serves it. Imports no torch.
+
+The PyTorch op (`flashgen.torch.ops`) describes each call by plain values (dtype name, shapes,
+strides, the device's compute capability, the mask arguments) and asks this module for the
+forward and backward specs. Everything here is pure Python so it is tested without torch or a
+GPU (tests/test_torch_select.py), and every refusal is an `UnsupportedCall` naming what is
+wrong and what is supported: a call flashgen cannot serve never falls back to another kernel.
+
+Mask arguments follow flash-attn 2.1+ (docs/conventions.md, "Masks"):
+
+- `causal=True` is bottom-right aligned (key j visible from query i iff j <= i + Sk - Sq),
+  which equals top-left when Sq == Sk;
+- `window_size=(left, right)`, -1 unbounded, is bottom-right aligned as well; `causal=True`
+  forces `right = 0` (flash-attn does the same);
+- `(-1, -1)` is no window; `(-1, 0)` is exactly causal and uses the causal kernel; any other
+  window uses a `mask.window` kernel with `mask.causal: none` (its runtime window then
+  carries the causal bound).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+from flashgen.generator.families import family
+from flashgen.generator.families.backward import HEAD_DIMS as BWD_HEAD_DIMS
+from flashgen.generator.families.forward import HEAD_DIMS as FWD_HEAD_DIMS
+from flashgen.generator.spec import (
+    FIELDS,
+    Causal,
+    Dtype,
+    KernelKind,
+    KernelSpec,
+    SpecError,
+    Target,
+    build_spec,
+)
+
+__all__ = [
+    "CAPABILITIES",
+    "DTYPES",
+    "AttentionCall",
+    "Problem",
+    "TensorMeta",
+    "UnsupportedCall",
+    "backward_spec",
+    "check_problem",
+    "forward_spec",
+    "resolve_mask",
+    "target_for",
+]
+
+SOURCE = "flashgen.torch"  # what a derived spec's `source` (and its banner) says
+
+# Compute capability -> the target whose kernels run on it. Only exact matches: a GPU of
+# another capability is refused, never served by a neighbour's PTX.
+CAPABILITIES: dict[tuple[int, int], Target] = {
+    (t.cc // 10, t.cc % 10): t for t in Target if not t.value.suffix
+}
+# torch dtype names (str(torch.float16) without "torch.") -> spec dtype.
+DTYPES: dict[str, Dtype] = {"float16": Dtype.FP16, "bfloat16": Dtype.BF16}
+
+
+class UnsupportedCall(ValueError):
+    """flashgen cannot serve this call; the message says what is wrong and what is allowed."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"flashgen.torch: {message}")
+
+
+# --------------------------------------------------------------------------------------------
+# Tensors, described without torch.
+# --------------------------------------------------------------------------------------------
+
+
+class TensorMeta(NamedTuple):
+    """What the checks need of one tensor: shape, strides (elements), dtype name as torch
+    spells it without the `torch.` prefix, and device type ('cuda', 'cpu', ...)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+    device: str
+
+
+class Problem(NamedTuple):
+    """One call's sizes. Dense: `seqlen_q`, `seqlen_k` are the tensors' lengths; varlen: the
+    caller's `max_seqlen_q`, `max_seqlen_k` and `batch` is the number of sequences."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    varlen: bool
+    dtype: Dtype
+
+    @property
+    def gqa(self) -> bool:
+        return self.heads != self.kv_heads
+
+
+def _dtype(name: str, what: str) -> Dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise UnsupportedCall(
+            f"{what} has dtype {name}; flashgen kernels take float16 or bfloat16 "
+            "(cast with .half() or .bfloat16(), e.g. under torch.autocast)"
+        ) from None
+
+
+def check_problem(
+    q: TensorMeta,
+    k: TensorMeta,
+    v: TensorMeta,
+    *,
+    cu_seqlens_q: TensorMeta | None = None,
+    cu_seqlens_k: TensorMeta | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    extra: Sequence[tuple[str, TensorMeta, str]] = (),
+) -> Problem:
+    """Validate the tensors of one call and return its sizes.
+
+    Dense: q `(batch, seqlen_q, heads, d)`, k and v `(batch, seqlen_k, kv_heads, d)`.
+    Varlen (cu_seqlens given): q `(total_q, heads, d)`, k and v `(total_k, kv_heads, d)`,
+    int32 `cu_seqlens_q/k` of `batch + 1` entries on the same device. The last dimension must
+    have stride 1 and every other stride must be a multiple of 8 elements (16 bytes: the
+    kernels load 8-element vectors). `extra` adds `(name, meta, like)` tensors that must
+    have the shape of `like` ('q' or 'k') under the same rules (the backward's out, dout).
+    """
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if varlen and (cu_seqlens_q is None or cu_seqlens_k is None):
+        raise UnsupportedCall("varlen needs both cu_seqlens_q and cu_seqlens_k")
+    named = [("q", q), ("k", k), ("v", v)] + [(n, m) for n, m, _ in extra]
+    for name, t in named:
+        if t.device != "cuda":
+            raise UnsupportedCall(
+                f"{name} is on device {t.device!r}; flashgen kernels run on CUDA devices only "
+                "(move the tensors with .cuda())"
+            )
+    dt = _dtype(q.dtype, "q")
+    for name, t in named[1:]:
+        if t.dtype != q.dtype:
+            raise UnsupportedCall(f"{name} has dtype {t.dtype} but q has {q.dtype}; all must match")
+    ndim = 3 if varlen else 4
+    layout = "(total, heads, head_dim)" if varlen else "(batch, seqlen, heads, head_dim)"
+    for name, t in named:
+        if len(t.shape) != ndim:
+            raise UnsupportedCall(
+                f"{name} has {len(t.shape)} dimensions {tuple(t.shape)}; "
+                f"{'varlen' if varlen else 'flash_attn_func'} takes {layout}"
+            )
+        if t.stride[-1] != 1:
+            raise UnsupportedCall(
+                f"{name}'s last dimension (head_dim) has stride {t.stride[-1]}; it must be "
+                "contiguous (stride 1): pass .contiguous()"
+            )
+        if any(s % 8 for s in t.stride[:-1]):
+            raise UnsupportedCall(
+                f"{name} has strides {tuple(t.stride)}; every stride but the last must be a "
+                "multiple of 8 elements (16 bytes): pass .contiguous()"
+            )
+    d = q.shape[-1]
+    if k.shape != v.shape:
+        raise UnsupportedCall(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape "
+            "(flashgen kernels take one head_dim for q, k and v)"
+        )
+    if k.shape[-1] != d:
+        raise UnsupportedCall(f"q's head_dim {d} differs from k's {k.shape[-1]}; they must match")
+    heads, kv_heads = q.shape[-2], k.shape[-2]
+    if kv_heads < 1 or heads < 1 or heads % kv_heads:
+        raise UnsupportedCall(
+            f"q has {heads} heads and k, v have {kv_heads}: the number of k/v heads must "
+            "divide the number of query heads (GQA/MQA)"
+        )
+    for name, t, like in extra:
+        want = q.shape if like == "q" else k.shape
+        if t.shape != want:
+            raise UnsupportedCall(
+                f"{name} has shape {tuple(t.shape)}; it must have {like}'s {want}"
+            )
+    if varlen:
+        for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if t.device != "cuda" or t.dtype != "int32" or len(t.shape) != 1 or t.stride != (1,):
+                raise UnsupportedCall(
+                    f"{name} must be a contiguous 1-D int32 CUDA tensor of batch + 1 "
+                    f"cumulative lengths; got {t.dtype} {tuple(t.shape)} on {t.device}"
+                )
+        if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 1:
+            raise UnsupportedCall(
+                f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k "
+                f"{tuple(cu_seqlens_k.shape)} must both hold batch + 1 >= 1 entries"
+            )
+        for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if m is None or m < 0:
+                raise UnsupportedCall(f"{name} must be an int >= 0 (the longest sequence), got {m}")
+        return Problem(
+            cu_seqlens_q.shape[0] - 1, heads, kv_heads, max_seqlen_q, max_seqlen_k, d, True, dt
+        )
+    if k.shape[0] != q.shape[0]:
+        raise UnsupportedCall(f"q has batch {q.shape[0]} but k, v have {k.shape[0]}")
+    return Problem(q.shape[0], heads, kv_heads, q.shape[1], k.shape[1], d, False, dt)
+
+
+# --------------------------------------------------------------------------------------------
+# The call -> spec.
+# --------------------------------------------------------------------------------------------
+
+
+def resolve_mask(causal: bool, window_size: Sequence[int]) -> tuple[Causal, bool, tuple[int, int]]:
+    """flash-attn's `(causal, window_size)` as `(spec causal, spec window, runtime window)`
+    (see the module docstring)."""
+    if not isinstance(causal, bool):
+        raise UnsupportedCall(f"causal must be True or False, got {causal!r}")
+    try:
+        left, right = (int(x) for x in window_size)
+    except (TypeError, ValueError):
+        raise UnsupportedCall(
+            f"window_size must be a pair of ints (left, right), got {window_size!r}"
+        ) from None
+    if left < -1 or right < -1:
+        raise UnsupportedCall(
+            f"window_size {(left, right)}: each side must be >= 0, or -1 for unbounded"
+        )
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        return Causal.NONE, False, (-1, -1)
+    if left < 0 and right == 0:
+        return Causal.BOTTOM_RIGHT, False, (-1, -1)
+    return Causal.NONE, True, (left, right)
+
+
+def target_for(capability: Sequence[int]) -> Target:
+    """The target of a GPU of this compute capability (major, minor)."""
+    cap = tuple(int(x) for x in capability)
+    target = CAPABILITIES.get(cap)  # type: ignore[arg-type]
+    if target is None:
+        have = ", ".join(f"{a}.{b} ({t.yaml})" for (a, b), t in CAPABILITIES.items())
+        raise UnsupportedCall(
+            f"no flashgen target for a GPU of compute capability {cap[0]}.{cap[1]} "
+            f"(supported: {have}; {Target.SM90A.yaml} is reserved for wgmma kernels and not "
+            "implemented)"
+        )
+    return target
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """Everything about a call that selects a kernel (sizes and pointers do not).
+
+    `deterministic` only concerns the backward (bitwise repeatable dQ, dK, dV).
+    """
+
+    dtype: Dtype
+    head_dim: int
+    capability: tuple[int, int]
+    causal: Causal = Causal.NONE
+    window: bool = False
+    varlen: bool = False
+    gqa: bool = False
+    dropout: bool = False
+    deterministic: bool = False
+
+
+def _head_dims(dims: Sequence[int]) -> str:
+    """`16, 32, ..., 256` style list."""
+    return ", ".join(map(str, dims))
+
+
+@lru_cache(maxsize=None)
+def _spec(kind: KernelKind, call: AttentionCall) -> KernelSpec:
+    target = target_for(call.capability)
+    fam = family(kind)
+    if not fam.head_dim_ok(call.head_dim):
+        dims = FWD_HEAD_DIMS if kind is KernelKind.FORWARD else BWD_HEAD_DIMS
+        hint = ""
+        if kind is KernelKind.BACKWARD:
+            hint = " (for inference only, call under torch.no_grad() or with inputs that do "
+            hint += "not require grad: the forward serves every multiple of 16 in 16..256)"
+        raise UnsupportedCall(
+            f"head_dim {call.head_dim} has no {kind.yaml} kernel (supported head dims: "
+            f"{_head_dims(dims)}){hint}"
+        )
+    values: dict[str, Any] = {f.path: f.default for f in FIELDS}
+    values.update(
+        {
+            "kernel": kind,
+            "head_dim": call.head_dim,
+            "dtype": call.dtype,
+            "mask.causal": call.causal,
+            "mask.window": call.window,
+            "mask.varlen": call.varlen,
+            "gqa": call.gqa,
+            "dropout": call.dropout,
+            "deterministic": call.deterministic and kind is KernelKind.BACKWARD,
+            "target": target,
+        }
+    )
+    try:
+        values["tile"] = fam.auto_tile(target, call.dtype, call.head_dim, values)
+        return build_spec(values, tile_auto=True, source=SOURCE)
+    except SpecError as e:
+        raise UnsupportedCall(f"no {kind.yaml} kernel can be built for this call: {e}") from None
+
+
+def forward_spec(call: AttentionCall) -> KernelSpec:
+    """The forward kernel of this call (auto tile for the call's target)."""
+    return _spec(KernelKind.FORWARD, call)
+
+
+def backward_spec(call: AttentionCall) -> KernelSpec:
+    """The backward kernel of this call (auto tile for the call's target)."""
+    return _spec(KernelKind.BACKWARD, call)

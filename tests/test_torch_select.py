@@ -1,0 +1,371 @@
+"""flashgen.torch without torch or a GPU: the spec a call derives, the errors of calls no
+kernel serves, and the kernel cache (lookup order, one compile under concurrent processes,
+atomic publication) with a fake compiler."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from flashgen.generator.load import load_paths, load_spec_file
+from flashgen.generator.naming import kernel_name
+from flashgen.generator.spec import Causal, Dtype, KernelKind, Target
+from flashgen.torch import cache, selection
+from flashgen.torch.selection import (
+    AttentionCall,
+    TensorMeta,
+    UnsupportedCall,
+    backward_spec,
+    check_problem,
+    forward_spec,
+    resolve_mask,
+    target_for,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+H200 = (9, 0)
+
+
+def call(**kw) -> AttentionCall:
+    base = {"dtype": Dtype.BF16, "head_dim": 64, "capability": H200}
+    return AttentionCall(**{**base, **kw})
+
+
+def meta(shape, dtype="bfloat16", device="cuda", stride=None) -> TensorMeta:
+    if stride is None:
+        stride, acc = [], 1
+        for n in reversed(shape):
+            stride.insert(0, acc)
+            acc *= n
+    return TensorMeta(tuple(shape), tuple(stride), dtype, device)
+
+
+# -- the call -> its spec ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("causal", "window", "want"),
+    [
+        (False, (-1, -1), (Causal.NONE, False, (-1, -1))),
+        (True, (-1, -1), (Causal.BOTTOM_RIGHT, False, (-1, -1))),
+        (False, (-1, 0), (Causal.BOTTOM_RIGHT, False, (-1, -1))),  # flash-attn: that is causal
+        (True, (-1, 7), (Causal.BOTTOM_RIGHT, False, (-1, -1))),  # causal forces right = 0
+        (True, (16, -1), (Causal.NONE, True, (16, 0))),
+        (False, (16, 4), (Causal.NONE, True, (16, 4))),
+        (False, (-1, 4), (Causal.NONE, True, (-1, 4))),
+    ],
+)
+def test_flash_attn_mask_arguments_resolve_to_one_spec_mask(causal, window, want):
+    assert resolve_mask(causal, window) == want
+
+
+@pytest.mark.parametrize("window", [(-2, 0), (0, -5), (1,), "ab"])
+def test_malformed_windows_are_refused(window):
+    with pytest.raises(UnsupportedCall, match="window_size"):
+        resolve_mask(False, window)
+
+
+def test_each_supported_capability_has_its_target_and_others_are_refused():
+    assert target_for((8, 0)) is Target.SM80
+    assert target_for((8, 6)) is Target.SM86
+    assert target_for((8, 9)) is Target.SM89
+    assert target_for((9, 0)) is Target.SM90
+    for cap in [(7, 5), (8, 7), (10, 0), (12, 0)]:
+        with pytest.raises(UnsupportedCall) as err:
+            target_for(cap)
+        msg = str(err.value)
+        assert f"{cap[0]}.{cap[1]}" in msg and "9.0 (sm_90)" in msg and "sm_90a" in msg
+
+
+def test_dense_calls_select_the_shipped_kernels():
+    """A plain or causal call derives exactly a spec of specs/ (so its AOT build is used)."""
+    shipped = {kernel_name(s) for s in load_paths([REPO / "specs"])}
+    for dtype in Dtype:
+        for d in (32, 64, 96, 128, 192, 256):
+            for causal in (Causal.NONE, Causal.BOTTOM_RIGHT):
+                c = call(dtype=dtype, head_dim=d, causal=causal)
+                assert kernel_name(forward_spec(c)) in shipped
+                assert kernel_name(backward_spec(c)) in shipped
+
+
+def test_derived_spec_carries_every_feature_of_the_call():
+    c = call(causal=Causal.BOTTOM_RIGHT, varlen=True, gqa=True, dropout=True, deterministic=True)
+    f, b = forward_spec(c), backward_spec(c)
+    assert f.kernel is KernelKind.FORWARD and b.kernel is KernelKind.BACKWARD
+    for s in (f, b):
+        assert (s.dtype, s.head_dim, s.target) == (Dtype.BF16, 64, Target.SM90)
+        assert s.mask.causal is Causal.BOTTOM_RIGHT and s.mask.varlen and not s.mask.window
+        assert s.gqa and s.dropout and s.tile_auto
+    assert b.deterministic and not f.deterministic  # a forward is deterministic anyway
+    assert forward_spec(call(capability=(8, 0))).target is Target.SM80
+
+
+def test_backward_head_dims_without_a_kernel_name_the_supported_ones():
+    forward_spec(call(head_dim=144))  # the forward serves it
+    with pytest.raises(UnsupportedCall) as err:
+        backward_spec(call(head_dim=144))
+    msg = str(err.value)
+    assert "head_dim 144 has no backward kernel" in msg and "128, 160, 192" in msg
+    assert "torch.no_grad()" in msg
+
+
+def test_forward_head_dims_off_the_grid_are_refused():
+    with pytest.raises(UnsupportedCall, match="multiples of 16|16, 32, 48"):
+        forward_spec(call(head_dim=72))
+
+
+def test_the_gpu_tests_and_example_kernels_are_listed_for_building_ahead():
+    """examples/torch_kernels.yaml holds exactly the specs of the calls that
+    tests/gpu/test_torch.py and examples/train_gpt.py make on an H200."""
+    calls = [
+        call(dtype=dt, head_dim=d, causal=c)
+        for dt in Dtype
+        for d in (64, 128)
+        for c in (Causal.NONE, Causal.BOTTOM_RIGHT)
+    ]
+    calls += [
+        call(causal=Causal.BOTTOM_RIGHT, gqa=True),
+        call(causal=Causal.BOTTOM_RIGHT, varlen=True),
+        call(window=True),
+        call(dropout=True),
+    ]
+    derived = {forward_spec(c) for c in calls} | {backward_spec(c) for c in calls}
+    derived.add(backward_spec(call(causal=Causal.BOTTOM_RIGHT, deterministic=True)))
+    listed = set(load_spec_file(REPO / "examples" / "torch_kernels.yaml"))
+    assert {kernel_name(s) for s in listed} == {kernel_name(s) for s in derived}
+
+
+# -- tensors --------------------------------------------------------------------------------------
+
+
+def test_dense_and_varlen_problems():
+    pb = check_problem(meta((2, 100, 8, 64)), meta((2, 50, 2, 64)), meta((2, 50, 2, 64)))
+    assert (pb.batch, pb.heads, pb.kv_heads, pb.seqlen_q, pb.seqlen_k, pb.head_dim) == (
+        2, 8, 2, 100, 50, 64,
+    )  # fmt: skip
+    assert pb.gqa and not pb.varlen and pb.dtype is Dtype.BF16
+    cu = meta((4,), dtype="int32")
+    pb = check_problem(
+        meta((300, 4, 128), "float16"),
+        meta((200, 4, 128), "float16"),
+        meta((200, 4, 128), "float16"),
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+        max_seqlen_q=150,
+        max_seqlen_k=90,
+    )
+    assert (pb.batch, pb.seqlen_q, pb.seqlen_k, pb.varlen, pb.gqa) == (3, 150, 90, True, False)
+
+
+def test_packed_qkv_views_are_accepted():
+    """q = qkv[:, :, 0] of a (b, s, 3, h, d) projection: strides (s*3*h*d, 3*h*d, d, 1)."""
+    b, s, h, d = 2, 10, 4, 64
+    view = meta((b, s, h, d), stride=(s * 3 * h * d, 3 * h * d, d, 1))
+    check_problem(view, view, view)
+
+
+DENSE = (2, 16, 4, 64)
+
+
+@pytest.mark.parametrize(
+    ("q", "k", "v", "match"),
+    [
+        (meta(DENSE, device="cpu"), meta(DENSE), meta(DENSE), "CUDA devices only"),
+        (meta(DENSE, "float32"), meta(DENSE, "float32"), meta(DENSE, "float32"), "float16 or"),
+        (meta(DENSE), meta(DENSE, "float16"), meta(DENSE), "k has dtype float16 but q has"),
+        (meta((16, 4, 64)), meta((16, 4, 64)), meta((16, 4, 64)), "3 dimensions"),
+        (meta(DENSE, stride=(8192, 512, 64, 2)), meta(DENSE), meta(DENSE), "stride 1"),
+        (meta(DENSE, stride=(4100, 260, 65, 1)), meta(DENSE), meta(DENSE), "multiple of 8"),
+        (meta(DENSE), meta((2, 16, 4, 128)), meta(DENSE), "same shape"),
+        (meta(DENSE), meta((2, 16, 4, 128)), meta((2, 16, 4, 128)), "head_dim 64 differs"),
+        (meta((2, 16, 6, 64)), meta(DENSE), meta(DENSE), "must divide"),
+        (meta((3, 16, 4, 64)), meta(DENSE), meta(DENSE), "batch 3"),
+    ],
+    ids=[
+        "cpu",
+        "fp32",
+        "mixed-dtypes",
+        "ndim",
+        "strided-head-dim",
+        "odd-stride",
+        "k-v-shapes",
+        "head-dims",
+        "kv-heads",
+        "batch",
+    ],
+)
+def test_tensors_no_kernel_can_read_are_refused(q, k, v, match):
+    with pytest.raises(UnsupportedCall, match=match) as err:
+        check_problem(q, k, v)
+    assert str(err.value).startswith("flashgen.torch: ")
+
+
+def test_varlen_needs_both_int32_cu_seqlens_and_max_seqlens():
+    t = meta((30, 4, 64))
+    with pytest.raises(UnsupportedCall, match="both cu_seqlens"):
+        check_problem(t, t, t, cu_seqlens_q=meta((3,), "int32"))
+    with pytest.raises(UnsupportedCall, match="int32 CUDA tensor"):
+        check_problem(
+            t, t, t, cu_seqlens_q=meta((3,), "int64"), cu_seqlens_k=meta((3,), "int32"),
+            max_seqlen_q=10, max_seqlen_k=10,
+        )  # fmt: skip
+    with pytest.raises(UnsupportedCall, match="max_seqlen_k"):
+        cu = meta((3,), "int32")
+        check_problem(t, t, t, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=10)
+
+
+def test_the_backwards_extra_tensors_must_match_q():
+    q = meta(DENSE)
+    with pytest.raises(UnsupportedCall, match="dout has shape"):
+        check_problem(q, q, q, extra=[("dout", meta((2, 17, 4, 64)), "q")])
+
+
+# -- the cache ------------------------------------------------------------------------------------
+
+
+class FakeCompiler:
+    """compile_specs' signature; writes `<out>/<name>.so` and its report, counts calls."""
+
+    def __init__(self, ok: bool = True) -> None:
+        self.calls: list[Path] = []
+        self.ok = ok
+
+    def __call__(self, specs, out_dir, *, jobs=None, progress=True):
+        out = Path(out_dir)
+        self.calls.append(out)
+        results = []
+        for s in specs:
+            if self.ok:
+                (out / f"{kernel_name(s)}.so").write_bytes(b"\x7fELF fake")
+                (out / f"{kernel_name(s)}.json").write_text("{}")
+            results.append(SimpleNamespace(ok=self.ok, error="" if self.ok else "ptxas: boom"))
+        return results
+
+
+@pytest.fixture
+def dirs(tmp_path, monkeypatch):
+    build, cdir = tmp_path / "build", tmp_path / "cache"
+    build.mkdir()
+    monkeypatch.setenv("FLASHGEN_BUILD_DIR", str(build))
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(cdir))
+    return SimpleNamespace(build=build, cache=cdir)
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "x"))
+    assert cache.cache_dir() == tmp_path / "x"
+    monkeypatch.delenv("FLASHGEN_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    from flashgen.generator import __version__
+
+    assert cache.cache_dir() == tmp_path / "xdg" / "flashgen" / __version__
+
+
+def test_a_shipped_build_is_used_before_the_cache_and_nothing_compiles(dirs, capsys):
+    spec = forward_spec(call())
+    (dirs.build / f"{kernel_name(spec)}.so").write_bytes(b"built")
+    compiler = FakeCompiler()
+    assert cache.library_for(spec, compiler=compiler) == dirs.build / f"{kernel_name(spec)}.so"
+    assert compiler.calls == [] and capsys.readouterr().err == ""
+
+
+def test_first_use_compiles_once_into_the_cache_with_one_line_of_progress(dirs, capsys):
+    spec = forward_spec(call(head_dim=96))
+    name = kernel_name(spec)
+    compiler = FakeCompiler()
+    path = cache.library_for(spec, compiler=compiler)
+    assert path == dirs.cache / f"{name}.so" and path.read_bytes() == b"\x7fELF fake"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"flashgen: compiling {name} (sm_90")
+    assert "done in" in err
+    # it compiled in a private directory under the cache, which is gone again
+    assert len(compiler.calls) == 1 and compiler.calls[0].parent == dirs.cache
+    assert not compiler.calls[0].exists()
+    assert sorted(p.name for p in dirs.cache.iterdir()) == sorted(
+        [f"{name}.so", f"{name}.json", f"{name}.lock"]
+    )
+    assert cache.library_for(spec, compiler=compiler) == path  # reused
+    assert len(compiler.calls) == 1 and capsys.readouterr().err == ""
+
+
+def test_a_failed_compile_raises_with_the_compilers_output_and_leaves_nothing(dirs, capsys):
+    spec = forward_spec(call(head_dim=112))
+    with pytest.raises(cache.CompileFailed, match="ptxas: boom"):
+        cache.library_for(spec, compiler=FakeCompiler(ok=False))
+    assert capsys.readouterr().err.rstrip().endswith("failed")
+    assert [p.name for p in dirs.cache.iterdir()] == [f"{kernel_name(spec)}.lock"]
+
+
+def test_no_nvcc_says_how_to_build_ahead(dirs):
+    def missing(*args, **kwargs):
+        raise FileNotFoundError("nvcc not found on PATH")
+
+    with pytest.raises(cache.CompileFailed, match="flashgen compile"):
+        cache.library_for(forward_spec(call(head_dim=80)), compiler=missing)
+
+
+def test_concurrent_processes_compile_a_kernel_once(dirs, tmp_path):
+    """Four processes ask for one missing kernel at once: one compiles (under the lock), the
+    others wait and take its library."""
+    counter = tmp_path / "compiles.txt"
+    script = textwrap.dedent(
+        f"""
+        import os, sys, time
+        from pathlib import Path
+        from types import SimpleNamespace
+        from flashgen.generator.naming import kernel_name
+        from flashgen.torch import cache, selection
+        from flashgen.generator.spec import Dtype
+
+        def compiler(specs, out_dir, *, jobs=None, progress=True):
+            with open({str(counter)!r}, "a") as f:
+                f.write(f"{{os.getpid()}}\\n")
+            time.sleep(0.5)
+            name = kernel_name(specs[0])
+            (Path(out_dir) / f"{{name}}.so").write_bytes(b"lib")
+            return [SimpleNamespace(ok=True, error="")]
+
+        call = selection.AttentionCall(dtype=Dtype.FP16, head_dim=48, capability=(9, 0))
+        spec = selection.forward_spec(call)
+        print(cache.library_for(spec, compiler=compiler, log=sys.stdout))
+        """
+    )
+    env = {**os.environ}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    paths = {out.strip().splitlines()[-1] for out in outs}
+    assert len(paths) == 1 and Path(paths.pop()).parent == dirs.cache
+    assert len(counter.read_text().split()) == 1
+
+
+# -- torch stays optional --------------------------------------------------------------------------
+
+
+def test_selection_and_cache_import_no_torch():
+    code = (
+        "import sys, flashgen.torch.selection, flashgen.torch.cache; print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="torch is installed")
+def test_without_torch_the_functions_say_how_to_install_it():
+    with pytest.raises(ImportError, match=r"flashgen\[torch\]"):
+        from flashgen.torch import flash_attn_func  # noqa: F401
+
+
+def test_unsupported_call_is_a_value_error_naming_the_package():
+    err = UnsupportedCall("x")
+    assert isinstance(err, ValueError) and str(err) == "flashgen.torch: x"
+    assert selection.SOURCE == "flashgen.torch"
