@@ -411,6 +411,14 @@ FIELDS: tuple[Field, ...] = (
         feature="deterministic",
         kinds=(KernelKind.BACKWARD,),
     ),
+    Field(
+        "paged",
+        FieldKind.BOOL,
+        False,
+        part=_flag("paged"),
+        feature="paged KV cache",
+        kinds=(KernelKind.DECODE,),
+    ),
     Field("instrument_io", FieldKind.BOOL, False, part=_flag("io"), feature="instrument_io"),
     Field("tile", FieldKind.TILE, "auto", part=lambda t: t.short),
     Field("target", FieldKind.ENUM, Target.SM90, Target, lambda t: t.short),
@@ -474,6 +482,7 @@ class KernelSpec:
     sparsity: Sparsity = Sparsity.NONE
     gqa: bool = False
     deterministic: bool = False
+    paged: bool = False
     target: Target = Target.SM90
     instrument_io: bool = False
     allow_spills: bool = False

@@ -134,7 +134,7 @@ def test_canonical_form_has_fixed_key_order_and_yaml_spellings():
     c = s.to_canonical()
     assert list(c) == [
         "kernel", "head_dim", "dtype", "mask", "gqa", "dropout", "debug_keep_mask",
-        "sparsity", "deterministic", "instrument_io", "tile", "tile_auto", "target",
+        "sparsity", "deterministic", "paged", "instrument_io", "tile", "tile_auto", "target",
         "allow_spills",
     ]  # fmt: skip
     assert c["mask"] == {"causal": "bottom_right", "window": False, "varlen": False}
@@ -338,9 +338,14 @@ BAD_SPECS = [
         id="duplicate-entries",
     ),
     pytest.param(
-        "kernel: decode\ndtype: bf16\nhead_dim: 64\n",
-        ["spec.yaml:1:", "kernel:", "'decode' is not implemented yet (allowed: forward, backward)"],
-        id="decode-not-implemented",
+        "kernel: decode\ndtype: bf16\nhead_dim: 96\n",
+        ["spec.yaml:3:", "head_dim:", "96 is not allowed (allowed: 32, 64, 128)"],
+        id="decode-head-dim",
+    ),
+    pytest.param(
+        "dtype: bf16\nhead_dim: 64\npaged: true\n",
+        ["spec.yaml:3:", "paged:", "applies to kernel: decode only, not forward"],
+        id="paged-forward",
     ),
     pytest.param(
         "dtype: bf16\nhead_dim: 64\ntarget: sm_100\n",

@@ -136,6 +136,7 @@ class Family:
 _MODULES = {
     KernelKind.FORWARD: "flashgen.generator.families.forward",
     KernelKind.BACKWARD: "flashgen.generator.families.backward",
+    KernelKind.DECODE: "flashgen.generator.families.decode",
 }
 _FAMILIES: dict[KernelKind, Family] = {}
 

@@ -34,6 +34,26 @@ __device__ __forceinline__ void mask_frag(float (&acc)[kMT][kNT][4], const TileM
       }
 }
 
+// The same for fragments whose rows are not consecutive queries (decode packs the query heads
+// of a GQA group into the rows): row_of(r) gives the query row, relative to the TileMask's
+// corner, of fragment row r = mt*16 + g (+ 8).
+template <int kMT, int kNT, class RowOf>
+__device__ __forceinline__ void mask_frag_rows(float (&acc)[kMT][kNT][4], const TileMask& tm,
+                                               int lane, RowOf&& row_of) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int il = row_of(mt * 16 + g + r * 8);
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 2 * r; e < 2 * r + 2; ++e)
+          if (!tm.visible(il, nt * 8 + 2 * t + (e & 1))) acc[mt][nt][e] = -INFINITY;
+    }
+}
+
 // Calls on(mt, nt, e, keep, i, j) for every element, with the Philox keep decision of
 // (query i, key j); one Philox call serves the two adjacent keys a lane holds (the 4-key
 // group of j = nt*8 + 2t). The caller decides what keeping means for its accumulators.

@@ -28,6 +28,7 @@
 #include "schedule.cuh"
 #include "softmax.cuh"
 #include "tile_io.cuh"
+#include "warp_mma.cuh"
 
 namespace fg {
 
@@ -218,29 +219,17 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
         for (int nt = 0; nt < C::kNT; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = 0.f;
+      warp_qk<Elem, C::kMT, C::kNT, C::kKS, C::kStride>(
+          acc_s,
+          [&](int mt, int kk, uint32_t (&a)[4]) {
+            if (C::kQInRegs) {
 #pragma unroll
-      for (int kk = 0; kk < C::kKS; ++kk) {
-        uint32_t a[C::kMT][4];
-#pragma unroll
-        for (int mt = 0; mt < C::kMT; ++mt) {
-          if (C::kQInRegs) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) a[mt][e] = qf[C::kQInRegs ? mt : 0][C::kQInRegs ? kk : 0][e];
-          } else {
-            ldmatrix_x4(a[mt], q_lane + (mt * 16 * C::kStride + kk * 16) * kElemBytes);
-          }
-        }
-#pragma unroll
-        for (int np = 0; np < C::kNT / 2; ++np) {
-          uint32_t bk[4];
-          ldmatrix_x4(bk, k_slot + (np * 16 * C::kStride + kk * 16) * kElemBytes);
-#pragma unroll
-          for (int mt = 0; mt < C::kMT; ++mt) {
-            MmaT::run(acc_s[mt][2 * np], a[mt], bk[0], bk[1]);
-            MmaT::run(acc_s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
-          }
-        }
-      }
+              for (int e = 0; e < 4; ++e) a[e] = qf[C::kQInRegs ? mt : 0][C::kQInRegs ? kk : 0][e];
+            } else {
+              ldmatrix_x4(a, q_lane + (mt * 16 * C::kStride + kk * 16) * kElemBytes);
+            }
+          },
+          k_slot);
 
       if (masked) mask_frag(acc_s, mask.tile(r0 + warp_row0, n * C::kBlockN), lane);
 
@@ -248,13 +237,7 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
       for (int mt = 0; mt < C::kMT; ++mt) {
         float alpha[2];
         online_softmax_update(st[mt], acc_s[mt], scale_log2, alpha);
-#pragma unroll
-        for (int dt = 0; dt < C::kDT; ++dt) {
-          acc_o[mt][dt][0] *= alpha[0];
-          acc_o[mt][dt][1] *= alpha[0];
-          acc_o[mt][dt][2] *= alpha[1];
-          acc_o[mt][dt][3] *= alpha[1];
-        }
+        scale_rows(acc_o[mt], alpha);
       }
 
       if (C::kDropout) {
@@ -269,27 +252,7 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
       }
 
       // acc_o += P V, P re-packed from the S accumulators
-#pragma unroll
-      for (int ks = 0; ks < C::kPS; ++ks) {
-        uint32_t a[C::kMT][4];
-#pragma unroll
-        for (int mt = 0; mt < C::kMT; ++mt) {
-          a[mt][0] = MmaT::pack(acc_s[mt][2 * ks][0], acc_s[mt][2 * ks][1]);
-          a[mt][1] = MmaT::pack(acc_s[mt][2 * ks][2], acc_s[mt][2 * ks][3]);
-          a[mt][2] = MmaT::pack(acc_s[mt][2 * ks + 1][0], acc_s[mt][2 * ks + 1][1]);
-          a[mt][3] = MmaT::pack(acc_s[mt][2 * ks + 1][2], acc_s[mt][2 * ks + 1][3]);
-        }
-#pragma unroll
-        for (int dp = 0; dp < C::kDT / 2; ++dp) {
-          uint32_t bv[4];
-          ldmatrix_x4_trans(bv, v_slot + (ks * 16 * C::kStride + dp * 16) * kElemBytes);
-#pragma unroll
-          for (int mt = 0; mt < C::kMT; ++mt) {
-            MmaT::run(acc_o[mt][2 * dp], a[mt], bv[0], bv[1]);
-            MmaT::run(acc_o[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
-          }
-        }
-      }
+      warp_pv<Elem, C::kMT, C::kNT, C::kDT, C::kStride>(acc_o, acc_s, v_slot);
       if (C::kStages == 1) __syncthreads();  // the only slot is refilled next iteration
     }
   }

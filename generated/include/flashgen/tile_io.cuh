@@ -65,6 +65,41 @@ __device__ __forceinline__ void load_tile_async(Elem* smem, const Elem* gmem, in
   }
 }
 
+// Rows [0, kRows) x kD elements into smem, row r from row_ptr(r): a pointer to its first
+// element, or nullptr for a row that is zero-filled and neither read nor counted (`fallback`,
+// any valid address, stands in for it). For tiles whose rows are not evenly strided: the
+// pages of a paged KV cache, the query heads of a GQA group packed into one tile.
+template <int kRows, int kD, int kThreads, int kStride, typename Elem, class RowPtr, class IoT>
+__device__ __forceinline__ void load_rows_async(Elem* smem, RowPtr&& row_ptr,
+                                                const Elem* fallback, IoT& io, int tensor) {
+  constexpr int kChunksPerRow = kD / 8;
+  constexpr int kChunks = kRows * kChunksPerRow;
+#pragma unroll
+  for (int it = 0; it < (kChunks + kThreads - 1) / kThreads; ++it) {
+    const int c = it * kThreads + threadIdx.x;
+    if (kChunks % kThreads != 0 && c >= kChunks) break;
+    const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+    const Elem* src = row_ptr(row);
+    const bool valid = src != nullptr;
+    cp_async_16(smem + row * kStride + col, valid ? src + col : fallback, valid);
+    io.add(tensor, valid ? 16 : 0);
+  }
+}
+
+// A counted read of one int32 index (a cache length, a block-table entry) into tensor
+// `tensor`'s counter; `count` as for load_meta below.
+template <class IoT>
+__device__ __forceinline__ int32_t load_index(const int32_t* p, IoT& io, int tensor, bool count) {
+  if (count) io.add(tensor, 4);
+  return __ldg(p);
+}
+
+// Sets error bits in a caller-visible flag word (bad input found on the device); not counted:
+// it happens only on input the IO model does not describe.
+__device__ __forceinline__ void raise_error_flag(unsigned int* word, unsigned int bits) {
+  atomicOr(word, bits);
+}
+
 // A read of one int32 of metadata (cu_seqlens, block layout); `count` says whether this
 // thread's read is the CTA's accounted one (the others hit the same L1 line).
 template <class IoT>

@@ -1,0 +1,332 @@
+"""The decode family (`kernel: decode`): FlashDecoding over a contiguous or paged KV cache.
+
+Each of `batch` sequences brings `seqlen_q` (runtime, 1..16) new queries and a KV cache of
+`cache_seqlens[b]` keys that already includes them. A CTA packs the queries of every query
+head of one KV head's GQA group into the rows of the MMA (`block_m` rows: 16 per warp row),
+so each K/V byte is read once per KV head; the key tiles are split across CTAs (split-KV),
+whose normalised fp32 outputs and LSEs a combine kernel merges (also exported as
+`<name>_merge_states`). docs/decode.md has the layouts, the split heuristic and the bad-input
+policy.
+
+Tile rules: `block_m` = 16 * (warps along the rows), a power of two dividing `warps`;
+the other warps split each K/V tile's `block_n` keys, 16 or more each; `stages` (2..4) K/V
+tiles in flight; a tile's rows load in whole passes of the CTA (`block_n * d / 8` a multiple
+of the threads), which lets the page ids of a paged tile travel by warp shuffles. Shared
+memory: the Q rows plus `stages` K and V tiles, rows padded by SMEM_ROW_PAD elements, or the
+end-of-loop merge buffer of the key warps when that is larger.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from flashgen.generator.families import Family, params_table
+from flashgen.generator.spec import Causal, Dtype, KernelKind, KernelSpec, Target, Tile
+
+HEAD_DIMS = (32, 64, 128)  # d = 256 spills with ptxas (accumulator + load addresses): not yet
+TILE_WARPS = (2, 4, 8)
+TILE_STAGES = (2, 3, 4)
+SMEM_ROW_PAD = 8
+MERGE_ROW_PAD = 4  # floats
+MAX_QUERIES = 16
+MAX_SPLITS = 128
+PAGE_SIZES = (16, 32, 64, 128, 256)
+WORKSPACE_HEADER = 256  # bytes: the error word, padded
+ERR_PAGE_ID = 1
+ERR_SEQLEN = 2
+
+# fg_decode_params (include/flashgen/decode_params.h), in declaration order.
+PARAMS = params_table(
+    """
+    ptr q
+    ptr k
+    ptr v
+    ptr o
+    ptr lse
+    ptr cache_seqlens
+    ptr block_table
+    ptr workspace
+    i64 q_batch_stride
+    i64 q_row_stride
+    i64 q_head_stride
+    i64 k_batch_stride
+    i64 k_row_stride
+    i64 k_head_stride
+    i64 v_batch_stride
+    i64 v_row_stride
+    i64 v_head_stride
+    i64 o_batch_stride
+    i64 o_row_stride
+    i64 o_head_stride
+    i64 lse_batch_stride
+    i64 lse_head_stride
+    i64 batch
+    i64 heads
+    i64 kv_heads
+    i64 seqlen_q
+    i64 seqlen_k
+    i64 max_seqlen_k
+    i64 page_size
+    i64 num_pages
+    i64 max_pages
+    i64 block_table_stride
+    f64 softmax_scale
+    i64 window_left
+    i64 window_right
+    i64 num_splits
+    i64 workspace_size
+    ptr o_parts
+    ptr lse_parts
+    i64 num_parts
+    i64 parts_dtype
+    i64 o_parts_part_stride
+    i64 o_parts_batch_stride
+    i64 o_parts_row_stride
+    i64 o_parts_head_stride
+    i64 lse_parts_part_stride
+    i64 lse_parts_batch_stride
+    i64 lse_parts_head_stride
+    ptr io_counters
+    """
+)
+IO_KEYS = ("Q", "K", "V", "O", "LSE", "O_PARTS", "LSE_PARTS", "SEQLENS", "BLOCK_TABLE")
+GRID_FORMULA = "ceil(seqlen_q*heads/kv_heads/block_m) * splits * kv_heads * batch (+ combine)"
+
+
+def warp_layout(tile: Tile) -> tuple[int, int]:
+    """(warps along the rows, warps along the keys of a K/V tile)."""
+    wm = max(tile.block_m // 16, 1)
+    return wm, max(tile.warps // wm, 1)
+
+
+def tile_problems(tile: Tile, head_dim: int) -> list[tuple[str, str]]:
+    out = tile.type_problems()
+    if out:
+        return out
+    if tile.warps not in TILE_WARPS:
+        out.append(("tile.warps", f"{tile.warps} is not allowed (allowed: 2, 4, 8)"))
+    if tile.stages not in TILE_STAGES:
+        out.append(("tile.stages", f"{tile.stages} is not allowed (allowed: 2, 3, 4)"))
+    rows_ok = [16 * w for w in (1, 2, 4, 8) if tile.warps in TILE_WARPS and tile.warps % w == 0]
+    if tile.block_m not in rows_ok:
+        out.append(
+            (
+                "tile.block_m",
+                f"{tile.block_m} does not fit {tile.warps} warps: 16 rows per warp row, and the "
+                f"warp rows must divide the warps (allowed: {', '.join(map(str, rows_ok))})",
+            )
+        )
+    if not (16 <= tile.block_n <= 256 and tile.block_n & (tile.block_n - 1) == 0):
+        out.append(("tile.block_n", f"{tile.block_n} is not allowed (allowed: 16, 32, ..., 256)"))
+    if out:
+        return out
+    _, wn = warp_layout(tile)
+    if tile.block_n % (16 * wn):
+        out.append(
+            (
+                "tile",
+                f"{tile.short}: {wn} warps along the keys need block_n a multiple of {16 * wn} "
+                "(16 keys or more each)",
+            )
+        )
+    elif (tile.block_n * head_dim // 8) % tile.threads:
+        out.append(
+            (
+                "tile",
+                f"{tile.short}: a {tile.block_n}-key tile of head_dim {head_dim} is "
+                f"{tile.block_n * head_dim // 8} 16-byte chunks, not a multiple of "
+                f"{tile.threads} threads (whole load passes keep the page shuffles converged)",
+            )
+        )
+    return out
+
+
+def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype) -> int:
+    """Q rows plus `stages` K and V tiles (padded rows), or the key warps' merge buffer."""
+    tiles = (tile.block_m + 2 * tile.stages * tile.block_n) * (head_dim + SMEM_ROW_PAD)
+    _, wn = warp_layout(tile)
+    merge = wn * tile.block_m * (head_dim + MERGE_ROW_PAD + 2) * 4
+    return max(tiles * dtype.nbytes, merge)
+
+
+def default_tile(head_dim: int) -> Tile:
+    """16 rows (one query of a group of up to 16 heads), four warps splitting each tile's keys,
+    32 KB of K and V per tile and three stages: about 100 KB of shared memory, two CTAs per
+    H100/H200 SM and up to four tiles (128 KB) in flight per SM, which a memory-bound loop
+    needs to cover HBM latency."""
+    block_n = {32: 256, 64: 128, 128: 64}.get(head_dim, 64)
+    return Tile(16, block_n, 4, 3)
+
+
+def fit(tile: Tile, target: Target, dtype: Dtype, head_dim: int) -> Tile:
+    """Fewer stages until the tile fits the target's shared memory."""
+    for stages in range(tile.stages, 1, -1):
+        t = Tile(tile.block_m, tile.block_n, tile.warps, stages)
+        if smem_bytes(t, head_dim, dtype) <= target.info.max_smem_per_block:
+            return t
+    return Tile(tile.block_m, tile.block_n, tile.warps, 2)
+
+
+def num_splits(ctas: int, key_tiles: int, sms: int, slots: int) -> int:
+    """The split heuristic (mirror of `fg::decode_num_splits`, decode_launch.cuh).
+
+    `ctas` = row tiles x kv_heads x batch, `key_tiles` = ceil(max cache length / block_n),
+    `sms` the device's SMs, `slots` the CTAs of the kernel it holds at once. No split when the
+    CTAs already fill 80% of the SMs; else the fewest splits whose wave efficiency reaches 85%
+    of the best up to min(128, key_tiles, slots), among split counts that change the tiles per
+    split (FlashAttention's num_splits_heuristic)."""
+    if ctas <= 0 or key_tiles <= 1 or sms <= 0 or slots <= 0:
+        return 1
+    if ctas * 5 >= sms * 4:
+        return 1
+    max_s = min(MAX_SPLITS, key_tiles, slots)
+
+    def eligible(s: int) -> bool:
+        return s == 1 or -(-key_tiles // s) != -(-key_tiles // (s - 1))
+
+    def efficiency(s: int) -> float:
+        waves = ctas * s / slots
+        return waves / math.ceil(waves)
+
+    effs = {s: efficiency(s) for s in range(1, max_s + 1) if eligible(s)}
+    best = max(effs.values())
+    return min(s for s, e in effs.items() if e >= 0.85 * best)
+
+
+def split_tiles(lo: int, hi: int, splits: int, split: int) -> tuple[int, int]:
+    """The key tiles [a, b) split `split` of `splits` takes of a schedule [lo, hi)."""
+    per = -(-max(hi - lo, 0) // splits)
+    a = lo + split * per
+    return a, max(a, min(a + per, hi))
+
+
+def workspace_bytes(batch: int, heads: int, seqlen_q: int, head_dim: int, splits: int) -> int:
+    """Mirror of `fg::decode_workspace_bytes`: the error word's 256 bytes, then (splits > 1)
+    the fp32 O and LSE parts, each rounded up to 256 bytes."""
+
+    def r256(n: int) -> int:
+        return -(-n // 256) * 256
+
+    if splits <= 1:
+        return WORKSPACE_HEADER
+    return (
+        WORKSPACE_HEADER
+        + r256(splits * batch * seqlen_q * heads * head_dim * 4)
+        + r256(splits * batch * heads * seqlen_q * 4)
+    )
+
+
+class Decode(Family):
+    kind = KernelKind.DECODE
+    templates = "decode"
+    params_struct = "fg_decode_params"
+    params_header = "decode_params.h"
+    params = PARAMS
+    io_keys = IO_KEYS
+    io_header = "decode_kernel.cuh"
+    io_enum = "IoTensor"
+    io_model = "flashgen.verify.io_model_decode:decode_bytes"
+
+    def head_dim_ok(self, head_dim: Any) -> bool:
+        return head_dim in HEAD_DIMS
+
+    def problems(self, spec: KernelSpec) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        if spec.target.value.suffix:
+            out.append(
+                (
+                    "target",
+                    f"{spec.target.yaml} is reserved for the wgmma kernels; the mma.sync decode "
+                    "serves sm_80, sm_86, sm_89, sm_90",
+                )
+            )
+        if not self.head_dim_ok(spec.head_dim):
+            allowed = ", ".join(map(str, HEAD_DIMS))
+            out.append(("head_dim", f"{spec.head_dim} is not allowed (allowed: {allowed})"))
+            return out
+        if spec.mask.causal is Causal.TOP_LEFT:
+            out.append(
+                (
+                    "mask.causal",
+                    "top_left is not allowed: the new queries are the last ones of the cache "
+                    "(allowed: none, bottom_right)",
+                )
+            )
+        if spec.mask.varlen:
+            out.append(
+                (
+                    "mask.varlen",
+                    "true is not allowed: decode takes per-sequence lengths (cache_seqlens) "
+                    "always (allowed: false)",
+                )
+            )
+        for fld, on in (("dropout", spec.dropout), ("sparsity", spec.sparse)):
+            if on:
+                out.append((fld, "is not supported by decode kernels (allowed: off)"))
+        tile = tile_problems(spec.tile, spec.head_dim)
+        out.extend(tile)
+        if not out:
+            out.extend(
+                self.smem_problem(
+                    spec,
+                    f"max((block_m + 2*stages*block_n) * (head_dim + {SMEM_ROW_PAD}) * "
+                    f"{spec.dtype.nbytes}, key warps * block_m * (head_dim + "
+                    f"{MERGE_ROW_PAD + 2}) * 4)",
+                )
+            )
+        return out
+
+    def smem_bytes(self, spec: KernelSpec) -> int:
+        return smem_bytes(spec.tile, spec.head_dim, spec.dtype)
+
+    def auto_tile(self, target: Target, dtype: Dtype, head_dim: int, values: dict) -> Tile:
+        return fit(default_tile(head_dim), target, dtype, head_dim)
+
+    def config(self, spec: KernelSpec) -> dict[str, Any]:
+        t = spec.tile
+        return {
+            "dtype_cpp": spec.dtype.cpp,
+            "head_dim": spec.head_dim,
+            "block_m": t.block_m,
+            "block_n": t.block_n,
+            "warps": t.warps,
+            "threads": spec.threads,
+            "stages": t.stages,
+            "smem_bytes": spec.smem_bytes,
+            "causal_cpp": spec.mask.causal.cpp,
+            "window": spec.mask.window,
+            "varlen": False,
+            "gqa": spec.gqa,
+            "dropout": False,
+            "debug_keep_mask": False,
+            "sparse": False,
+            "instrument_io": spec.instrument_io,
+            "paged": spec.paged,
+            "sm": spec.target.cc,
+            "reference_sms": spec.target.info.sm_count,
+        }
+
+    def entry_points(self, name: str) -> dict[str, str]:
+        return {
+            "kernel": f"{name}_kernel",
+            "combine": f"{name}_combine",
+            "combine_elem": f"{name}_combine_elem",
+            "check": f"{name}_check",
+            "workspace": f"{name}_workspace_bytes",
+            "num_splits": f"{name}_num_splits",
+            "launch": f"{name}_launch",
+            "merge_check": f"{name}_merge_check",
+            "merge_states": f"{name}_merge_states",
+        }
+
+    def launch_info(self, spec: KernelSpec) -> dict[str, Any]:
+        return {
+            "threads": spec.threads,
+            "block_m": spec.tile.block_m,
+            "block_n": spec.tile.block_n,
+            "grid": GRID_FORMULA,
+        }
+
+
+FAMILY = Decode()

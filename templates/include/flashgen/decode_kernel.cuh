@@ -1,0 +1,440 @@
+// flashgen: the decode kernels (FlashDecoding: split-KV over a contiguous or paged KV cache),
+// and the combine that merges partial results by their LSE (also the public merge_states).
+//
+// Glossary (docs/decode.md)
+//   group      heads / kv_heads: the query heads that share one KV head
+//   rows       seqlen_q * group: a CTA packs the queries of every head of its KV head's group
+//              into the M dimension of the MMA, row r = query (r / group), head (r % group),
+//              so each K/V byte is read once per KV head
+//   CTA        block_m rows (one row tile mt) x one split of the key tiles of one (batch b,
+//              KV head hk); the grid is ceil(rows / block_m) x splits x kv_heads x batch
+//   warp (wm, wn)  owns rows [16 wm, 16 wm + 16) and keys [wn * kWarpKeys, ...) of each K/V
+//              tile: warps along the keys keep their own softmax state and accumulator and are
+//              merged once, at the end, through shared memory
+//   sk         cache_seqlens[b], the sequence's keys (new queries included)
+//   split      the key tiles [n_lo, n_hi) the mask leaves are cut into `splits` equal runs;
+//              with splits > 1 each CTA writes its normalised O and its LSE in fp32 to the
+//              workspace and the combine kernel merges them
+//   page ids   paged caches: lane l of every warp holds the block-table entry of page l of a
+//              K/V tile, fetched one tile ahead (one lookup per page per tile, overlapping
+//              the loads in flight); each row's source is a shuffle away
+//
+// The maths per tile is the forward's: S = Q K^T and acc_o += P V (warp_mma.cuh), the online
+// softmax (softmax.cuh), masks (mask.cuh, frag.cuh); loads and stores go through tile_io.cuh.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+
+#include "arch.cuh"
+#include "decode_params.h"
+#include "frag.cuh"
+#include "mask.cuh"
+#include "schedule.cuh"
+#include "softmax.cuh"
+#include "tile_io.cuh"
+#include "warp_mma.cuh"
+
+namespace fg {
+
+// The decode family's IO counters, in the order of its Python table (families/decode.py).
+struct DecIo {
+  enum IoTensor {
+    kQ = 0, kK, kV, kO, kLse, kOParts, kLseParts, kSeqlens, kBlockTable, kNumIoTensors
+  };
+  static constexpr int kCount = kNumIoTensors;
+  // TileSchedule's sparse path names kMeta; the dense schedule decode uses never reads any.
+  static constexpr int kMeta = kSeqlens;
+};
+
+constexpr int kDecodeMaxQueries = 16;   // seqlen_q per sequence
+constexpr int kDecodeMaxSplits = 128;   // num_splits
+constexpr int kCombineThreads = 128;    // threads of a combine CTA
+
+// S: the spec as named constants (templates/common/spec_struct.j2, plus kPaged).
+template <class S>
+struct DecConfig : S {
+  using S::kBlockM, S::kBlockN, S::kHeadDim, S::kWarps, S::kStages;
+  using Elem = typename S::Elem;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kWarpsM = kBlockM / 16;        // warps along the rows (16 each)
+  static constexpr int kWarpsN = kWarps / kWarpsM;    // warps along the keys of a tile
+  static constexpr int kWarpKeys = kBlockN / kWarpsN; // keys of a tile per warp
+  static constexpr int kNT = kWarpKeys / 8;           // n8 tiles of a warp's S
+  static constexpr int kDT = kHeadDim / 8;            // n8 tiles of O along d
+  static constexpr int kKS = kHeadDim / 16;           // k16 steps of Q K^T
+  static constexpr int kStride = kHeadDim + 8;        // smem row stride, elements
+  // Q is re-read from smem each tile (8 ldmatrix per warp for d = 128): a memory-bound loop
+  // has the time, and the registers go to the address arithmetic of the loads in flight.
+  static constexpr bool kQInRegs = false;
+  static constexpr int kElem = static_cast<int>(sizeof(Elem));
+  static constexpr int kTileBytes = (kBlockM + 2 * kStages * kBlockN) * kStride * kElem;
+  // The end-of-loop merge of the key warps reuses the tiles' memory: per warp, its rows'
+  // accumulators (rows padded to d + 4 floats) and (m, l).
+  static constexpr int kMergeStride = kHeadDim + 4;
+  static constexpr int kMergeBytes = kWarpsN * kBlockM * (kMergeStride + 2) * 4;
+  static constexpr int kSmemBytes = kTileBytes > kMergeBytes ? kTileBytes : kMergeBytes;
+  // combine: kHeadDim / 8 threads per output row, 8 columns each
+  static constexpr int kCombineRowThreads = kHeadDim / 8;
+  static constexpr int kCombineRows = kCombineThreads / kCombineRowThreads;
+
+  static_assert(kHeadDim % 16 == 0 && 32 % kCombineRowThreads == 0, "head_dim: 32, 64 or 128");
+  static_assert(kBlockM % 16 == 0 && kWarpsM >= 1 && kWarps % kWarpsM == 0, "block_m = 16 * warps_m");
+  static_assert(kWarpKeys % 16 == 0 && kWarpKeys * kWarpsN == kBlockN, "16-key multiples per warp");
+  static_assert(kStages >= 2, "the page-id prefetch and the ring need two stages");
+  static_assert((kBlockN * kHeadDim / 8) % kThreads == 0,
+                "whole K/V tiles per load pass (the page shuffle needs converged warps)");
+  static_assert(kBlockN / 16 <= 32, "page ids of a tile fit a warp");
+  static_assert(S::kCausal != Causal::kTopLeft, "decode aligns causal masks bottom_right");
+};
+
+template <class C>
+__device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
+  using Elem = typename C::Elem;
+  using MmaT = Mma<Elem>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
+  Elem* sK = sQ + C::kBlockM * C::kStride;
+  Elem* sV = sK + C::kStages * C::kBlockN * C::kStride;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wm = warp / C::kWarpsN, wn = warp % C::kWarpsN;
+  const LaneOffsets lo(lane);
+  Io<C::kInstrumentIo, DecIo> io;
+  unsigned int* err = static_cast<unsigned int*>(p.workspace);
+
+  // ---- which (row tile, split, KV head, sequence) this CTA is -------------------------------
+  const int64_t group = p.heads / p.kv_heads;
+  const int64_t rows = p.seqlen_q * group;
+  const int64_t num_mt = (rows + C::kBlockM - 1) / C::kBlockM;
+  const int64_t splits = p.num_splits;
+  int64_t bid = blockIdx.x;
+  const int64_t mt = bid % num_mt;
+  bid /= num_mt;
+  const int64_t split = bid % splits;
+  bid /= splits;
+  const int64_t hk = bid % p.kv_heads, b = bid / p.kv_heads;
+  if (b >= p.batch) return;  // a grid larger than the problem's (the launcher never makes one)
+
+  // The sequence's length, clamped to the cache (and flagged) when the caller's is impossible.
+  const int64_t capacity = C::kPaged ? p.max_pages * p.page_size : p.seqlen_k;
+  int64_t sk = load_index(p.cache_seqlens + b, io, DecIo::kSeqlens, tid == 0);
+  if (sk < 0 || sk > capacity) {
+    if (tid == 0) raise_error_flag(err, FG_DECODE_ERR_SEQLEN);
+    sk = sk < 0 ? 0 : capacity;
+  }
+
+  const int64_t m0 = mt * C::kBlockM;
+  const int64_t valid_rows = min(static_cast<int64_t>(C::kBlockM), rows - m0);
+  const int64_t q_lo = m0 / group, q_hi = (m0 + valid_rows - 1) / group;  // queries of the CTA
+  const MaskPolicy<C::kCausal, C::kWindow> mask(p.seqlen_q, sk, p.window_left, p.window_right);
+  int64_t n_lo, n_hi;
+  mask.tile_range(q_lo, q_hi, C::kBlockN, n_lo, n_hi);
+  const int64_t per = ((n_hi > n_lo ? n_hi - n_lo : 0) + splits - 1) / splits;
+  const int64_t s_lo = n_lo + split * per;
+  const auto sched = TileSchedule<false, false>::dense(s_lo, min(s_lo + per, n_hi));
+  const int n_iter = sched.count;
+
+  // ---- sources of the rows: Q's packed (query, head) rows, the cache's keys -----------------
+  const Elem* q_base =
+      static_cast<const Elem*>(p.q) + b * p.q_batch_stride + hk * group * p.q_head_stride;
+  auto q_row = [&](int r) -> const Elem* {
+    if (r >= valid_rows) return nullptr;
+    const int64_t gr = m0 + r, i = gr / group;
+    return q_base + i * p.q_row_stride + (gr - i * group) * p.q_head_stride;
+  };
+  const Elem* k_base = static_cast<const Elem*>(p.k) + hk * p.k_head_stride +
+                       (C::kPaged ? 0 : b * p.k_batch_stride);
+  const Elem* v_base = static_cast<const Elem*>(p.v) + hk * p.v_head_stride +
+                       (C::kPaged ? 0 : b * p.v_batch_stride);
+  const int page_shift = C::kPaged ? __ffsll(p.page_size) - 1 : 0;
+  const int64_t pages_per_tile = C::kPaged ? max(static_cast<int64_t>(C::kBlockN) >> page_shift,
+                                                 static_cast<int64_t>(1))
+                                           : 0;
+  const int32_t* bt = C::kPaged ? p.block_table + b * p.block_table_stride : nullptr;
+  // Paged: the page of the tile `it` whose id this lane holds, and whether it holds one (the
+  // page has a key below sk; entries past the sequence's pages are never read).
+  auto lane_page = [&](int it, int64_t& page) -> bool {
+    page = ((sched.tile(it, io, false) * C::kBlockN) >> page_shift) + lane;
+    return it < n_iter && lane < pages_per_tile && (page << page_shift) < sk;
+  };
+  auto fetch_page_id = [&](int it) -> int32_t {  // issued a tile ahead; checked at use
+    int64_t page;
+    if (!C::kPaged || !lane_page(it, page)) return -1;
+    return load_index(bt + page, io, DecIo::kBlockTable, warp == 0);
+  };
+  auto checked_page_id = [&](int it, int32_t id) -> int32_t {
+    int64_t page;
+    if (!C::kPaged || !lane_page(it, page)) return -1;
+    if (id < 0 || id >= p.num_pages) {  // never read out of bounds: zero rows, and say so
+      raise_error_flag(err, FG_DECODE_ERR_PAGE_ID);
+      return -1;
+    }
+    return id;
+  };
+
+  auto load_kv = [&](int it, int32_t ids) {
+    const int slot = it % C::kStages;
+    const int64_t key0 = sched.tile(it, io, false) * C::kBlockN;
+    auto rows_of = [&](const Elem* base, int64_t row_stride, int64_t page_stride) {
+      return [&, base, row_stride, page_stride](int r) -> const Elem* {
+        if (C::kPaged) {
+          const int64_t in_page = (key0 & (p.page_size - 1)) + r;  // key0's page holds page 0
+          const int32_t id = __shfl_sync(0xffffffffu, ids, static_cast<int>(in_page >> page_shift));
+          if (key0 + r >= sk || id < 0) return nullptr;
+          return base + id * page_stride + (in_page & (p.page_size - 1)) * row_stride;
+        }
+        return key0 + r < sk ? base + (key0 + r) * row_stride : nullptr;
+      };
+    };
+    load_rows_async<C::kBlockN, C::kHeadDim, C::kThreads, C::kStride>(
+        sK + slot * C::kBlockN * C::kStride, rows_of(k_base, p.k_row_stride, p.k_batch_stride),
+        k_base, io, DecIo::kK);
+    load_rows_async<C::kBlockN, C::kHeadDim, C::kThreads, C::kStride>(
+        sV + slot * C::kBlockN * C::kStride, rows_of(v_base, p.v_row_stride, p.v_batch_stride),
+        v_base, io, DecIo::kV);
+  };
+
+  // ---- per-warp state: the thread's two rows (g, g + 8) of the warp's m16 tile --------------
+  RowState st[2] = {RowState{-INFINITY, 0.f}, RowState{-INFINITY, 0.f}};
+  float acc_o[1][C::kDT][4];
+#pragma unroll
+  for (int dt = 0; dt < C::kDT; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+  const int warp_row0 = wm * 16;
+  // queries of the thread's rows, for the element masks (padding rows past `rows` are discarded)
+  const int q_row_g = static_cast<int>((m0 + warp_row0 + g) / group);
+  const int q_row_g8 = static_cast<int>((m0 + warp_row0 + g + 8) / group);
+
+  constexpr uint32_t kElemBytes = sizeof(Elem);
+  constexpr uint32_t kSlotBytes = C::kBlockN * C::kStride * kElemBytes;
+  const uint32_t q_lane =
+      smem_addr(sQ) + ((warp_row0 + lo.a_row) * C::kStride + lo.a_col) * kElemBytes;
+  const uint32_t k_lane =
+      smem_addr(sK) + ((wn * C::kWarpKeys + lo.b_row) * C::kStride + lo.b_col) * kElemBytes;
+  const uint32_t v_lane =
+      smem_addr(sV) + ((wn * C::kWarpKeys + lo.a_row) * C::kStride + lo.a_col) * kElemBytes;
+  const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
+
+  if (n_iter > 0) {
+    load_rows_async<C::kBlockM, C::kHeadDim, C::kThreads, C::kStride>(sQ, q_row, q_base, io,
+                                                                       DecIo::kQ);
+    cp_async_commit();
+    int32_t ids_next = fetch_page_id(0);
+#pragma unroll
+    for (int s = 0; s < C::kStages - 1; ++s) {
+      if (s < n_iter) load_kv(s, checked_page_id(s, ids_next));
+      cp_async_commit();
+      ids_next = fetch_page_id(s + 1);
+    }
+    cp_async_wait<C::kStages - 1>();  // the Q group
+    __syncthreads();
+
+    uint32_t qf[C::kQInRegs ? C::kKS : 1][4];
+    if (C::kQInRegs) {
+#pragma unroll
+      for (int kk = 0; kk < C::kKS; ++kk)
+        ldmatrix_x4(qf[C::kQInRegs ? kk : 0], q_lane + kk * 16 * kElemBytes);
+    }
+
+    for (int it = 0; it < n_iter; ++it) {
+      // One barrier per tile (as the forward): tile `it` has landed and every warp is done
+      // with tile it - 1, whose slot now takes tile it + kStages - 1.
+      cp_async_wait<C::kStages - 2>();
+      __syncthreads();
+      const int next = it + C::kStages - 1;
+      if (next < n_iter) load_kv(next, checked_page_id(next, ids_next));
+      cp_async_commit();
+      ids_next = fetch_page_id(next + 1);
+
+      const int slot = it % C::kStages;
+      const int64_t n = sched.tile(it, io, false);
+      float acc_s[1][C::kNT][4];
+#pragma unroll
+      for (int nt = 0; nt < C::kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[0][nt][e] = 0.f;
+      warp_qk<Elem, 1, C::kNT, C::kKS, C::kStride>(
+          acc_s,
+          [&](int, int kk, uint32_t (&a)[4]) {
+            if (C::kQInRegs) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) a[e] = qf[C::kQInRegs ? kk : 0][e];
+            } else {
+              ldmatrix_x4(a, q_lane + kk * 16 * kElemBytes);
+            }
+          },
+          k_lane + slot * kSlotBytes);
+      if (mask.tile_needs_mask(q_lo, q_hi, n, C::kBlockN))
+        mask_frag_rows(acc_s, mask.tile(0, n * C::kBlockN + wn * C::kWarpKeys), lane,
+                       [&](int r) { return r >= 8 ? q_row_g8 : q_row_g; });
+      float alpha[2];
+      online_softmax_update(st, acc_s[0], scale_log2, alpha);
+      scale_rows(acc_o[0], alpha);
+      warp_pv<Elem, 1, C::kNT, C::kDT, C::kStride>(acc_o, acc_s, v_lane + slot * kSlotBytes);
+    }
+  }
+
+  // ---- merge the key warps through smem, then O and LSE (or the split's fp32 part) ---------
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the tiles: their memory takes the merge
+  float* sO = reinterpret_cast<float*>(smem_raw);
+  float* sM = sO + C::kWarpsN * C::kBlockM * C::kMergeStride;
+  float* sL = sM + C::kWarpsN * C::kBlockM;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = wn * C::kBlockM + warp_row0 + g + r * 8;
+    const float l = quad_sum(st[r].l);
+    if (t == 0) {
+      sM[row] = st[r].m;
+      sL[row] = l;
+    }
+#pragma unroll
+    for (int dt = 0; dt < C::kDT; ++dt)
+      *reinterpret_cast<float2*>(sO + row * C::kMergeStride + dt * 8 + 2 * t) =
+          make_float2(acc_o[0][dt][2 * r], acc_o[0][dt][2 * r + 1]);
+  }
+  __syncthreads();
+
+  for (int c = tid; c < C::kBlockM * C::kDT; c += C::kThreads) {
+    const int row = c / C::kDT, col = (c % C::kDT) * 8;
+    if (row >= valid_rows) continue;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < C::kWarpsN; ++w) mx = fmaxf(mx, sM[w * C::kBlockM + row]);
+    const float base = mx == -INFINITY ? 0.f : mx;  // the softmax's -inf guard
+    float l = 0.f, o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int w = 0; w < C::kWarpsN; ++w) {
+      const int wr = w * C::kBlockM + row;
+      const float f = exp2_approx(sM[wr] - base);  // 1 exactly for the warp holding the max
+      l += sL[wr] * f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[e] += f * sO[wr * C::kMergeStride + col + e];
+    }
+    const bool empty = !(l > 0.f);
+    const float inv_l = empty ? 0.f : 1.f / l;
+    const float lse = empty ? -INFINITY : (mx + log2f(l)) * 0.69314718055994530942f;
+    const int64_t gr = m0 + row, i = gr / group, h = hk * group + (gr - i * group);
+    if (splits == 1) {
+      const uint4 packed = make_uint4(
+          MmaT::pack(o[0] * inv_l, o[1] * inv_l), MmaT::pack(o[2] * inv_l, o[3] * inv_l),
+          MmaT::pack(o[4] * inv_l, o[5] * inv_l), MmaT::pack(o[6] * inv_l, o[7] * inv_l));
+      store_16(static_cast<Elem*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride +
+                   h * p.o_head_stride + col,
+               packed, io, DecIo::kO);
+      if (col == 0 && p.lse)
+        store_f32(p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + i, lse, io,
+                  DecIo::kLse);
+    } else {
+      float* part = const_cast<float*>(static_cast<const float*>(p.o_parts)) +
+                    split * p.o_parts_part_stride + b * p.o_parts_batch_stride +
+                    i * p.o_parts_row_stride + h * p.o_parts_head_stride + col;
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        store_16(part + 4 * half,
+                 make_uint4(__float_as_uint(o[4 * half] * inv_l),
+                            __float_as_uint(o[4 * half + 1] * inv_l),
+                            __float_as_uint(o[4 * half + 2] * inv_l),
+                            __float_as_uint(o[4 * half + 3] * inv_l)),
+                 io, DecIo::kOParts);
+      if (col == 0)
+        store_f32(const_cast<float*>(p.lse_parts) + split * p.lse_parts_part_stride +
+                      b * p.lse_parts_batch_stride + h * p.lse_parts_head_stride + i,
+                  lse, io, DecIo::kLseParts);
+    }
+  }
+  io.flush(p.io_counters);
+}
+
+// Eight values of one part's output row (fp32 parts: two 16-byte reads; Elem parts: one).
+template <typename PartT, class IoT>
+__device__ __forceinline__ void load_part8(const PartT* src, float (&v)[8], IoT& io) {
+  if constexpr (sizeof(PartT) == 4) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint4 x = load_16(src + 4 * half, io, DecIo::kOParts);
+      v[4 * half] = __uint_as_float(x.x);
+      v[4 * half + 1] = __uint_as_float(x.y);
+      v[4 * half + 2] = __uint_as_float(x.z);
+      v[4 * half + 3] = __uint_as_float(x.w);
+    }
+  } else {
+    const uint4 x = load_16(src, io, DecIo::kOParts);
+    const PartT* e = reinterpret_cast<const PartT*>(&x);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = to_float(e[k]);
+  }
+}
+
+// merge_states: row (b, i, h) of O is sum_s exp(LSE_s - LSE) O_s with LSE = log sum_s
+// exp(LSE_s), parts with LSE_s = -inf skipped (their O is not read); no part: O = 0, LSE =
+// -inf. kCombineRowThreads threads share a row, 8 columns each, and walk the parts in chunks
+// of that many, each thread reading one LSE per chunk (an online max, as the softmax's).
+template <class C, typename PartT>
+__device__ __forceinline__ void decode_combine_body(const fg_decode_params& p) {
+  using Elem = typename C::Elem;
+  using MmaT = Mma<Elem>;
+  constexpr int kTpr = C::kCombineRowThreads;
+  Io<C::kInstrumentIo, DecIo> io;
+  const int tid = threadIdx.x, t = tid % kTpr, col = t * 8;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * C::kCombineRows + tid / kTpr;
+  // No early return: the row's threads shuffle, and a warp may hold an active row too.
+  const bool active = row < p.batch * p.seqlen_q * p.heads;
+  const int64_t h = active ? row % p.heads : 0;
+  const int64_t i = active ? (row / p.heads) % p.seqlen_q : 0;
+  const int64_t b = active ? row / (p.heads * p.seqlen_q) : 0;
+  const PartT* o_row = static_cast<const PartT*>(p.o_parts) + b * p.o_parts_batch_stride +
+                       i * p.o_parts_row_stride + h * p.o_parts_head_stride + col;
+  const float* lse_row = p.lse_parts + b * p.lse_parts_batch_stride + h * p.lse_parts_head_stride + i;
+
+  float m = -INFINITY, l = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  float base = 0.f;
+  for (int64_t c0 = 0; c0 < p.num_parts; c0 += kTpr) {
+    const int64_t s = c0 + t;
+    float lse_s = -INFINITY;
+    if (active && s < p.num_parts)
+      lse_s = load_f32(lse_row + s * p.lse_parts_part_stride, io, DecIo::kLseParts);
+    float cmax = lse_s;
+#pragma unroll
+    for (int off = kTpr / 2; off > 0; off >>= 1)
+      cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, off, kTpr));
+    const float m_new = fmaxf(m, cmax);
+    base = m_new == -INFINITY ? 0.f : m_new;
+    const float r = expf(m - base);  // 0 while nothing was seen (m = -inf)
+    l *= r;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] *= r;
+    const int jn = static_cast<int>(min(static_cast<int64_t>(kTpr), p.num_parts - c0));
+    for (int j = 0; j < jn; ++j) {
+      const float lse_j = __shfl_sync(0xffffffffu, lse_s, j, kTpr);
+      if (active && lse_j > -INFINITY) {  // an empty part (or a NaN) contributes nothing
+        const float w = expf(lse_j - base);
+        float v[8];
+        load_part8(o_row + (c0 + j) * p.o_parts_part_stride, v, io);
+        l += w;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] += w * v[e];
+      }
+    }
+    m = m_new;
+  }
+  if (active) {
+    const bool empty = !(l > 0.f);
+    const float inv_l = empty ? 0.f : 1.f / l;
+    const uint4 packed = make_uint4(
+        MmaT::pack(acc[0] * inv_l, acc[1] * inv_l), MmaT::pack(acc[2] * inv_l, acc[3] * inv_l),
+        MmaT::pack(acc[4] * inv_l, acc[5] * inv_l), MmaT::pack(acc[6] * inv_l, acc[7] * inv_l));
+    store_16(static_cast<Elem*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride +
+                 h * p.o_head_stride + col,
+             packed, io, DecIo::kO);
+    if (t == 0 && p.lse)
+      store_f32(p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + i,
+                empty ? -INFINITY : base + logf(l), io, DecIo::kLse);
+  }
+  io.flush(p.io_counters);
+}
+
+}  // namespace fg

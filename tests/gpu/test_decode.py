@@ -1,0 +1,393 @@
+"""Decode kernels on a GPU against the float64 reference (pass rule), plus the exact checks:
+paged == contiguous bitwise for one split count, merge_states of a split call vs the unsplit
+kernel, counted IO vs the model to the byte, and hostile inputs (flags and check messages).
+
+One command: `python -m pytest -q tests/gpu/test_decode.py` (FLASHGEN_GPU_EXAMPLES examples
+per shipped spec). Failures print the kernel, the case and the pass rule's errors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from flashgen.generator.families.decode import ERR_PAGE_ID, ERR_SEQLEN
+from flashgen.generator.naming import kernel_name
+from flashgen.verify import passrule, reference_decode
+from flashgen.verify.io_model_decode import decode_bytes
+from flashgen.verify.runner import RunnerError
+from flashgen.verify.runner_decode import load_decode_kernel
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from .conftest import CUBIN_DIR, shipped_specs
+
+EXAMPLES = int(os.environ.get("FLASHGEN_GPU_EXAMPLES", "200"))
+SPECS = [s for s in shipped_specs() if s.kernel.yaml == "decode"]
+SETTINGS = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+    print_blob=True,
+)
+
+
+def _kernel(spec):
+    return load_decode_kernel(spec, CUBIN_DIR)
+
+
+@st.composite
+def decode_case(draw, spec, max_len: int = 700):
+    page = draw(st.sampled_from([16, 32, 64, 128, 256])) if spec.paged else None
+    batch = draw(st.integers(1, 4))
+    special = [0, 1, 2, 63, 64, 65]
+    if page:
+        special += [page, page + 1, 2 * page, 2 * page + 1]
+    lens = [
+        draw(st.one_of(st.sampled_from(special), st.integers(0, max_len))) for _ in range(batch)
+    ]
+    kv_heads = draw(st.integers(1, 2))
+    group = draw(st.sampled_from([1, 2, 4, 8, 16])) if spec.gqa else 1
+    case = {
+        "seed": draw(st.integers(0, 2**32 - 1)),
+        "lens": lens,
+        "sq": draw(st.sampled_from([1, 1, 2, 3, 7, 16])),
+        "heads": kv_heads * group,
+        "kv_heads": kv_heads,
+        "page": page,
+        "capacity": max(lens) + draw(st.integers(0, 40)),
+        "splits": draw(st.sampled_from([0, 0, 1, 2, 3, 7])),
+        "values": draw(st.sampled_from(["normal", "normal", "large"])),
+        "row_pad": draw(st.sampled_from([0, 0, 8])),
+        "window": (draw(st.sampled_from([-1, 0, 3, 70])), draw(st.sampled_from([-1, 0, 2])))
+        if spec.mask.window
+        else (-1, -1),
+    }
+    return case
+
+
+def make_problem(spec, case):
+    rng = np.random.default_rng(case["seed"])
+    b, d = len(case["lens"]), spec.head_dim
+    q = rng.standard_normal((b, case["sq"], case["heads"], d)).astype(np.float32)
+    k = rng.standard_normal((b, case["capacity"], case["kv_heads"], d)).astype(np.float32)
+    v = rng.standard_normal(k.shape).astype(np.float32)
+    if case["values"] == "large":
+        q *= np.float32(300.0)
+    for i, n in enumerate(case["lens"]):  # rows past a sequence's length must never be read
+        k[i, n:] = np.nan
+        v[i, n:] = np.nan
+    return rng, q, k, v
+
+
+def run_case(kernel, spec, case, **extra):
+    rng, q, k, v = make_problem(spec, case)
+    kw = dict(window=case["window"], num_splits=case["splits"], row_pad=case["row_pad"], **extra)
+    if spec.paged:
+        kp, table = reference_decode.to_paged(k, case["lens"], case["page"], rng)
+        vp = np.full_like(kp, np.nan)
+        for bi, n in enumerate(case["lens"]):
+            for p in range(-(-n // case["page"])):
+                rows = min(case["page"], n - p * case["page"])
+                vp[table[bi, p], :rows] = v[bi, p * case["page"] : p * case["page"] + rows]
+        return kernel.run(q, kp, vp, case["lens"], block_table=table, **kw), q, k, v
+    return kernel.run(q, k, v, case["lens"], **kw), q, k, v
+
+
+def check_reference(spec, case, res, recorder, test):
+    qi, ki, vi = res.inputs["q"], res.inputs["k"], res.inputs["v"]  # contiguous (see below)
+    kw = dict(causal=spec.mask.causal.yaml, window=case["window"])
+    o64, lse64 = reference_decode.decode_reference(qi, ki, vi, case["lens"], **kw)
+    ob, lseb = reference_decode.decode_baseline(
+        qi, ki, vi, case["lens"], dtype=spec.dtype.yaml, **kw
+    )
+    found = {
+        "o": passrule.check(res.o, o64, ob, spec.dtype.yaml),
+        "lse": passrule.check(
+            res.lse,
+            lse64,
+            lseb,
+            "fp32",
+            extra_floor=passrule.score_floor(qi, np.nan_to_num(ki), 1 / np.sqrt(spec.head_dim)),
+        ),
+    }
+    recorder.add(spec, found, test)
+    assert res.stats["margins_intact"], f"{kernel_name(spec)}: a write outside a buffer ({case})"
+    assert res.stats["row_pad_intact"], f"{kernel_name(spec)}: a write into row padding ({case})"
+    assert res.errors == 0, f"{kernel_name(spec)}: error word {res.errors} on valid input ({case})"
+    for out, v in found.items():
+        assert v.passed, f"{kernel_name(spec)} {out}: {v.message}; splits {res.num_splits}; {case}"
+
+
+def _reference_inputs(spec, case, res, q, k, v):
+    """res.inputs in the contiguous layout (paged caches gathered back)."""
+    from flashgen.verify.numerics import round_to
+
+    dt = spec.dtype.yaml
+    res.inputs = {"q": round_to(q, dt), "k": round_to(k, dt), "v": round_to(v, dt)}
+    return res
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=kernel_name)
+def test_shipped_decode_matches_reference(spec, specs, recorder):  # noqa: ARG001
+    kernel = _kernel(spec)
+
+    @SETTINGS
+    @given(case=decode_case(spec))
+    def prop(case):
+        res, q, k, v = run_case(kernel, spec, case)
+        check_reference(
+            spec, case, _reference_inputs(spec, case, res, q, k, v), recorder, "reference"
+        )
+
+    try:
+        prop()
+    except BaseException:
+        recorder.fail(spec, "reference")
+        raise
+
+
+def _pairs():
+    """(contiguous, paged) shipped specs that differ only in `paged`."""
+    by_key = {}
+    for s in SPECS:
+        by_key.setdefault(s.replace(paged=False, tile=s.tile), {})[s.paged] = s
+    return [(d[False], d[True]) for d in by_key.values() if len(d) == 2]
+
+
+@pytest.mark.parametrize("pair", _pairs(), ids=lambda p: kernel_name(p[1]))
+def test_paged_and_contiguous_caches_give_bitwise_equal_outputs(pair):
+    contiguous, paged = (_kernel(s) for s in pair)
+    for seed, splits, page in ((1, 1, 16), (2, 3, 64), (3, 5, 256), (4, 2, 32)):
+        case = {
+            "seed": seed,
+            "lens": [0, 1, 300, 256, 257],
+            "sq": 2,
+            "heads": 8,
+            "kv_heads": 2,
+            "page": page,
+            "capacity": 320,
+            "splits": splits,
+            "values": "normal",
+            "row_pad": 0,
+            "window": (100, 0) if pair[0].mask.window else (-1, -1),
+        }
+        a, *_ = run_case(contiguous, pair[0], case)
+        b, *_ = run_case(paged, pair[1], case)
+        assert a.num_splits == b.num_splits == splits
+        assert np.array_equal(a.o.view(np.uint32), b.o.view(np.uint32)), case
+        assert np.array_equal(a.lse.view(np.uint32), b.lse.view(np.uint32)), case
+
+
+@pytest.mark.parametrize("spec", SPECS[:4], ids=kernel_name)
+def test_merge_states_of_split_parts_matches_the_unsplit_kernel(spec, recorder):
+    """Parts = the kernel run on disjoint key ranges (as context parallelism makes them),
+    merged by merge_states, against the unsplit kernel and the reference, by the pass rule."""
+    kernel = _kernel(spec)
+    rng = np.random.default_rng(5)
+    d, b, sq, hk, h, n = spec.head_dim, 2, 1, 2, 8, 900
+    q = rng.standard_normal((b, sq, h, d)).astype(np.float32)
+    k = rng.standard_normal((b, n, hk, d)).astype(np.float32)
+    v = rng.standard_normal((b, n, hk, d)).astype(np.float32)
+    cuts = [0, 100, 555, n]
+    parts_o, parts_lse = [], []
+    for lo, hi in zip(cuts, cuts[1:]):
+        case = {
+            "seed": 0,
+            "lens": [hi - lo] * b,
+            "sq": sq,
+            "heads": h,
+            "kv_heads": hk,
+            "page": 64,
+            "capacity": hi - lo,
+            "splits": 1,
+            "values": "normal",
+            "row_pad": 0,
+            "window": (-1, -1),
+        }
+        part = run_case_arrays(kernel, spec, case, q, k[:, lo:hi], v[:, lo:hi])
+        parts_o.append(part.o)
+        parts_lse.append(part.lse)
+    for in_dtype in (False, True):
+        o, lse = kernel.merge_states(
+            np.stack(parts_o), np.stack(parts_lse), parts_in_dtype=in_dtype
+        )
+        whole = run_case_arrays(
+            kernel,
+            spec,
+            {
+                "seed": 0,
+                "lens": [n] * b,
+                "sq": sq,
+                "heads": h,
+                "kv_heads": hk,
+                "page": 64,
+                "capacity": n,
+                "splits": 1,
+                "values": "normal",
+                "row_pad": 0,
+                "window": (-1, -1),
+            },
+            q,
+            k,
+            v,
+        )
+        qi, ki, vi = whole.inputs["q"], whole.inputs["k"], whole.inputs["v"]
+        o64, lse64 = reference_decode.decode_reference(qi, ki, vi, [n] * b)
+        found = {
+            "o": passrule.check(o, o64, whole.o, spec.dtype.yaml),
+            "lse": passrule.check(lse, lse64, whole.lse, "fp32"),
+        }
+        recorder.add(spec, found, "merge_states")
+        for out, verdict in found.items():
+            assert verdict.passed, (
+                f"merge_states {out} (parts in dtype: {in_dtype}): {verdict.message}"
+            )
+
+
+def run_case_arrays(kernel, spec, case, q, k, v):
+    """run_case with given arrays (no NaN rows past the lengths: the lengths are full)."""
+    if spec.paged:
+        rng = np.random.default_rng(case["seed"])
+        kp, table = reference_decode.to_paged(k, case["lens"], case["page"], rng)
+        vp = np.full_like(kp, np.nan)
+        for bi, n in enumerate(case["lens"]):
+            for p in range(-(-n // case["page"])):
+                rows = min(case["page"], n - p * case["page"])
+                vp[table[bi, p], :rows] = v[bi, p * case["page"] : p * case["page"] + rows]
+        res = kernel.run(q, kp, vp, case["lens"], block_table=table, num_splits=case["splits"])
+    else:
+        res = kernel.run(q, k, v, case["lens"], num_splits=case["splits"])
+    return _reference_inputs(spec, case, res, q, k, v)
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.instrument_io], ids=kernel_name)
+def test_counted_io_equals_the_model_to_the_byte(spec):
+    kernel = _kernel(spec)
+    for seed, splits, page, lens, sq in (
+        (1, 1, 16, [0, 1, 300], 1),
+        (2, 3, 64, [257, 64, 5], 3),
+        (3, 7, 256, [1000, 999], 16),
+        (4, 2, 32, [33], 2),
+    ):
+        case = {
+            "seed": seed,
+            "lens": lens,
+            "sq": sq,
+            "heads": 8,
+            "kv_heads": 2,
+            "page": page,
+            "capacity": max(lens) + 3,
+            "splits": splits,
+            "values": "normal",
+            "row_pad": 0,
+            "window": (50, 1),
+        }
+        res, *_ = run_case(kernel, spec, case)
+        want = decode_bytes(
+            spec,
+            batch=len(lens),
+            heads=8,
+            kv_heads=2,
+            seqlen_q=sq,
+            seqlen_k=0,
+            cache_seqlens=lens,
+            window=(50, 1),
+            page_size=page,
+            num_splits=res.num_splits,
+        )
+        want.pop("total")
+        assert res.io == want, f"{kernel_name(spec)} {case}: counted {res.io}, model {want}"
+
+
+def _hostile_spec():
+    paged = [s for s in SPECS if s.paged]
+    return paged[0]
+
+
+def test_out_of_range_page_ids_are_flagged_and_never_read():
+    spec = _hostile_spec()
+    kernel = _kernel(spec)
+    case = {
+        "seed": 9,
+        "lens": [40, 70],
+        "sq": 1,
+        "heads": 4,
+        "kv_heads": 1,
+        "page": 16,
+        "capacity": 70,
+        "splits": 1,
+        "values": "normal",
+        "row_pad": 0,
+        "window": (-1, -1),
+    }
+    rng, q, k, v = make_problem(spec, case)
+    kp, table = reference_decode.to_paged(k, case["lens"], 16, rng)
+    vp = np.zeros_like(kp)
+    for bad in (kp.shape[0], 1 << 30, -1):
+        t = table.copy()
+        t[1, 2] = bad
+        res = kernel.run(q, kp, vp, case["lens"], block_table=t)
+        assert res.errors & ERR_PAGE_ID, f"page id {bad}: error word {res.errors}"
+        assert res.stats["margins_intact"]
+
+
+def test_cache_seqlens_past_the_capacity_are_flagged_and_clamped():
+    for spec in SPECS[:2]:
+        kernel = _kernel(spec)
+        case = {
+            "seed": 10,
+            "lens": [30],
+            "sq": 1,
+            "heads": 4,
+            "kv_heads": 1,
+            "page": 16,
+            "capacity": 32,
+            "splits": 0,
+            "values": "normal",
+            "row_pad": 0,
+            "window": (-1, -1),
+        }
+        res, *_ = run_case(kernel, spec, case)
+        assert res.errors == 0
+        rng, q, k, v = make_problem(spec, case)
+        k = np.nan_to_num(k)
+        v = np.nan_to_num(v)
+        if spec.paged:
+            kp, table = reference_decode.to_paged(k, [32], 16, rng, spare_columns=0)
+            res = kernel.run(q, kp, kp, [10_000], block_table=table)
+        else:
+            res = kernel.run(q, k, v, [10_000])
+        assert res.errors & ERR_SEQLEN and np.all(np.isfinite(res.o))
+
+
+def test_bad_parameters_are_refused_with_messages():
+    spec = _hostile_spec()
+    kernel = _kernel(spec)
+    case = {
+        "seed": 11,
+        "lens": [20],
+        "sq": 1,
+        "heads": 4,
+        "kv_heads": 1,
+        "page": 16,
+        "capacity": 20,
+        "splits": 1,
+        "values": "normal",
+        "row_pad": 0,
+        "window": (-1, -1),
+    }
+    cases = {
+        "page_size": ({"page_size": 24}, "power of two"),
+        "seqlen_q": ({"seqlen_q": 17}, "1..16"),
+        "splits": ({"num_splits": 129}, "1..128"),
+        "misaligned": ({"q_row_stride": 4 * 64 + 4}, "multiples of 8"),
+        "workspace": ({"workspace_size": 16}, "workspace_size"),
+        "table": ({"block_table_stride": 0, "max_pages": 2}, "block_table_stride"),
+    }
+    for what, (override, message) in cases.items():
+        with pytest.raises(RunnerError, match=message):
+            run_case(kernel, spec, case, overrides=override)
+        assert what

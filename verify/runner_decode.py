@@ -1,0 +1,298 @@
+"""Run a flashgen decode kernel (and its merge_states) from Python.
+
+    kernel = load_decode_kernel(spec)
+    res = kernel.run(q, k_cache, v_cache, cache_seqlens)                  # contiguous cache
+    res = kernel.run(q, pages_k, pages_v, cache_seqlens, block_table=t)   # paged (spec paged)
+    o, lse = kernel.merge_states(o_parts, lse_parts)                      # NumPy merge_states
+
+NumPy in, NumPy out, as `verify.runner`: q `(batch, seqlen_q, heads, d)`; contiguous caches
+`(batch, capacity, kv_heads, d)`; paged caches `(num_pages, page_size, kv_heads, d)` with an
+int32 `block_table (batch, max_pages)`; `cache_seqlens` int32 `(batch,)`. Inputs are rounded
+to the kernel's dtype on upload (`res.inputs` holds what the reference must see); outputs come
+back float32: O like q, LSE `(batch, heads, seqlen_q)`. Every buffer has poisoned margins
+(checked after the launch), outputs and the workspace's parts are poisoned too, the cache's
+padding rows and unused pages hold NaN, so a stray read or write shows.
+
+`DecodeLibrary` is the pointer-level API (torch tensors' `data_ptr()` work): `launch`,
+`check`, `workspace_bytes` as every `KernelLibrary`, plus `num_splits(values)` (what a launch
+picks) and `merge_states(values, stream)` / `merge_check(values)`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flashgen.generator.families.decode import ERR_PAGE_ID, ERR_SEQLEN, IO_KEYS
+from flashgen.generator.launch import KernelLibrary, LaunchError
+from flashgen.verify.numerics import from_dtype_bits, to_dtype_bits
+from flashgen.verify.runner import DeviceBuffer, Gpu, RunnerError
+
+__all__ = [
+    "DecResult",
+    "DecodeKernel",
+    "DecodeLibrary",
+    "ERRORS",
+    "load_decode_kernel",
+]
+
+ERRORS = {ERR_PAGE_ID: "page id out of range", ERR_SEQLEN: "cache_seqlens out of range"}
+
+
+class DecodeLibrary(KernelLibrary):
+    """A decode kernel's host library: the generic launch path plus its extra entry points."""
+
+    def _fn(self, suffix: str, restype: Any) -> Any:
+        fn = getattr(self._lib, f"{self.name}_{suffix}")
+        fn.argtypes = [ctypes.POINTER(self.Params)] + (
+            [ctypes.c_void_p] if suffix == "merge_states" else []
+        )
+        fn.restype = restype
+        return fn
+
+    def num_splits(self, values: dict[str, Any]) -> int:
+        """The split count a launch with these values uses (heuristic when num_splits is 0)."""
+        return int(self._fn("num_splits", ctypes.c_int64)(ctypes.byref(self.pack(values))))
+
+    def merge_check(self, values: dict[str, Any]) -> str | None:
+        msg = self._fn("merge_check", ctypes.c_char_p)(ctypes.byref(self.pack(values)))
+        return None if msg is None else msg.decode()
+
+    def merge_states(self, values: dict[str, Any], stream: int = 0) -> None:
+        """merge_states on `stream`: o (and lse) from o_parts / lse_parts (see decode_params.h)."""
+        params = self.pack(values)
+        msg = self._fn("merge_check", ctypes.c_char_p)(ctypes.byref(params))
+        if msg is not None:
+            raise LaunchError(f"{self.name}: {msg.decode()}")
+        err = self._fn("merge_states", ctypes.c_int)(
+            ctypes.byref(params), ctypes.c_void_p(int(stream) or None)
+        )
+        if err != 0:
+            raise LaunchError(f"{self.name}: merge_states failed with cudaError {err}")
+
+
+@dataclass
+class DecResult:
+    o: np.ndarray
+    lse: np.ndarray | None
+    inputs: dict[str, np.ndarray]
+    num_splits: int
+    errors: int  # the workspace's error word
+    io: dict[str, int] | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def _upload(gpu: Gpu, arr: np.ndarray, bufs: list) -> DeviceBuffer:
+    buf = DeviceBuffer(gpu, arr.nbytes)
+    buf.upload(arr)
+    bufs.append(buf)
+    return buf
+
+
+class DecodeKernel:
+    """One compiled decode kernel plus NumPy buffers."""
+
+    def __init__(self, spec, lib_dir: Path | str | None = None) -> None:
+        if spec.kernel.yaml != "decode":
+            raise RunnerError(f"{spec.kernel.yaml} spec given to the decode runner")
+        self.spec = spec
+        try:
+            self.library = DecodeLibrary(spec, lib_dir)
+        except FileNotFoundError as e:
+            raise RunnerError(str(e)) from None
+        self.name = self.library.name
+        self.gpu = Gpu.get()
+
+    def _bits(self, x: Any) -> np.ndarray:
+        return to_dtype_bits(np.asarray(x, dtype=np.float32), self.spec.dtype.yaml)
+
+    def run(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        *,
+        block_table=None,
+        softmax_scale: float | None = None,
+        window=(-1, -1),
+        num_splits: int = 0,
+        max_seqlen_k: int = 0,
+        return_lse: bool = True,
+        row_pad: int = 0,
+        overrides: dict[str, Any] | None = None,
+    ) -> DecResult:
+        """One decode call. `row_pad` extra elements (a multiple of 8) end every row of q, the
+        caches and o (strided layouts); `overrides` replaces launch parameters after they are
+        built (hostile-input tests)."""
+        spec = self.spec
+        q = np.asarray(q, dtype=np.float32)
+        if q.ndim != 4 or q.shape[-1] != spec.head_dim:
+            raise RunnerError(f"q must be (batch, seqlen_q, heads, {spec.head_dim}), got {q.shape}")
+        batch, sq, heads, d = q.shape
+        kv_heads = k_cache.shape[2]
+        lens = np.ascontiguousarray(cache_seqlens, dtype=np.int32)
+        if lens.shape != (batch,):
+            raise RunnerError(f"cache_seqlens must have {batch} entries, got {lens.shape}")
+        if spec.paged and block_table is None:
+            raise RunnerError("a paged spec needs block_table")
+        if row_pad % 8:
+            raise RunnerError("row_pad must be a multiple of 8 elements")
+        dt = spec.dtype.yaml
+        bits = {"q": self._bits(q), "k": self._bits(k_cache), "v": self._bits(v_cache)}
+        inputs = {nm: from_dtype_bits(b_, dt) for nm, b_ in bits.items()}
+        gpu = self.gpu
+        bufs: list[DeviceBuffer] = []
+        try:
+            params: dict[str, Any] = {}
+            for nm in ("q", "k", "v"):
+                x = bits[nm]
+                store = np.full((*x.shape[:-1], d + row_pad), 0xFFFF, dtype=np.uint16)
+                store[..., :d] = x
+                params[nm] = _upload(gpu, store, bufs).ptr
+                s0, s1, s2 = (
+                    x.shape[1] * x.shape[2] * (d + row_pad),
+                    x.shape[2] * (d + row_pad),
+                    d + row_pad,
+                )
+                params.update(
+                    {f"{nm}_batch_stride": s0, f"{nm}_row_stride": s1, f"{nm}_head_stride": s2}
+                )
+            o_buf = DeviceBuffer(gpu, batch * sq * heads * (d + row_pad) * 2)
+            bufs.append(o_buf)
+            lse_buf = DeviceBuffer(gpu, batch * heads * sq * 4) if return_lse else None
+            if lse_buf is not None:
+                bufs.append(lse_buf)
+            params.update(
+                o=o_buf.ptr,
+                o_batch_stride=sq * heads * (d + row_pad),
+                o_row_stride=heads * (d + row_pad),
+                o_head_stride=d + row_pad,
+                lse=lse_buf.ptr if lse_buf is not None else 0,
+                lse_batch_stride=heads * sq,
+                lse_head_stride=sq,
+                cache_seqlens=_upload(gpu, lens, bufs).ptr,
+                batch=batch,
+                heads=heads,
+                kv_heads=kv_heads,
+                seqlen_q=sq,
+                max_seqlen_k=max_seqlen_k,
+                softmax_scale=softmax_scale or 1.0 / float(np.sqrt(d)),
+                window_left=int(window[0]),
+                window_right=int(window[1]),
+                num_splits=num_splits,
+            )
+            if spec.paged:
+                table = np.ascontiguousarray(block_table, dtype=np.int32)
+                params.update(
+                    block_table=_upload(gpu, table, bufs).ptr,
+                    page_size=k_cache.shape[1],
+                    num_pages=k_cache.shape[0],
+                    max_pages=table.shape[1],
+                    block_table_stride=table.shape[1],
+                )
+            else:
+                params["seqlen_k"] = k_cache.shape[1]
+            io_buf = None
+            if spec.instrument_io:
+                io_buf = DeviceBuffer(gpu, 8 * len(IO_KEYS), fill=0)
+                bufs.append(io_buf)
+                params["io_counters"] = io_buf.ptr
+            params.update(overrides or {})
+            splits = self.library.num_splits(params)
+            ws_bytes = max(self.library.workspace_bytes(params), 256)
+            ws = DeviceBuffer(gpu, ws_bytes)  # poisoned: parts must be written before read
+            bufs.append(ws)
+            gpu.cuda.memset_d32(ws.ptr, 0, 1)  # the error word starts clear
+            params.setdefault("workspace", ws.ptr)
+            params.setdefault("workspace_size", ws_bytes)
+            if overrides:
+                params.update({k: v for k, v in overrides.items() if k.startswith("workspace")})
+            try:
+                self.library.launch(params)
+            except LaunchError as e:
+                raise RunnerError(str(e)) from None
+            gpu.context.synchronize()
+            outs = [o_buf, ws] + ([lse_buf] if lse_buf is not None else [])
+            stats = {"margins_intact": all(b_.margins_intact() for b_ in outs)}
+            o = from_dtype_bits(o_buf.download(np.uint16, (batch, sq, heads, d + row_pad)), dt)
+            stats["row_pad_intact"] = bool(np.all(np.isnan(o[..., d:]))) if row_pad else True
+            lse = lse_buf.download(np.float32, (batch, heads, sq)) if lse_buf is not None else None
+            err = int(ws.download(np.uint32, (1,))[0])
+            io = None
+            if io_buf is not None:
+                raw = io_buf.download(np.uint64, (len(IO_KEYS),))
+                io = {nm: int(x) for nm, x in zip(IO_KEYS, raw)}
+            return DecResult(o[..., :d], lse, inputs, splits, err, io, stats)
+        finally:
+            for b_ in bufs:
+                b_.free()
+
+    def merge_states(
+        self, o_parts, lse_parts, *, parts_in_dtype: bool = False, return_lse: bool = True
+    ):
+        """merge_states on NumPy arrays: o_parts `(P, batch, S, heads, d)` (float32, or rounded
+        to the kernel's dtype when `parts_in_dtype`), lse_parts float32 `(P, batch, heads, S)`.
+        Returns (o float32 `(batch, S, heads, d)`, lse `(batch, heads, S)` or None)."""
+        o_parts = np.asarray(o_parts, dtype=np.float32)
+        lse_parts = np.ascontiguousarray(lse_parts, dtype=np.float32)
+        p_, batch, s, heads, d = o_parts.shape
+        dt = self.spec.dtype.yaml
+        gpu = self.gpu
+        bufs: list[DeviceBuffer] = []
+        try:
+            host = to_dtype_bits(o_parts, dt) if parts_in_dtype else o_parts
+            o_parts_buf = _upload(gpu, np.ascontiguousarray(host), bufs)
+            lse_parts_buf = _upload(gpu, lse_parts, bufs)
+            o_buf = DeviceBuffer(gpu, batch * s * heads * d * 2)
+            bufs.append(o_buf)
+            lse_buf = DeviceBuffer(gpu, batch * heads * s * 4) if return_lse else None
+            if lse_buf is not None:
+                bufs.append(lse_buf)
+            values = dict(
+                o=o_buf.ptr,
+                lse=lse_buf.ptr if lse_buf is not None else 0,
+                o_batch_stride=s * heads * d,
+                o_row_stride=heads * d,
+                o_head_stride=d,
+                lse_batch_stride=heads * s,
+                lse_head_stride=s,
+                batch=batch,
+                heads=heads,
+                kv_heads=1,
+                seqlen_q=s,
+                o_parts=o_parts_buf.ptr,
+                lse_parts=lse_parts_buf.ptr,
+                num_parts=p_,
+                parts_dtype=1 if parts_in_dtype else 0,
+                o_parts_part_stride=batch * s * heads * d,
+                o_parts_batch_stride=s * heads * d,
+                o_parts_row_stride=heads * d,
+                o_parts_head_stride=d,
+                lse_parts_part_stride=batch * heads * s,
+                lse_parts_batch_stride=heads * s,
+                lse_parts_head_stride=s,
+            )
+            if self.spec.instrument_io:
+                io_buf = DeviceBuffer(gpu, 8 * len(IO_KEYS), fill=0)
+                bufs.append(io_buf)
+                values["io_counters"] = io_buf.ptr
+            try:
+                self.library.merge_states(values)
+            except LaunchError as e:
+                raise RunnerError(str(e)) from None
+            gpu.context.synchronize()
+            o = from_dtype_bits(o_buf.download(np.uint16, (batch, s, heads, d)), dt)
+            lse = lse_buf.download(np.float32, (batch, heads, s)) if lse_buf is not None else None
+            return o, lse
+        finally:
+            for b_ in bufs:
+                b_.free()
+
+
+def load_decode_kernel(spec, lib_dir: Path | str | None = None) -> DecodeKernel:
+    """The decode kernel of `spec`, from `<lib_dir>/<name>.so` (`flashgen compile` output)."""
+    return DecodeKernel(spec, lib_dir)
