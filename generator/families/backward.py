@@ -19,12 +19,14 @@ from __future__ import annotations
 from typing import Any
 
 from flashgen.generator.families import Family, params_table
-from flashgen.generator.spec import Dtype, KernelKind, KernelSpec, Target, Tile
+from flashgen.generator.spec import Dtype, KernelKind, KernelSpec, Sparsity, Target, Tile
 
 HEAD_DIMS = tuple(range(16, 129, 16)) + (160, 192, 224, 256)
 TILE_WARPS = (4, 8)
 TILE_STAGES = (1, 2)
 SMEM_ROW_PAD = 8
+PEAK_ACC_REGS = 128
+SQUARE_WARP_TILES_MAX_D = 128
 
 PARAMS = params_table(
     """
@@ -107,20 +109,48 @@ IO_KEYS = (
 GRID_FORMULA = "ceil(max_seqlen_k/block_n) * kv_heads * batch (main kernel)"
 
 
-def warp_layouts(tile: Tile) -> dict[str, tuple[int, int]]:
+def _split(warps: int, rows: int, cols: int) -> tuple[int, int]:
+    """Warps along (rows, cols) of a rows x cols output: warp tiles of whole 16 x 16 blocks
+    (an even number of n8 columns, the ldmatrix.x4 pairs), as square as possible. A warp
+    reads its rows' and columns' operands once per k-step, so (rows/r + cols/c) is its shared
+    memory read per FLOP; a tie goes to more warps along rows (fewer A fragments held per
+    warp, the register-lighter side). No split covers the block: the warps along rows that the
+    block's rows allow, which tile_problems reports."""
+    best: tuple[int, int] | None = None
+    for r in (1, 2, 4, 8):
+        c = warps // r
+        if r * c != warps or rows % (16 * r) or cols % (16 * c):
+            continue
+        if (
+            best is None
+            or rows // r + cols // c < rows // best[0] + cols // best[1]
+            or (rows // r + cols // c == rows // best[0] + cols // best[1] and r > best[0])
+        ):
+            best = (r, c)
+    if best is None:
+        r = max(1, min(warps, rows // 16))
+        return r, warps // r
+    return best
+
+
+def warp_layouts(tile: Tile, head_dim: int) -> dict[str, tuple[int, int]]:
     """How the warps tile each stage: (warps along rows, warps along columns).
 
     S/dP: query rows x keys of the (block_m x block_n) score tile; dKV: keys x head dim of
-    dK and dV; dQ: query rows x head dim. Mirrors BwdConfig in bwd_kernel.cuh.
+    dK and dV; dQ: query rows x head dim. The kernel takes the row counts as constants
+    (kSRows, kKvRows, kQRows) and static_asserts that each layout covers its output.
+    Beyond d = 128 the square tiles' extra A fragments spill next to the wide dK/dV
+    accumulators (measured on sm_90): there every stage keeps v1's layout, as many warps along
+    rows as the rows allow (16-row warp tiles).
     """
     w = tile.warps
-    s_rows = min(w, tile.block_m // 16)
-    kv_rows = min(w, tile.block_n // 16)
-    q_rows = min(w, tile.block_m // 16)
+    if head_dim > SQUARE_WARP_TILES_MAX_D:
+        rows = {"s": tile.block_m, "kv": tile.block_n, "q": tile.block_m}
+        return {k: (r, w // r) for k, r in ((k, max(1, min(w, v // 16))) for k, v in rows.items())}
     return {
-        "s": (s_rows, w // max(s_rows, 1)),
-        "kv": (kv_rows, w // max(kv_rows, 1)),
-        "q": (q_rows, w // max(q_rows, 1)),
+        "s": _split(w, tile.block_m, tile.block_n),
+        "kv": _split(w, tile.block_n, head_dim),
+        "q": _split(w, tile.block_m, head_dim),
     }
 
 
@@ -137,12 +167,12 @@ def tile_problems(tile: Tile, head_dim: int) -> list[tuple[str, str]]:
         out.append(("tile.stages", f"{tile.stages} is not allowed (allowed: 1, 2)"))
     if out:
         return out
-    lay = warp_layouts(tile)
+    lay = warp_layouts(tile, head_dim)
     s_rows, s_cols = lay["s"]
     if (
         s_rows * s_cols != tile.warps
-        or (tile.block_m // 16) % s_rows
-        or (tile.block_n // 16) % s_cols
+        or tile.block_m % (16 * s_rows)
+        or tile.block_n % (16 * s_cols)
     ):
         out.append(
             (
@@ -153,7 +183,7 @@ def tile_problems(tile: Tile, head_dim: int) -> list[tuple[str, str]]:
         )
     for stage, what, rows_of in (("kv", "dK/dV", tile.block_n), ("q", "dQ", tile.block_m)):
         rows, cols = lay[stage]
-        if rows * cols != tile.warps or (rows_of // 16) % rows or head_dim % (16 * cols):
+        if rows * cols != tile.warps or rows_of % (16 * rows) or head_dim % (16 * cols):
             out.append(
                 (
                     "tile",
@@ -166,25 +196,43 @@ def tile_problems(tile: Tile, head_dim: int) -> list[tuple[str, str]]:
     return out
 
 
+def p_scratch(tile: Tile, head_dim: int) -> bool:
+    """Whether P waits in an fp32 shared-memory scratch while dP is computed, instead of in
+    registers. The step's register peak is the dK/dV accumulators (2 * block_n * head_dim
+    per CTA, kept over the whole walk) plus S and dP (block_m * block_n each); per thread
+    beyond PEAK_ACC_REGS accumulators, ptxas spills (measured on sm_90, docs/benchmarks.md
+    "Backward v2"). The scratch costs block_m * block_n * 8 bytes of shared traffic a step."""
+    threads = 32 * tile.warps
+    kv_acc = 2 * tile.block_n * head_dim // threads
+    s_acc = tile.block_m * tile.block_n // threads
+    return kv_acc + 2 * s_acc > PEAK_ACC_REGS
+
+
 def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype) -> int:
     """K, V, `stages` x (Q, dO) rows padded; P and dS (block_m x block_n, padded);
-    `stages` x (LSE, D) fp32 rows."""
+    `stages` x (LSE, D) fp32 rows; the fp32 P scratch (block_m x block_n) when p_scratch."""
     stride = head_dim + SMEM_ROW_PAD
     rows = 2 * tile.block_n + 2 * tile.stages * tile.block_m
     tiles = rows * stride * dtype.nbytes
     p_ds = 2 * tile.block_m * (tile.block_n + SMEM_ROW_PAD) * dtype.nbytes
-    return tiles + p_ds + 2 * tile.stages * tile.block_m * 4
+    scratch = tile.block_m * tile.block_n * 4 if p_scratch(tile, head_dim) else 0
+    return tiles + p_ds + 2 * tile.stages * tile.block_m * 4 + scratch
 
 
-def default_tile(head_dim: int, dropout: bool = False) -> Tile:
-    """The largest tiles that compile without spills on sm_90, measured with ptxas
-    (docs/benchmarks.md, "Backward tiles"): 128-key tiles hold dK and dV for 16 keys x d per
-    warp, which spills from d = 96 (causal) and with dropout's Philox state; 64-key tiles
-    split d over two warps. d = 256 keeps 64 keys and halves the query rows per step."""
+def default_tile(head_dim: int, dropout: bool = False, heavy: bool = False) -> Tile:
+    """The fastest predicted tiles that compile without spills on sm_90, measured with ptxas
+    (docs/benchmarks.md, "Backward v1" and "Backward v2"). 128 keys per CTA halve the Q/dO
+    reloads and dQ atomics per FLOP against 64; the dK/dV accumulators for 128 keys x d take
+    2 * 128 * d / threads registers a thread, so from d = 96 the 128-key tile pairs with 32
+    query rows a step (S/dP and dQ shrink instead) at d = 128, and the register-heavy
+    features (`heavy`: dropout's Philox state, deterministic ordering, block sparsity, IO
+    counters; they spill there) keep 64 x 64. d = 256 keeps 64 keys and 32 query rows."""
     if head_dim % 32:
         return Tile(64, 64, 4, 2)
     if head_dim <= 64 and not dropout:
         return Tile(64, 128, 8, 2)
+    if head_dim == 128 and not (dropout or heavy):
+        return Tile(32, 128, 8, 2)
     if head_dim <= 192:
         return Tile(64, 64, 8, 2)
     return Tile(32, 64, 8, 2)
@@ -228,8 +276,7 @@ class Backward(Family):
             out.append(
                 (
                     "target",
-                    f"{spec.target.yaml} has no backward yet (allowed: sm_80, sm_86, sm_89, "
-                    "sm_90)",
+                    f"{spec.target.yaml} has no backward yet (allowed: sm_80, sm_86, sm_89, sm_90)",
                 )
             )
         if not self.head_dim_ok(spec.head_dim):
@@ -252,7 +299,12 @@ class Backward(Family):
                     spec,
                     f"(2*block_n + 2*stages*block_m) * (head_dim + {SMEM_ROW_PAD}) * "
                     f"{spec.dtype.nbytes} + 2*block_m*(block_n + {SMEM_ROW_PAD})*"
-                    f"{spec.dtype.nbytes} + 8*stages*block_m",
+                    f"{spec.dtype.nbytes} + 8*stages*block_m"
+                    + (
+                        " + 4*block_m*block_n (P scratch)"
+                        if p_scratch(spec.tile, spec.head_dim)
+                        else ""
+                    ),
                 )
             )
         return out
@@ -261,10 +313,18 @@ class Backward(Family):
         return smem_bytes(spec.tile, spec.head_dim, spec.dtype)
 
     def auto_tile(self, target: Target, dtype: Dtype, head_dim: int, values: dict) -> Tile:
-        return fit(default_tile(head_dim, bool(values.get("dropout"))), target, dtype, head_dim)
+        heavy = bool(
+            values.get("dropout")
+            or values.get("deterministic")
+            or values.get("instrument_io")
+            or values.get("sparsity", Sparsity.NONE) != Sparsity.NONE
+        )
+        tile = default_tile(head_dim, bool(values.get("dropout")), heavy)
+        return fit(tile, target, dtype, head_dim)
 
     def config(self, spec: KernelSpec) -> dict[str, Any]:
         t = spec.tile
+        lay = warp_layouts(t, spec.head_dim)
         return {
             "dtype_cpp": spec.dtype.cpp,
             "head_dim": spec.head_dim,
@@ -283,6 +343,10 @@ class Backward(Family):
             "sparse": spec.sparse,
             "instrument_io": spec.instrument_io,
             "deterministic": spec.deterministic,
+            "s_rows": lay["s"][0],
+            "kv_rows": lay["kv"][0],
+            "q_rows": lay["q"][0],
+            "p_scratch": p_scratch(t, spec.head_dim),
             "sm": spec.target.cc,
             # CTAs per SM the register allocation aims for: two when two fit in shared memory
             # and the tile is small enough (<= 64 x 64, d <= 64, no dropout: measured to fit
