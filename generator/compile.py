@@ -256,7 +256,7 @@ def retarget(specs: Sequence[KernelSpec], arch: Target) -> list[KernelSpec]:
             tile = s.tile
             if s.tile_auto:
                 values = {f.path: f.get(s) for f in FIELDS}
-                tile = family(s).auto_tile(arch, s.dtype, s.head_dim, values)
+                tile = family(s.kernel, arch).auto_tile(arch, s.dtype, s.head_dim, values)
             out.append(s.replace(target=arch, tile=tile))
         except SpecError as e:
             raise SpecError(

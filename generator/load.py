@@ -392,7 +392,7 @@ def _build(values: dict[str, Any], source: str) -> KernelSpec:
     if tile_auto:
         kind: KernelKind = values["kernel"]
         try:
-            fam = family(kind)
+            fam = family(kind, values["target"])
         except SpecError as e:
             raise SpecError(e.message, field="kernel") from None
         # An invalid head_dim is reported by the family; a legal tile stands in meanwhile.

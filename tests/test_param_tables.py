@@ -117,7 +117,7 @@ def assert_io_enum_matches(header: Path, enum: str, io_keys: tuple[str, ...]) ->
     )
 
 
-FAMILIES = pytest.mark.parametrize("fam", families(), ids=lambda f: f.kind.yaml)
+FAMILIES = pytest.mark.parametrize("fam", families(), ids=lambda f: f.templates)
 
 
 @FAMILIES

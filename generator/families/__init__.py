@@ -138,7 +138,38 @@ _MODULES = {
     KernelKind.BACKWARD: "flashgen.generator.families.backward",
     KernelKind.DECODE: "flashgen.generator.families.decode",
 }
+# Families that serve a kind on one architecture-specific target instead of the kind's
+# portable family: the same kernel kind and C ABI, another mainloop.
+_TARGET_MODULES = {
+    (KernelKind.FORWARD, Target.SM90A): "flashgen.generator.families.forward_sm90",
+}
 _FAMILIES: dict[KernelKind, Family] = {}
+_TARGET_FAMILIES: dict[tuple[KernelKind, Target], Family] = {}
+
+
+class _ByTarget:
+    """The rules a spec sees for its kind: those of the family serving its target."""
+
+    def __init__(self, kind: KernelKind) -> None:
+        self.kind = kind
+
+    def _of(self, target: Target) -> Family:
+        return family(self.kind, target)
+
+    def problems(self, spec: KernelSpec) -> list[tuple[str, str]]:
+        return self._of(spec.target).problems(spec)
+
+    def smem_bytes(self, spec: KernelSpec) -> int:
+        return self._of(spec.target).smem_bytes(spec)
+
+    def threads(self, spec: KernelSpec) -> int:
+        return self._of(spec.target).threads(spec)
+
+    def auto_tile(self, target: Target, dtype: Dtype, head_dim: int, values: dict) -> Tile:
+        return self._of(target).auto_tile(target, dtype, head_dim, values)
+
+    def head_dim_ok(self, head_dim: Any) -> bool:
+        return family(self.kind).head_dim_ok(head_dim)
 
 
 def _load() -> None:
@@ -146,21 +177,31 @@ def _load() -> None:
         fam = importlib.import_module(module).FAMILY
         assert fam.kind is kind, (module, fam.kind)
         _FAMILIES[kind] = fam
-        register_rules(kind, fam)
+    for (kind, target), module in _TARGET_MODULES.items():
+        fam = importlib.import_module(module).FAMILY
+        assert fam.kind is kind, (module, fam.kind)
+        _TARGET_FAMILIES[(kind, target)] = fam
+    for kind in _FAMILIES:
+        register_rules(kind, _ByTarget(kind))
 
 
-def family(kind: KernelKind | KernelSpec) -> Family:
-    """The family of a kernel kind (or of a spec's kind)."""
-    k = kind.kernel if isinstance(kind, KernelSpec) else kind
+def family(kind: KernelKind | KernelSpec, target: Target | None = None) -> Family:
+    """The family of a kernel kind on a target (default: the kind's portable family), or of a
+    spec (its kind and target)."""
+    if isinstance(kind, KernelSpec):
+        kind, target = kind.kernel, kind.target if target is None else target
+    k = kind
     try:
-        return _FAMILIES[k]
+        base = _FAMILIES[k]
     except KeyError:
         allowed = ", ".join(x.yaml for x in _FAMILIES)
         raise SpecError(f"{k.yaml!r} is not implemented yet (allowed: {allowed})") from None
+    return _TARGET_FAMILIES.get((k, target), base) if target is not None else base
 
 
 def families() -> list[Family]:
-    return list(_FAMILIES.values())
+    """Every family: each kind's portable one, then the target-specific ones."""
+    return list(_FAMILIES.values()) + list(_TARGET_FAMILIES.values())
 
 
 _load()

@@ -6,6 +6,8 @@ Environment:
   FLASHGEN_RECORDS_DIR    where records are written (default: the checkout's verify/records)
   FLASHGEN_BUILD_DIR      where the kernel libraries are (default: the checkout's build/kernels)
   FLASHGEN_SANITIZER      set by the sanitizer driver to the tool's verdict (recorded as is)
+  FLASHGEN_SPECS          spec files or folders (os.pathsep-separated) to use instead of the
+                          shipped specs/ folder, e.g. specs/fwd_sm90a.yaml for one family
   FLASHGEN_SHARD          `i/n`: run only the shipped kernels whose index (in name order) is
                           i mod n, and the tests that take no shipped kernel only in shard 0,
                           so n processes share the suite (the float64 references are CPU-bound)
@@ -71,7 +73,8 @@ def shipped_specs():
     from flashgen.generator.load import load_paths
     from flashgen.generator.spec import Target
 
-    specs = load_paths([REPO / "specs"])
+    chosen = [p for p in os.environ.get("FLASHGEN_SPECS", "").split(os.pathsep) if p]
+    specs = load_paths(chosen or [REPO / "specs"])
     target = os.environ.get("FLASHGEN_TARGET")
     specs = retarget(specs, Target.from_yaml(target)) if target else specs
     i, n = shard()

@@ -57,5 +57,44 @@ inline const char* make_tmap_2d(CUtensorMap* map, const void* base, bool bf16, u
   return r == CUDA_SUCCESS ? nullptr : "cuTensorMapEncodeTiled rejected the tensor map";
 }
 
+// A (batch, rows, heads, cols) tensor of 16-bit elements with element strides `batch_stride`,
+// `row_stride`, `head_stride` (cols contiguous), loaded in SW128 boxes of 64 columns x
+// `box_rows` rows of one (head, batch); rows past `rows` and columns past `cols` read as 0.
+// The map's dimensions are (cols, rows, heads, batch), or (cols, heads, rows, batch) when
+// the head stride is the smaller one (`heads_inner`, the usual (b, s, h, d) layout), so
+// strides grow with the dimension; a kernel passes its coordinates in the same order.
+// Returns nullptr or what is wrong (TMA: 16-byte aligned base, strides multiples of 16 bytes
+// and below 2^40 bytes).
+inline const char* make_tmap_bshd(CUtensorMap* map, bool* heads_inner, const void* base,
+                                  bool bf16, uint64_t batch, uint64_t rows, uint64_t heads,
+                                  uint64_t cols, int64_t batch_stride, int64_t row_stride,
+                                  int64_t head_stride, uint32_t box_rows) {
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0) return "TMA needs a 16-byte aligned base";
+  const int64_t strides_elems[3] = {row_stride, head_stride, batch_stride};
+  for (int64_t s : strides_elems)
+    if (s <= 0 || (s * 2) % 16 != 0 || s * 2 >= (int64_t{1} << 40))
+      return "TMA needs positive row, head and batch strides that are multiples of 8 elements "
+             "(16 bytes) and below 2^40 bytes";
+  if (box_rows < 1 || box_rows > 256) return "TMA boxes have 1 to 256 rows";
+  EncodeTiledFn fn = encode_tiled_fn();
+  if (!fn) return "cuTensorMapEncodeTiled is not available (driver too old for TMA)";
+  // Degenerate sizes (a zero batch) never reach a load; the map still needs sizes >= 1.
+  auto at_least_1 = [](uint64_t x) { return x < 1 ? uint64_t{1} : x; };
+  *heads_inner = head_stride < row_stride;
+  const cuuint64_t r = at_least_1(rows), h = at_least_1(heads);
+  const cuuint64_t rs = static_cast<cuuint64_t>(row_stride) * 2;
+  const cuuint64_t hs = static_cast<cuuint64_t>(head_stride) * 2;
+  const cuuint64_t dims[4] = {cols, *heads_inner ? h : r, *heads_inner ? r : h, at_least_1(batch)};
+  const cuuint64_t strides[3] = {*heads_inner ? hs : rs, *heads_inner ? rs : hs,
+                                 static_cast<cuuint64_t>(batch_stride) * 2};
+  const cuuint32_t box[4] = {64, *heads_inner ? 1u : box_rows, *heads_inner ? box_rows : 1u, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUresult res = fn(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                          4, const_cast<void*>(base), dims, strides, box, elem_strides,
+                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                          CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS ? nullptr : "cuTensorMapEncodeTiled rejected the tensor map";
+}
+
 }  // namespace sm90
 }  // namespace fg

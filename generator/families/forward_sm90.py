@@ -1,0 +1,112 @@
+"""The Hopper forward (`kernel: forward`, `target: sm_90a`): TMA + wgmma, same C ABI.
+
+A sibling of the mma.sync forward that serves the same kernel kind on the architecture-
+specific target: it keeps the forward's parameter struct (`fg_fwd_params`), IO keys, runner,
+tests and benchmarks, and replaces the mainloop (include/flashgen/fwd_sm90_kernel.cuh).
+
+Tile rules: `warps` is 4, 8 or 12 (1 to 3 consumer warpgroups of 64 query rows each, so
+`block_m = 16 * warps`); `block_n` is 64 or 128 (the wgmma N of Q K^T); `stages` (1..4) K/V
+tiles in the TMA ring. Head dims are multiples of 16 in 16..256; shared memory holds them
+rounded up to 64 columns (the TMA box), so head_dim 96 computes on 128 columns.
+Shared memory: Q tile plus `stages` K and V tiles of `Dp = ceil(head_dim / 64) * 64` columns,
+plus 1024 bytes of alignment slack (SW128 tiles start on 1024-byte boundaries).
+Not on this path yet (rejected by name): varlen, block sparsity, instrument_io.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flashgen.generator.families.forward import HEAD_DIMS, Forward
+from flashgen.generator.spec import Dtype, KernelSpec, Target, Tile
+
+TILE_WARPS = (4, 8, 12)
+TILE_BLOCK_N = (64, 128)
+TILE_STAGES = (1, 2, 3, 4)
+
+
+def head_dim_pad(head_dim: int) -> int:
+    return -(-head_dim // 64) * 64
+
+
+def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype) -> int:
+    """Q tile + `stages` K and V tiles of ceil(head_dim/64)*64 columns, + 1024 alignment."""
+    rows = tile.block_m + 2 * tile.stages * tile.block_n
+    return rows * head_dim_pad(head_dim) * dtype.nbytes + 1024
+
+
+def tile_problems(tile: Tile) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = tile.type_problems()
+    if out:
+        return out
+    if tile.warps not in TILE_WARPS:
+        out.append(
+            (
+                "tile.warps",
+                f"{tile.warps} is not allowed on sm_90a (allowed: 4, 8, 12: 1 to 3 warpgroups)",
+            )  # fmt: skip
+        )
+    elif tile.block_m != 16 * tile.warps:
+        out.append(
+            (
+                "tile.block_m",
+                f"{tile.block_m} does not fit {tile.warps} warps: each warpgroup "
+                f"owns 64 query rows, so block_m must be {16 * tile.warps}",
+            )  # fmt: skip
+        )
+    if tile.block_n not in TILE_BLOCK_N:
+        out.append(("tile.block_n", f"{tile.block_n} is not allowed on sm_90a (allowed: 64, 128)"))
+    if tile.stages not in TILE_STAGES:
+        out.append(("tile.stages", f"{tile.stages} is not allowed on sm_90a (allowed: 1..4)"))
+    return out
+
+
+class ForwardSm90(Forward):
+    templates = "forward_sm90"
+
+    def problems(self, spec: KernelSpec) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        if spec.target is not Target.SM90A:
+            out.append(("target", f"{spec.target.yaml}: this family serves sm_90a only"))
+        if not self.head_dim_ok(spec.head_dim):
+            out.append(
+                (
+                    "head_dim",
+                    f"{spec.head_dim} is not allowed (allowed: multiples of 16 in 16..256)",
+                )
+            )
+        for flag, name in ((spec.mask.varlen, "mask.varlen"), (spec.sparse, "sparsity"),
+                           (spec.instrument_io, "instrument_io")):  # fmt: skip
+            if flag:
+                out.append(
+                    (name, "not on the sm_90a (wgmma) forward yet: use target: sm_90 for it")
+                )
+        tile = tile_problems(spec.tile)
+        out.extend(tile)
+        if not tile and not out:
+            out.extend(
+                self.smem_problem(
+                    spec,
+                    f"(block_m + 2*stages*block_n) * ceil(head_dim/64)*64 * {spec.dtype.nbytes}"
+                    " + 1024",
+                )
+            )
+        return out
+
+    def smem_bytes(self, spec: KernelSpec) -> int:
+        return smem_bytes(spec.tile, spec.head_dim, spec.dtype)
+
+    def auto_tile(self, target: Target, dtype: Dtype, head_dim: int, values: dict) -> Tile:
+        """Two consumer warpgroups (block_m 128), 128-key tiles up to 128 padded columns and
+        64-key tiles above (shared memory), two stages."""
+        block_n = 128 if head_dim_pad(head_dim) <= 128 else 64
+        return Tile(block_m=128, block_n=block_n, warps=8, stages=2)
+
+    def head_dim_ok(self, head_dim: Any) -> bool:
+        return head_dim in HEAD_DIMS
+
+    def config(self, spec: KernelSpec) -> dict[str, Any]:
+        return {**super().config(spec), "head_dim_pad": head_dim_pad(spec.head_dim)}
+
+
+FAMILY = ForwardSm90()

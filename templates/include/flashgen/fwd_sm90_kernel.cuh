@@ -1,0 +1,275 @@
+// flashgen: the forward FlashAttention kernel on Hopper (sm_90a): TMA loads into an mbarrier
+// ring, SS-wgmma for Q K^T and RS-wgmma for P V (P straight from S's accumulators).
+//
+// Glossary
+//   CTA        one query tile of block_m = 64 * groups rows of one (batch b, head h)
+//   group      a consumer warpgroup (4 warps, 128 threads) owning 64 query rows; warp w of
+//              it owns 16 of them, and its wgmma accumulators have the m16n8 C layout per
+//              warp (sm90.cuh), so mask, dropout and the online softmax are the mma.sync
+//              forward's own functions (frag.cuh, softmax.cuh) on acc[1][kNT][4]
+//   Dp         head_dim rounded up to 64 (the TMA box width): columns d..Dp-1 read as 0 and
+//              are never stored, so every head dim runs on 64-column SW128 boxes
+//   slot       ring position of a K/V tile (it % stages); full[slot] completes when its TMA
+//              bytes land, empty[slot] when every warp has finished reading it
+//   parity     the phase of a slot's barriers for tile it: (it / stages) & 1
+//
+// Per CTA: thread 0 loads Q and the first `stages` K/V tiles by TMA; every group then, per
+// tile: waits full[slot], S = Q K^T (wgmma, fp32), masks (mask.cuh), folds S into the online
+// softmax, dropout (frag.cuh, the forward's Philox stream), O += P V (wgmma, P in registers),
+// and signals empty[slot]; thread 0 refills the slot with tile it + stages once every warp has.
+// O = acc / l and LSE are stored from registers. Rows without a visible key give O = 0 and
+// LSE = -inf, as everywhere.
+#pragma once
+
+#include <cuda.h>
+#include <stdint.h>
+
+#include "arch.cuh"
+#include "block_info.cuh"
+#include "frag.cuh"
+#include "mask.cuh"
+#include "params.h"
+#include "philox.cuh"
+#include "schedule.cuh"
+#include "sm90.cuh"
+#include "softmax.cuh"
+#include "tile_io.cuh"
+#include "warp_mma.cuh"
+
+namespace fg {
+
+// The TMA tensor maps of one call (built by the launcher, sm90_host.h).
+struct FwdSm90Maps {
+  CUtensorMap q, k, v;
+  int q_heads_inner, kv_heads_inner;  // coordinate order of the maps (make_tmap_bshd)
+};
+
+template <class S>
+struct FwdSm90Config : S {
+  using S::kBlockM, S::kBlockN, S::kHeadDim, S::kWarps, S::kStages;
+  using Elem = typename S::Elem;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kGroups = kWarps / 4;
+  static constexpr int kHeadDimPad = (kHeadDim + 63) / 64 * 64;
+  static constexpr int kBoxes = kHeadDimPad / 64;
+  static constexpr int kOChunk = kHeadDimPad % 128 == 0 ? 128 : 64;  // wgmma N of P V
+  static constexpr int kOChunks = kHeadDimPad / kOChunk;
+  static constexpr int kNT = kBlockN / 8;
+  static constexpr int kQBox = kBlockM * 64, kKvBox = kBlockN * 64;  // elements per box
+  static constexpr int kElem = static_cast<int>(sizeof(Elem));
+  static constexpr int kQBytes = kBlockM * kHeadDimPad * kElem;
+  static constexpr int kKvBytes = kBlockN * kHeadDimPad * kElem;  // one K (or V) tile
+  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKvBytes + 1024;  // + alignment
+
+  static_assert(kWarps % 4 == 0 && kGroups >= 1 && kGroups <= 3, "1 to 3 warpgroups");
+  static_assert(kBlockM == 64 * kGroups, "block_m = 64 rows per warpgroup");
+  static_assert(kBlockN == 64 || kBlockN == 128, "block_n: 64 or 128");
+  static_assert(kHeadDim % 16 == 0 && kHeadDim >= 16 && kHeadDim <= 256, "head_dim");
+  static_assert(kStages >= 1 && kStages <= 4, "stages");
+  static_assert(!S::kVarlen && !S::kSparse && !S::kInstrumentIo,
+                "varlen, sparsity and instrument_io are not on the sm_90a path yet");
+  static_assert(!S::kKeepMaskOut || S::kDropout, "the keep-mask output needs dropout");
+};
+
+template <class C>
+__device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
+                                                     const FwdSm90Maps& maps) {
+  using Elem = typename C::Elem;
+  using MmaT = Mma<Elem>;
+  using namespace sm90;
+  extern __shared__ unsigned char smem_raw[];  // SW128 tiles need 1024-byte alignment
+  Elem* sQ = reinterpret_cast<Elem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                     ~uintptr_t{1023});
+  Elem* sK = sQ + C::kBlockM * C::kHeadDimPad;
+  Elem* sV = sK + C::kStages * C::kBlockN * C::kHeadDimPad;
+  __shared__ uint64_t bar_q, full[C::kStages], empty[C::kStages];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int group = warp / 4, g = lane >> 2, t = lane & 3;
+  Io<false, FwdIo> io;
+
+  // ---- which (query tile, head, batch) this CTA is (the forward's order) ------------------
+  const int64_t num_qt = (p.seqlen_q + C::kBlockM - 1) / C::kBlockM;
+  int64_t bid = blockIdx.x;
+  const int64_t qt_raw = bid % num_qt;
+  bid /= num_qt;
+  const int64_t h = bid % p.heads, b = bid / p.heads;
+  if (b >= p.batch) return;
+  const int64_t qt = C::kCausal != Causal::kNone ? num_qt - 1 - qt_raw : qt_raw;
+  const SeqInfo<false> seq(b, p.seqlen_q, p.seqlen_k, nullptr, nullptr, io, false);
+  const int64_t sq = seq.sq, sk = seq.sk;
+  const int64_t r0 = qt * C::kBlockM;
+  const int64_t valid_rows = min(static_cast<int64_t>(C::kBlockM), sq - r0);
+  const int64_t r1 = r0 + valid_rows - 1;
+  const int64_t hk = C::kGqa ? h / (p.heads / p.kv_heads) : h;
+  Elem* gO = static_cast<Elem*>(p.o) + seq.q_off(p.o_batch_stride, p.o_row_stride, r0) +
+             h * p.o_head_stride;
+  float* gLse = p.lse + seq.lse_off(p.lse_batch_stride, p.lse_head_stride, h, r0);
+
+  const MaskPolicy<C::kCausal, C::kWindow> mask(sq, sk, p.window_left, p.window_right);
+  using Schedule = TileSchedule<false, /*descending=*/true>;
+  int64_t n_lo, n_hi;
+  mask.tile_range(r0, r1, C::kBlockN, n_lo, n_hi);
+  const Schedule sched = Schedule::dense(n_lo, n_hi);
+  const int n_iter = sched.count;
+
+  if (tid == 0) {
+    mbar_init(&bar_q, 1);
+#pragma unroll
+    for (int s = 0; s < C::kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], C::kWarps);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  // TMA coordinates (column, row, head, batch) in the maps' dimension order.
+  auto tma = [&](Elem* dst, const CUtensorMap& map, bool heads_inner, uint64_t* bar, int col,
+                 int64_t row, int64_t head) {
+    if (heads_inner)
+      tma_load_4d(dst, &map, bar, col, static_cast<int>(head), static_cast<int>(row),
+                  static_cast<int>(b));
+    else
+      tma_load_4d(dst, &map, bar, col, static_cast<int>(row), static_cast<int>(head),
+                  static_cast<int>(b));
+  };
+  auto load_kv = [&](int it) {  // thread 0
+    const int slot = it % C::kStages;
+    const int64_t row = sched.tile(it, io, false) * C::kBlockN;
+    mbar_arrive_expect_tx(&full[slot], 2 * C::kKvBytes);
+#pragma unroll
+    for (int j = 0; j < C::kBoxes; ++j) {
+      const int off = slot * C::kBlockN * C::kHeadDimPad + j * C::kKvBox;
+      tma(sK + off, maps.k, maps.kv_heads_inner, &full[slot], j * 64, row, hk);
+      tma(sV + off, maps.v, maps.kv_heads_inner, &full[slot], j * 64, row, hk);
+    }
+  };
+  if (tid == 0 && n_iter > 0) {
+    mbar_arrive_expect_tx(&bar_q, C::kQBytes);
+#pragma unroll
+    for (int j = 0; j < C::kBoxes; ++j)
+      tma(sQ + j * C::kQBox, maps.q, maps.q_heads_inner, &bar_q, j * 64, r0, h);
+#pragma unroll
+    for (int s = 0; s < C::kStages; ++s)
+      if (s < n_iter) load_kv(s);
+  }
+
+  RowState st[2] = {RowState{-INFINITY, 0.f}, RowState{-INFINITY, 0.f}};
+  float acc_o[C::kOChunks][C::kOChunk / 8][4];
+#pragma unroll
+  for (int c = 0; c < C::kOChunks; ++c)
+#pragma unroll
+    for (int j = 0; j < C::kOChunk / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[c][j][e] = 0.f;
+
+  const int row0 = warp * 16;  // the warp's first row of the tile (group * 64 + 16 * w)
+  const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
+  DropoutRng rng{};
+  float drop_scale = 1.f;
+  if (C::kDropout) {
+    rng = make_dropout_rng(p.seed, p.offset, b * p.heads + h, p.dropout_p);
+    drop_scale = static_cast<float>(1.0 / (1.0 - p.dropout_p));
+  }
+
+  if (n_iter > 0) mbar_wait(&bar_q, 0);
+  for (int it = 0; it < n_iter; ++it) {
+    const int slot = it % C::kStages;
+    const uint32_t parity = (it / C::kStages) & 1;
+    const int64_t n = sched.tile(it, io, false);
+    mbar_wait(&full[slot], parity);
+
+    // S = Q K^T: k16 slice kk is box kk / 4, 32 bytes * (kk % 4) into each 128-byte row.
+    float acc_s[1][C::kNT][4];
+    auto& s_flat = reinterpret_cast<float(&)[C::kNT * 4]>(acc_s);
+    const Elem* k_slot = sK + slot * C::kBlockN * C::kHeadDimPad;
+    const Elem* v_slot = sV + slot * C::kBlockN * C::kHeadDimPad;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < C::kHeadDimPad / 16; ++kk) {
+      const int box = (kk / 4), col = (kk % 4) * 16;
+      Wgmma<Elem, C::kBlockN>::template ss<0>(
+          s_flat, desc_k_major(sQ + box * C::kQBox + group * 64 * 64 + col),
+          desc_k_major(k_slot + box * C::kKvBox + col), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(s_flat);
+
+    if (mask.tile_needs_mask(r0, r1, n, C::kBlockN))
+      mask_frag(acc_s, mask.tile(r0 + row0, n * C::kBlockN), lane);
+    float alpha[2];
+    online_softmax_update(st, acc_s[0], scale_log2, alpha);
+#pragma unroll
+    for (int c = 0; c < C::kOChunks; ++c) scale_rows(acc_o[c], alpha);
+    if (C::kDropout) {
+      dropout_frag<1, C::kNT>(
+          rng, r0 + row0, n * C::kBlockN, lane,
+          [&](int mt, int nt, int e, bool keep, int64_t i, int64_t j) {
+            if (C::kKeepMaskOut && i < sq && j < sk)
+              store_keep(p.keep_mask + ((b * p.heads + h) * p.seqlen_q + i) * p.seqlen_k + j,
+                         keep, io);
+            acc_s[mt][nt][e] = keep ? acc_s[mt][nt][e] * drop_scale : 0.f;
+          });
+    }
+
+    // O += P V: P's k16 slice kk2 is S's n8 tiles 2 kk2 and 2 kk2 + 1; V's rows 16 kk2 ..
+    // start 2048 bytes * kk2 into each box, and the boxes of one chunk are kKvBox apart.
+    uint32_t pf[C::kBlockN / 16][4];
+#pragma unroll
+    for (int kk2 = 0; kk2 < C::kBlockN / 16; ++kk2)
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        pf[kk2][r] = MmaT::pack(acc_s[0][2 * kk2 + (r >> 1)][2 * (r & 1)],
+                                acc_s[0][2 * kk2 + (r >> 1)][2 * (r & 1) + 1]);
+    wgmma_fence();
+#pragma unroll
+    for (int c = 0; c < C::kOChunks; ++c) {
+      auto& o_flat = reinterpret_cast<float(&)[C::kOChunk / 2]>(acc_o[c]);
+#pragma unroll
+      for (int kk2 = 0; kk2 < C::kBlockN / 16; ++kk2)
+        Wgmma<Elem, C::kOChunk>::template rs<1>(
+            o_flat, pf[kk2],
+            desc_mn_major(v_slot + (c * C::kOChunk / 64) * C::kKvBox + kk2 * 16 * 64,
+                          C::kKvBox * C::kElem),
+            1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int c = 0; c < C::kOChunks; ++c)
+      reg_fence(reinterpret_cast<float(&)[C::kOChunk / 2]>(acc_o[c]));
+
+    // This warp is done with the slot; thread 0 refills it once every warp is.
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[slot]);
+    if (tid == 0 && it + C::kStages < n_iter) {
+      mbar_wait(&empty[slot], parity);
+      load_kv(it + C::kStages);
+    }
+  }
+
+  // ---- epilogue: O = acc_o / l, LSE; empty rows give 0 and -inf ----------------------------
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float inv_l, lse;
+    online_softmax_finalize(st[r], inv_l, lse);
+    const int row = row0 + g + r * 8;
+    if (row < valid_rows) {
+#pragma unroll
+      for (int c = 0; c < C::kOChunks; ++c)
+#pragma unroll
+        for (int j = 0; j < C::kOChunk / 8; ++j) {
+          const int col = c * C::kOChunk + j * 8 + 2 * t;
+          if (col < C::kHeadDim)
+            store_pair(gO + row * p.o_row_stride + col,
+                       MmaT::pack(acc_o[c][j][2 * r] * inv_l, acc_o[c][j][2 * r + 1] * inv_l),
+                       io, FwdIo::kO);
+        }
+      if (t == 0) store_f32(gLse + row, lse, io, FwdIo::kLse);
+    }
+  }
+}
+
+}  // namespace fg
