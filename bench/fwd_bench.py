@@ -232,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             rows.append(row)
             cells = "  ".join(f"{be}={t:6.1f}" for be, t in row["tflops"].items() if t)
-            print(f"d={spec.head_dim:3d} causal={int(causal)} n={n:5d}  {cells}", flush=True)
+            print(
+                f"d={spec.head_dim:3d} causal={int(causal)} n={n:5d}  {cells}  ({kernel.name})",
+                flush=True,
+            )
     result = {
         "environment": environment(),
         "convention": "TFLOP/s = 4*b*h*n^2*d (/2 causal) / time",

@@ -97,10 +97,13 @@ class ForwardSm90(Forward):
         return smem_bytes(spec.tile, spec.head_dim, spec.dtype)
 
     def auto_tile(self, target: Target, dtype: Dtype, head_dim: int, values: dict) -> Tile:
-        """Two consumer warpgroups (block_m 128), 128-key tiles up to 128 padded columns and
-        64-key tiles above (shared memory), two stages."""
-        block_n = 128 if head_dim_pad(head_dim) <= 128 else 64
-        return Tile(block_m=128, block_n=block_n, warps=8, stages=2)
+        """Measured on an H200 (bf16, docs/benchmarks.md "Hopper forward"): two stages of the
+        plain loop beat three of the softmax/wgmma-overlapped one (no warp specialisation
+        yet); three warpgroups (block_m 192) up to 64 padded columns, two above; 128-key
+        tiles up to 128 padded columns, 64-key tiles above (shared memory)."""
+        pad = head_dim_pad(head_dim)
+        warps = 12 if pad <= 64 else 8
+        return Tile(block_m=16 * warps, block_n=128 if pad <= 128 else 64, warps=warps, stages=2)
 
     def head_dim_ok(self, head_dim: Any) -> bool:
         return head_dim in HEAD_DIMS

@@ -60,6 +60,9 @@ struct FwdSm90Config : S {
   static constexpr int kQBytes = kBlockM * kHeadDimPad * kElem;
   static constexpr int kKvBytes = kBlockN * kHeadDimPad * kElem;  // one K (or V) tile
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKvBytes + 1024;  // + alignment
+  // Softmax overlapped with the neighbouring tiles' wgmma (with two stages the next tile's
+  // load would wait for the slot released at the end of this one, exposing its latency).
+  static constexpr bool kOverlap = kStages >= 3;
 
   static_assert(kWarps % 4 == 0 && kGroups >= 1 && kGroups <= 3, "1 to 3 warpgroups");
   static_assert(kBlockM == 64 * kGroups, "block_m = 64 rows per warpgroup");
@@ -173,36 +176,30 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
     drop_scale = static_cast<float>(1.0 / (1.0 - p.dropout_p));
   }
 
-  if (n_iter > 0) mbar_wait(&bar_q, 0);
-  for (int it = 0; it < n_iter; ++it) {
-    const int slot = it % C::kStages;
-    const uint32_t parity = (it / C::kStages) & 1;
-    const int64_t n = sched.tile(it, io, false);
-    mbar_wait(&full[slot], parity);
-
-    // S = Q K^T: k16 slice kk is box kk / 4, 32 bytes * (kk % 4) into each 128-byte row.
-    float acc_s[1][C::kNT][4];
-    auto& s_flat = reinterpret_cast<float(&)[C::kNT * 4]>(acc_s);
-    const Elem* k_slot = sK + slot * C::kBlockN * C::kHeadDimPad;
-    const Elem* v_slot = sV + slot * C::kBlockN * C::kHeadDimPad;
+  // ---- the steps of one K/V tile, shared by both loop orders below ------------------------
+  auto slot_k = [&](int it) { return sK + (it % C::kStages) * C::kBlockN * C::kHeadDimPad; };
+  auto slot_v = [&](int it) { return sV + (it % C::kStages) * C::kBlockN * C::kHeadDimPad; };
+  // Issues S = Q K^T of tile it (k16 slice kk: box kk / 4, 32 bytes * (kk % 4) into each
+  // 128-byte row) and commits it as one wgmma group.
+  auto issue_s = [&](float (&s)[C::kNT * 4], int it) {
+    mbar_wait(&full[it % C::kStages], (it / C::kStages) & 1);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < C::kHeadDimPad / 16; ++kk) {
-      const int box = (kk / 4), col = (kk % 4) * 16;
+      const int box = kk / 4, col = (kk % 4) * 16;
       Wgmma<Elem, C::kBlockN>::template ss<0>(
-          s_flat, desc_k_major(sQ + box * C::kQBox + group * 64 * 64 + col),
-          desc_k_major(k_slot + box * C::kKvBox + col), kk > 0);
+          s, desc_k_major(sQ + box * C::kQBox + group * 64 * 64 + col),
+          desc_k_major(slot_k(it) + box * C::kKvBox + col), kk > 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
-    reg_fence(s_flat);
-
+  };
+  // Mask, online softmax (alpha: the rescale of acc_o, applied by the caller) and dropout,
+  // in place: acc_s becomes P.
+  auto softmax = [&](float (&acc_s)[1][C::kNT][4], int it, float (&alpha)[2]) {
+    const int64_t n = sched.tile(it, io, false);
     if (mask.tile_needs_mask(r0, r1, n, C::kBlockN))
       mask_frag(acc_s, mask.tile(r0 + row0, n * C::kBlockN), lane);
-    float alpha[2];
     online_softmax_update(st, acc_s[0], scale_log2, alpha);
-#pragma unroll
-    for (int c = 0; c < C::kOChunks; ++c) scale_rows(acc_o[c], alpha);
     if (C::kDropout) {
       dropout_frag<1, C::kNT>(
           rng, r0 + row0, n * C::kBlockN, lane,
@@ -213,16 +210,19 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
             acc_s[mt][nt][e] = keep ? acc_s[mt][nt][e] * drop_scale : 0.f;
           });
     }
-
-    // O += P V: P's k16 slice kk2 is S's n8 tiles 2 kk2 and 2 kk2 + 1; V's rows 16 kk2 ..
-    // start 2048 bytes * kk2 into each box, and the boxes of one chunk are kKvBox apart.
-    uint32_t pf[C::kBlockN / 16][4];
+  };
+  // P packed as RS-wgmma A operands (S's n8 tiles 2 kk2 and 2 kk2 + 1 are P's k16 slice kk2).
+  auto pack_p = [&](const float (&acc_s)[1][C::kNT][4], uint32_t (&pf)[C::kBlockN / 16][4]) {
 #pragma unroll
     for (int kk2 = 0; kk2 < C::kBlockN / 16; ++kk2)
 #pragma unroll
       for (int r = 0; r < 4; ++r)
         pf[kk2][r] = MmaT::pack(acc_s[0][2 * kk2 + (r >> 1)][2 * (r & 1)],
                                 acc_s[0][2 * kk2 + (r >> 1)][2 * (r & 1) + 1]);
+  };
+  // Issues O += P V of tile it (V's rows 16 kk2 .. start 2048 bytes * kk2 into each box; the
+  // boxes of one wgmma N chunk are kKvBox apart) as one wgmma group.
+  auto issue_pv = [&](const uint32_t (&pf)[C::kBlockN / 16][4], int it) {
     wgmma_fence();
 #pragma unroll
     for (int c = 0; c < C::kOChunks; ++c) {
@@ -231,22 +231,86 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
       for (int kk2 = 0; kk2 < C::kBlockN / 16; ++kk2)
         Wgmma<Elem, C::kOChunk>::template rs<1>(
             o_flat, pf[kk2],
-            desc_mn_major(v_slot + (c * C::kOChunk / 64) * C::kKvBox + kk2 * 16 * 64,
+            desc_mn_major(slot_v(it) + (c * C::kOChunk / 64) * C::kKvBox + kk2 * 16 * 64,
                           C::kKvBox * C::kElem),
             1);
     }
     wgmma_commit();
-    wgmma_wait<0>();
+  };
+  auto fence_o = [&] {
 #pragma unroll
     for (int c = 0; c < C::kOChunks; ++c)
       reg_fence(reinterpret_cast<float(&)[C::kOChunk / 2]>(acc_o[c]));
-
-    // This warp is done with the slot; thread 0 refills it once every warp is.
+  };
+  auto scale_o = [&](const float (&alpha)[2]) {
+#pragma unroll
+    for (int c = 0; c < C::kOChunks; ++c) scale_rows(acc_o[c], alpha);
+  };
+  // This warp is done with tile it's slot; thread 0 refills it (tile it + stages) once every
+  // warp is.
+  auto release = [&](int it) {
     __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[slot]);
+    if (lane == 0) mbar_arrive(&empty[it % C::kStages]);
     if (tid == 0 && it + C::kStages < n_iter) {
-      mbar_wait(&empty[slot], parity);
+      mbar_wait(&empty[it % C::kStages], (it / C::kStages) & 1);
       load_kv(it + C::kStages);
+    }
+  };
+
+  if (n_iter > 0) mbar_wait(&bar_q, 0);
+  if constexpr (C::kOverlap) {
+    // FlashAttention-3's intra-warpgroup pipelining: Q K^T of tile it + 1 is issued before
+    // P V of tile it, and tile it + 1's softmax runs while P V of tile it is on the tensor
+    // cores. wgmma inputs (P, the rescaled O) are only written while no S is in flight that
+    // they would wait behind, so ptxas keeps the wgmma pipeline (no serialisation).
+    float acc_s[1][C::kNT][4];
+    auto& s_flat = reinterpret_cast<float(&)[C::kNT * 4]>(acc_s);
+    uint32_t pf[C::kBlockN / 16][4];
+    float alpha[2];
+    if (n_iter > 0) {
+      issue_s(s_flat, 0);
+      wgmma_wait<0>();
+      reg_fence(s_flat);
+      softmax(acc_s, 0, alpha);
+      pack_p(acc_s, pf);
+    }
+    // Every tile but the last has a next one; the last is peeled off, so each wgmma_wait
+    // below retires the same groups on every path (ptxas serialises wgmma otherwise).
+    for (int it = 0; it + 1 < n_iter; ++it) {
+      scale_o(alpha);
+      issue_s(s_flat, it + 1);
+      issue_pv(pf, it);
+      wgmma_wait<1>();  // Q K^T of tile it + 1 (P V of tile it still runs)
+      reg_fence(s_flat);
+      softmax(acc_s, it + 1, alpha);
+      wgmma_wait<0>();
+      fence_o();
+      release(it);
+      pack_p(acc_s, pf);
+    }
+    if (n_iter > 0) {
+      scale_o(alpha);
+      issue_pv(pf, n_iter - 1);
+      wgmma_wait<0>();
+      fence_o();
+      release(n_iter - 1);
+    }
+  } else {
+    for (int it = 0; it < n_iter; ++it) {
+      float acc_s[1][C::kNT][4];
+      auto& s_flat = reinterpret_cast<float(&)[C::kNT * 4]>(acc_s);
+      issue_s(s_flat, it);
+      wgmma_wait<0>();
+      reg_fence(s_flat);
+      float alpha[2];
+      uint32_t pf[C::kBlockN / 16][4];
+      softmax(acc_s, it, alpha);
+      pack_p(acc_s, pf);
+      scale_o(alpha);
+      issue_pv(pf, it);
+      wgmma_wait<0>();
+      fence_o();
+      release(it);
     }
   }
 
