@@ -4,10 +4,12 @@ A sibling of the mma.sync forward that serves the same kernel kind on the archit
 specific target: it keeps the forward's parameter struct (`fg_fwd_params`), IO keys, runner,
 tests and benchmarks, and replaces the mainloop (include/flashgen/fwd_sm90_kernel.cuh).
 
-Tile rules: `warps` is 4, 8 or 12 (1 to 3 consumer warpgroups of 64 query rows each, so
-`block_m = 16 * warps`); `block_n` is 64 or 128 (the wgmma N of Q K^T); `stages` (1..4) K/V
-tiles in the TMA ring. Head dims are multiples of 16 in 16..256; shared memory holds them
-rounded up to 64 columns (the TMA box), so head_dim 96 computes on 128 columns.
+Tile rules: `warps` is 4, 8 or 12 consumer warps (1 to 3 warpgroups of 64 query rows each,
+so `block_m = 16 * warps`), plus one producer warpgroup that issues the TMA loads;
+`block_n` is 64 or 128 (the wgmma N of Q K^T); `stages` (1..4) K/V tiles in the TMA ring;
+three or more stages turn on the pipelined, ping-pong loop. Head dims are multiples of 16
+in 16..256; shared memory holds them rounded up to 64 columns (the TMA box), so head_dim
+96 computes on 128 columns.
 Shared memory: Q tile plus `stages` K and V tiles of `Dp = ceil(head_dim / 64) * 64` columns,
 plus 1024 bytes of alignment slack (SW128 tiles start on 1024-byte boundaries).
 Not on this path yet (rejected by name): varlen, block sparsity, instrument_io.
@@ -96,14 +98,26 @@ class ForwardSm90(Forward):
     def smem_bytes(self, spec: KernelSpec) -> int:
         return smem_bytes(spec.tile, spec.head_dim, spec.dtype)
 
+    def threads(self, spec: KernelSpec) -> int:
+        """The consumer warps plus one producer warpgroup (TMA)."""
+        return (spec.tile.warps + 4) * 32
+
     def auto_tile(self, target: Target, dtype: Dtype, head_dim: int, values: dict) -> Tile:
-        """Measured on an H200 (bf16, docs/benchmarks.md "Hopper forward"): two stages of the
-        plain loop beat three of the softmax/wgmma-overlapped one (no warp specialisation
-        yet); three warpgroups (block_m 192) up to 64 padded columns, two above; 128-key
-        tiles up to 128 padded columns, 64-key tiles above (shared memory)."""
+        """Measured on an H200 (bf16, side by side, docs/benchmarks.md "Hopper forward"):
+        three stages, so Q K^T of the next tile and P V of this one overlap the softmax and
+        the consumer warpgroups ping-pong (+6-9% at d=128 and d=64 over two stages); three
+        consumer warpgroups (block_m 192) up to 64 padded columns, two above; 128-key tiles
+        up to 128 padded columns, 64-key tiles above; two stages where three do not fit in
+        shared memory (d > 192) or with the debug keep-mask (registers)."""
         pad = head_dim_pad(head_dim)
         warps = 12 if pad <= 64 else 8
-        return Tile(block_m=16 * warps, block_n=128 if pad <= 128 else 64, warps=warps, stages=2)
+        block_n = 128 if pad <= 128 else 64
+        # the debug keep-mask's stores beside the pipelined loop spill (ptxas): two stages
+        for stages in (2,) if values.get("debug_keep_mask") else (3, 2):
+            tile = Tile(block_m=16 * warps, block_n=block_n, warps=warps, stages=stages)
+            if smem_bytes(tile, head_dim, dtype) + 64 <= target.info.max_smem_per_block:
+                return tile
+        return tile
 
     def head_dim_ok(self, head_dim: Any) -> bool:
         return head_dim in HEAD_DIMS

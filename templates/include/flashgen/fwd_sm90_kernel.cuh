@@ -13,10 +13,12 @@
 //              bytes land, empty[slot] when every warp has finished reading it
 //   parity     the phase of a slot's barriers for tile it: (it / stages) & 1
 //
-// Per CTA: thread 0 loads Q and the first `stages` K/V tiles by TMA; every group then, per
+// Per CTA: a producer warpgroup (24 registers) whose one thread loads Q and streams the K/V
+// tiles by TMA into the ring; every consumer group (the rest of the registers) then, per
 // tile: waits full[slot], S = Q K^T (wgmma, fp32), masks (mask.cuh), folds S into the online
 // softmax, dropout (frag.cuh, the forward's Philox stream), O += P V (wgmma, P in registers),
-// and signals empty[slot]; thread 0 refills the slot with tile it + stages once every warp has.
+// and signals empty[slot]. With three or more stages, Q K^T of the next tile and P V of this
+// one are issued together and the groups take turns (ping-pong), FlashAttention-3's schedule.
 // O = acc / l and LSE are stored from registers. Rows without a visible key give O = 0 and
 // LSE = -inf, as everywhere.
 #pragma once
@@ -48,8 +50,14 @@ template <class S>
 struct FwdSm90Config : S {
   using S::kBlockM, S::kBlockN, S::kHeadDim, S::kWarps, S::kStages;
   using Elem = typename S::Elem;
-  static constexpr int kThreads = kWarps * 32;
+  // `warps` are the consumers; one more warpgroup is the TMA producer.
+  static constexpr int kConsumerThreads = kWarps * 32;
+  static constexpr int kThreads = kConsumerThreads + 128;
   static constexpr int kGroups = kWarps / 4;
+  // setmaxnreg: the producer keeps 24 registers, the consumers share the rest of the 64K
+  // (multiples of 8: 240 for one or two consumer warpgroups, 160 for three).
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = kGroups == 3 ? 160 : 240;
   static constexpr int kHeadDimPad = (kHeadDim + 63) / 64 * 64;
   static constexpr int kBoxes = kHeadDimPad / 64;
   static constexpr int kOChunk = kHeadDimPad % 128 == 0 ? 128 : 64;  // wgmma N of P V
@@ -63,6 +71,10 @@ struct FwdSm90Config : S {
   // Softmax overlapped with the neighbouring tiles' wgmma (with two stages the next tile's
   // load would wait for the slot released at the end of this one, exposing its latency).
   static constexpr bool kOverlap = kStages >= 3;
+  // ... and the consumer warpgroups take turns issuing their wgmma (ping-pong), so one's
+  // softmax runs while another's GEMMs occupy the tensor cores.
+  static constexpr bool kPingPong = kOverlap && kGroups >= 2;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536, "registers");
 
   static_assert(kWarps % 4 == 0 && kGroups >= 1 && kGroups <= 3, "1 to 3 warpgroups");
   static_assert(kBlockM == 64 * kGroups, "block_m = 64 rows per warpgroup");
@@ -121,7 +133,7 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
 #pragma unroll
     for (int s = 0; s < C::kStages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], C::kWarps);
+      mbar_init(&empty[s], C::kConsumerThreads);
     }
     mbar_init_fence();
   }
@@ -137,7 +149,7 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
       tma_load_4d(dst, &map, bar, col, static_cast<int>(row), static_cast<int>(head),
                   static_cast<int>(b));
   };
-  auto load_kv = [&](int it) {  // thread 0
+  auto load_kv = [&](int it) {  // the producer thread
     const int slot = it % C::kStages;
     const int64_t row = sched.tile(it, io, false) * C::kBlockN;
     mbar_arrive_expect_tx(&full[slot], 2 * C::kKvBytes);
@@ -148,15 +160,24 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
       tma(sV + off, maps.v, maps.kv_heads_inner, &full[slot], j * 64, row, hk);
     }
   };
-  if (tid == 0 && n_iter > 0) {
-    mbar_arrive_expect_tx(&bar_q, C::kQBytes);
+  // ---- producer warpgroup: one thread issues every TMA load; slot s is refilled once every
+  // consumer thread has released it (empty[s]) ----------------------------------------------
+  if (warp >= C::kWarps) {
+    regs_dealloc<C::kProducerRegs>();
+    if (warp == C::kWarps && lane == 0 && n_iter > 0) {
+      mbar_arrive_expect_tx(&bar_q, C::kQBytes);
 #pragma unroll
-    for (int j = 0; j < C::kBoxes; ++j)
-      tma(sQ + j * C::kQBox, maps.q, maps.q_heads_inner, &bar_q, j * 64, r0, h);
-#pragma unroll
-    for (int s = 0; s < C::kStages; ++s)
-      if (s < n_iter) load_kv(s);
+      for (int j = 0; j < C::kBoxes; ++j)
+        tma(sQ + j * C::kQBox, maps.q, maps.q_heads_inner, &bar_q, j * 64, r0, h);
+      for (int it = 0; it < n_iter; ++it) {
+        if (it >= C::kStages)
+          mbar_wait(&empty[it % C::kStages], ((it / C::kStages) - 1) & 1);
+        load_kv(it);
+      }
+    }
+    return;
   }
+  regs_alloc<C::kConsumerRegs>();
 
   RowState st[2] = {RowState{-INFINITY, 0.f}, RowState{-INFINITY, 0.f}};
   float acc_o[C::kOChunks][C::kOChunk / 8][4];
@@ -246,16 +267,19 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
 #pragma unroll
     for (int c = 0; c < C::kOChunks; ++c) scale_rows(acc_o[c], alpha);
   };
-  // This warp is done with tile it's slot; thread 0 refills it (tile it + stages) once every
-  // warp is.
-  auto release = [&](int it) {
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[it % C::kStages]);
-    if (tid == 0 && it + C::kStages < n_iter) {
-      mbar_wait(&empty[it % C::kStages], (it / C::kStages) & 1);
-      load_kv(it + C::kStages);
-    }
+  // This thread is done with tile it's slot (every consumer thread arrives: no divergence
+  // beside in-flight wgmma).
+  auto release = [&](int it) { mbar_arrive(&empty[it % C::kStages]); };
+  // Ping-pong: a warpgroup issues its wgmma between taking its turn (named barrier 1 + group)
+  // and passing it on to the next group; the last group opens the first turn.
+  auto turn_take = [&] {
+    if constexpr (C::kPingPong) named_bar_sync(1 + group, 256);
   };
+  auto turn_pass = [&] {
+    if constexpr (C::kPingPong) named_bar_arrive(1 + (group + 1) % C::kGroups, 256);
+  };
+  if constexpr (C::kPingPong)
+    if (group == C::kGroups - 1) named_bar_arrive(1, 256);
 
   if (n_iter > 0) mbar_wait(&bar_q, 0);
   if constexpr (C::kOverlap) {
@@ -268,7 +292,9 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
     uint32_t pf[C::kBlockN / 16][4];
     float alpha[2];
     if (n_iter > 0) {
+      turn_take();
       issue_s(s_flat, 0);
+      turn_pass();
       wgmma_wait<0>();
       reg_fence(s_flat);
       softmax(acc_s, 0, alpha);
@@ -278,8 +304,10 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
     // below retires the same groups on every path (ptxas serialises wgmma otherwise).
     for (int it = 0; it + 1 < n_iter; ++it) {
       scale_o(alpha);
+      turn_take();
       issue_s(s_flat, it + 1);
       issue_pv(pf, it);
+      turn_pass();
       wgmma_wait<1>();  // Q K^T of tile it + 1 (P V of tile it still runs)
       reg_fence(s_flat);
       softmax(acc_s, it + 1, alpha);
@@ -290,7 +318,9 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
     }
     if (n_iter > 0) {
       scale_o(alpha);
+      turn_take();
       issue_pv(pf, n_iter - 1);
+      turn_pass();
       wgmma_wait<0>();
       fence_o();
       release(n_iter - 1);

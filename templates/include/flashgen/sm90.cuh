@@ -118,6 +118,15 @@ __device__ __forceinline__ void reg_fence(float (&d)[kN]) {
   for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// Named barriers (ids 1..15; 0 is __syncthreads): `count` threads in all, some syncing
+// (waiting) and some only arriving. Used to take turns between warpgroups.
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
 // Warpgroup register reallocation (producer warps give registers to consumer warps).
 template <int kRegs>
 __device__ __forceinline__ void regs_dealloc() {
