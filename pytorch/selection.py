@@ -40,6 +40,7 @@ from flashgen.generator.spec import (
 
 __all__ = [
     "CAPABILITIES",
+    "PREFERRED",
     "DTYPES",
     "AttentionCall",
     "Problem",
@@ -245,10 +246,17 @@ def target_for(capability: Sequence[int]) -> Target:
         have = ", ".join(f"{a}.{b} ({t.yaml})" for (a, b), t in CAPABILITIES.items())
         raise UnsupportedCall(
             f"no flashgen target for a GPU of compute capability {cap[0]}.{cap[1]} "
-            f"(supported: {have}; {Target.SM90A.yaml} is reserved for wgmma kernels and not "
-            "implemented)"
+            f"(supported: {have})"
         )
     return target
+
+
+# Kinds with a faster architecture-specific family on some capability: tried first there,
+# and used when that family serves the call (generator/families/forward_sm90.py: no varlen
+# yet); otherwise the portable family of `target_for` serves it.
+PREFERRED: dict[tuple[KernelKind, tuple[int, int]], Target] = {
+    (KernelKind.FORWARD, (9, 0)): Target.SM90A,
+}
 
 
 @dataclass(frozen=True)
@@ -276,8 +284,17 @@ def _head_dims(dims: Sequence[int]) -> str:
 
 @lru_cache(maxsize=None)
 def _spec(kind: KernelKind, call: AttentionCall) -> KernelSpec:
-    target = target_for(call.capability)
-    fam = family(kind)
+    preferred = PREFERRED.get((kind, tuple(call.capability)))
+    if preferred is not None:
+        try:
+            return _spec_for(kind, call, preferred)
+        except UnsupportedCall:
+            pass  # e.g. varlen on sm_90a: the portable family of this GPU serves it
+    return _spec_for(kind, call, target_for(call.capability))
+
+
+def _spec_for(kind: KernelKind, call: AttentionCall, target: Target) -> KernelSpec:
+    fam = family(kind, target)
     if not fam.head_dim_ok(call.head_dim):
         dims = FWD_HEAD_DIMS if kind is KernelKind.FORWARD else BWD_HEAD_DIMS
         hint = ""

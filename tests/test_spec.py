@@ -589,9 +589,35 @@ def test_valid_mappings_load_to_one_valid_spec(mapping):
     assert spec.dtype.yaml == mapping["dtype"] and spec.head_dim == mapping["head_dim"]
 
 
-def test_sm90a_is_rejected_by_the_mma_sync_forward_with_the_targets_it_takes():
-    with pytest.raises(SpecError, match="target: sm_90a is not served by the mma.sync forward"):
-        load("dtype: bf16\nhead_dim: 64\ntarget: sm_90a\n")
+def test_sm90a_forward_is_served_by_the_hopper_family():
+    from flashgen.generator.families import family
+
+    spec = one("dtype: bf16\nhead_dim: 64\ntarget: sm_90a\n")
+    assert family(spec).templates == "forward_sm90" and spec.threads == (spec.tile.warps + 4) * 32
+    assert family(one("dtype: bf16\nhead_dim: 64\n")).templates == "forward"
+    # the portable mma.sync family refuses sm_90a, naming the targets it takes
+    from flashgen.generator.families.forward import FAMILY as MMA_SYNC
+
+    problems = dict(MMA_SYNC.problems(spec))
+    assert "not served by the mma.sync forward" in problems["target"]
+
+
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        ("mask: {varlen: true}", "mask.varlen"),
+        ("sparsity: block", "sparsity"),
+        ("instrument_io: true", "instrument_io"),
+    ],
+)
+def test_hopper_forward_rejects_what_it_does_not_serve_by_name(text, field):
+    with pytest.raises(SpecError, match=f"{field}: not on the sm_90a .wgmma. forward yet"):
+        load(f"dtype: bf16\nhead_dim: 64\ntarget: sm_90a\n{text}\n")
+
+
+def test_backward_and_decode_refuse_sm90a():
+    with pytest.raises(SpecError, match="sm_90a"):
+        load("kernel: backward\ndtype: bf16\nhead_dim: 64\ntarget: sm_90a\n")
 
 
 def test_a_field_of_another_family_is_rejected_naming_where_it_applies():

@@ -20,10 +20,16 @@
 //              so the fp32 sums are the same on every run. CTAs only wait for CTAs of lower
 //              index, which the hardware starts first: no deadlock.
 //
-// Per step: S = Q K^T and dP = dO V^T (mma), mask (mask.cuh) and dropout (frag.cuh) exactly
-// as the forward, P from the caller's LSE, dS; then dV += Pd^T dO, dK += dS^T Q (kept in
-// registers over all steps, so GQA groups sum with no expanded copy) and dQ += dS K
-// (atomics). Q/dO of the next step stream in with cp.async while this one computes.
+//   P scratch  kPScratch builds: each thread's P in fp32 shared memory (its own slots, no
+//              barrier) while dP is computed, so S's registers are free at the step's peak
+//              (the dK/dV accumulators of 128 keys x d = 128 fill half the register file)
+//   keep bits  dropout's keep decisions of a thread's fragment, one bit per element
+//
+// Per step: S = Q K^T (mma), mask (mask.cuh) and dropout (frag.cuh) exactly as the forward,
+// P from the caller's LSE, Pd to shared memory; then dP = dO V^T and dS = P (dP - D); then
+// dV += Pd^T dO and dK += dS^T Q, one product at a time (kept in registers over all steps,
+// so GQA groups sum with no expanded copy) and dQ += dS K (atomics). Q/dO of the next step
+// stream in with cp.async while this one computes.
 #pragma once
 
 #include <stdint.h>
@@ -58,26 +64,38 @@ struct BwdConfig : S {
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kStride = kHeadDim + 8;   // K, V, Q, dO rows (elements)
   static constexpr int kPStride = kBlockN + 8;   // P, dS rows (elements)
+  // Warps along rows of each stage's output (families/backward.py warp_layouts: up to
+  // d = 128 warp tiles as square as the block allows, which minimises each warp's ldmatrix
+  // reads per mma; beyond, 16-row warp tiles, lighter on registers).
   // S/dP: warps over (query rows, keys)
-  static constexpr int kSRows = cmin(kWarps, kBlockM / 16), kSCols = kWarps / kSRows;
+  static constexpr int kSRows = S::kSRows, kSCols = kWarps / kSRows;
   static constexpr int kSMT = kBlockM / 16 / kSRows, kSNT = kBlockN / kSCols / 8;
   // dK/dV: warps over (keys, head dim)
-  static constexpr int kKvRows = cmin(kWarps, kBlockN / 16), kKvCols = kWarps / kKvRows;
+  static constexpr int kKvRows = S::kKvRows, kKvCols = kWarps / kKvRows;
   static constexpr int kKvMT = kBlockN / 16 / kKvRows, kKvDT = kHeadDim / kKvCols / 8;
   // dQ: warps over (query rows, head dim)
-  static constexpr int kQRows = cmin(kWarps, kBlockM / 16), kQCols = kWarps / kQRows;
+  static constexpr int kQRows = S::kQRows, kQCols = kWarps / kQRows;
   static constexpr int kQMT = kBlockM / 16 / kQRows, kQDT = kHeadDim / kQCols / 8;
   static constexpr int kKS = kHeadDim / 16, kMS = kBlockM / 16, kNS = kBlockN / 16;
 
   static constexpr int kElem = static_cast<int>(sizeof(Elem));
   static constexpr int kKvTile = kBlockN * kStride, kQTile = kBlockM * kStride;
   static constexpr int kPTile = kBlockM * kPStride;
+  // P through an fp32 scratch instead of registers while dP is computed (the generator's
+  // choice, families/backward.py p_scratch): frees kBlockM * kBlockN / kThreads registers at
+  // the step's peak, where the dK/dV accumulators, S and dP would all be live.
+  static constexpr bool kPScratch = S::kPScratch;
   static constexpr int kSmemBytes = (2 * kKvTile + 2 * kStages * kQTile + 2 * kPTile) * kElem +
-                                    2 * kStages * kBlockM * 4;
+                                    2 * kStages * kBlockM * 4 +
+                                    (kPScratch ? kBlockM * kBlockN * 4 : 0);
 
   static_assert(kSRows * kSCols == kWarps && kSNT % 2 == 0, "S/dP warp layout");
   static_assert(kKvRows * kKvCols == kWarps && kKvDT % 2 == 0, "dK/dV warp layout");
   static_assert(kQRows * kQCols == kWarps && kQDT % 2 == 0, "dQ warp layout");
+  // Each layout covers its output exactly (families/backward.py tile_problems checks the same).
+  static_assert(kSMT * kSRows * 16 == kBlockM && kSNT * kSCols * 8 == kBlockN, "S/dP cover");
+  static_assert(kKvMT * kKvRows * 16 == kBlockN && kKvDT * kKvCols * 8 == kHeadDim, "dK/dV cover");
+  static_assert(kQMT * kQRows * 16 == kBlockM && kQDT * kQCols * 8 == kHeadDim, "dQ cover");
   static_assert(kStages == 1 || kStages == 2, "stages");
   static_assert(!S::kKeepMaskOut || S::kDropout, "the keep-mask output needs dropout");
 };
@@ -126,6 +144,7 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
   Elem* sdS = sP + C::kPTile;
   float* sLse = reinterpret_cast<float*>(sdS + C::kPTile);
   float* sD = sLse + C::kStages * C::kBlockM;
+  float* sPf = sD + C::kStages * C::kBlockM;  // kPScratch: each thread's P (fp32)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g8 = lane >> 2, t4 = lane & 3;
@@ -256,16 +275,14 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
     const float* lse_s = sLse + slot * C::kBlockM;
     const float* d_s = sD + slot * C::kBlockM;
 
-    // ---- S = Q K^T and dP = dO V^T over (query rows, keys) ------------------------------
-    float acc_s[C::kSMT][C::kSNT][4], acc_dp[C::kSMT][C::kSNT][4];
-#pragma unroll
-    for (int mt = 0; mt < C::kSMT; ++mt)
-#pragma unroll
-      for (int n8 = 0; n8 < C::kSNT; ++n8)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_s[mt][n8][e] = acc_dp[mt][n8][e] = 0.f;
-    // Two passes (S, then dP) keep one operand set live at a time.
+    // ---- S = Q K^T, P and Pd; then dP = dO V^T and dS, over (query rows, keys) ----------
     auto scores = [&](uint32_t a_slot, uint32_t b_base, float (&acc)[C::kSMT][C::kSNT][4]) {
+#pragma unroll
+      for (int mt = 0; mt < C::kSMT; ++mt)
+#pragma unroll
+        for (int n8 = 0; n8 < C::kSNT; ++n8)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[mt][n8][e] = 0.f;
 #pragma unroll
       for (int kk = 0; kk < C::kKS; ++kk) {
         uint32_t a[C::kSMT][4];
@@ -286,32 +303,35 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
         }
       }
     };
-    scores(q_slot, sK_a, acc_s);
-    scores(do_slot, sV_a, acc_dp);
+    // The fragment element (mt, n8, e) of this thread: its row in the tile, its bit in `keep`
+    // and its fp32 slot in the thread's scratch (float4 c at (c * threads + tid) * 4: each
+    // quarter warp touches 128 consecutive bytes, no bank conflict).
+    auto frag_row = [&](int mt, int e) { return s_row0 + mt * 16 + g8 + (e >> 1) * 8; };
+    auto sp_slot = [&](int mt, int n8) {
+      return sPf + ((mt * C::kSNT + n8) * C::kThreads + tid) * 4;
+    };
 
+    float acc_s[C::kSMT][C::kSNT][4];
+    scores(q_slot, sK_a, acc_s);
     const bool masked = C::kSparse ? (cur.partial || c0 + C::kBlockN > sk)
                                    : mask.tile_needs_mask(r0, r0 + qr - 1, nt, C::kBlockN);
     if (masked) mask_frag(acc_s, mask.tile(r0 + s_row0, c0 + s_col0), lane);
-
     // P = exp2(S * scale * log2 e - LSE * log2 e); a row whose LSE is -inf (no visible key)
     // gets P = 0, never inf * 0.
 #pragma unroll
     for (int mt = 0; mt < C::kSMT; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = s_row0 + mt * 16 + g8 + r * 8;
-        const float lse = lse_s[row];
+      for (int e = 0; e < 4; ++e) {
+        const float lse = lse_s[frag_row(mt, e)];
         const float base = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
-        const float dsum = d_s[row];
 #pragma unroll
         for (int n8 = 0; n8 < C::kSNT; ++n8)
-#pragma unroll
-          for (int e = 2 * r; e < 2 * r + 2; ++e) {
-            const float pe = exp2_approx(__fsub_rn(__fmul_rn(acc_s[mt][n8][e], scale_log2), base));
-            acc_s[mt][n8][e] = pe;
-            if (!C::kDropout) acc_dp[mt][n8][e] = pe * (acc_dp[mt][n8][e] - dsum);
-          }
+          acc_s[mt][n8][e] = exp2_approx(__fsub_rn(__fmul_rn(acc_s[mt][n8][e], scale_log2), base));
       }
+    // Dropout's keep decisions, one bit per fragment element (the forward's Philox stream).
+    uint32_t keep_bits[(C::kSMT * C::kSNT * 4 + 31) / 32];
+#pragma unroll
+    for (int w = 0; w < (C::kSMT * C::kSNT * 4 + 31) / 32; ++w) keep_bits[w] = 0u;
     if (C::kDropout) {
       const DropoutRng rng = make_dropout_rng(p.seed, p.offset, b * p.heads + h, p.dropout_p);
       dropout_frag<C::kSMT, C::kSNT>(
@@ -320,54 +340,91 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
             if (C::kKeepMaskOut && i < sq && j < sk)
               store_keep(p.keep_mask + ((b * p.heads + h) * p.seqlen_q + i) * p.seqlen_k + j, keep,
                          io);
-            const float pe = acc_s[mt][n8][e];
-            const float dsum = d_s[s_row0 + mt * 16 + g8 + (e >> 1) * 8];
-            acc_dp[mt][n8][e] = pe * ((keep ? acc_dp[mt][n8][e] * drop_scale : 0.f) - dsum);
-            acc_s[mt][n8][e] = keep ? pe * drop_scale : 0.f;
+            const int bit = (mt * C::kSNT + n8) * 4 + e;
+            if (keep) keep_bits[bit / 32] |= 1u << (bit % 32);
           });
     }
-    // Pd and dS to shared memory, rows = query, columns = key.
+    auto kept = [&](int mt, int n8, int e) {
+      const int bit = (mt * C::kSNT + n8) * 4 + e;
+      return !C::kDropout || ((keep_bits[bit / 32] >> (bit % 32)) & 1u);
+    };
+    // Pd (P * keep / (1 - p)) to shared memory, rows = query, columns = key; with kPScratch
+    // P itself goes to the thread's fp32 scratch, so S's registers are free while dP runs.
 #pragma unroll
     for (int mt = 0; mt < C::kSMT; ++mt)
 #pragma unroll
-      for (int n8 = 0; n8 < C::kSNT; ++n8)
+      for (int n8 = 0; n8 < C::kSNT; ++n8) {
+        float pd[4];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int idx = (s_row0 + mt * 16 + g8 + r * 8) * C::kPStride + s_col0 + n8 * 8 + 2 * t4;
-          *reinterpret_cast<uint32_t*>(sP + idx) =
-              MmaT::pack(acc_s[mt][n8][2 * r], acc_s[mt][n8][2 * r + 1]);
-          *reinterpret_cast<uint32_t*>(sdS + idx) =
-              MmaT::pack(acc_dp[mt][n8][2 * r], acc_dp[mt][n8][2 * r + 1]);
+        for (int e = 0; e < 4; ++e)
+          pd[e] = !C::kDropout      ? acc_s[mt][n8][e]
+                  : kept(mt, n8, e) ? acc_s[mt][n8][e] * drop_scale
+                                    : 0.f;
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          *reinterpret_cast<uint32_t*>(sP + frag_row(mt, 2 * r) * C::kPStride + s_col0 + n8 * 8 +
+                                       2 * t4) = MmaT::pack(pd[2 * r], pd[2 * r + 1]);
+        if (C::kPScratch)
+          *reinterpret_cast<float4*>(sp_slot(mt, n8)) =
+              make_float4(acc_s[mt][n8][0], acc_s[mt][n8][1], acc_s[mt][n8][2], acc_s[mt][n8][3]);
+      }
+
+    float acc_dp[C::kSMT][C::kSNT][4];
+    scores(do_slot, sV_a, acc_dp);
+    // dS = P * (dP * keep / (1 - p) - D), to shared memory like Pd.
+#pragma unroll
+    for (int mt = 0; mt < C::kSMT; ++mt)
+#pragma unroll
+      for (int n8 = 0; n8 < C::kSNT; ++n8) {
+        float pe[4];
+        if (C::kPScratch) {
+          const float4 v = *reinterpret_cast<const float4*>(sp_slot(mt, n8));
+          pe[0] = v.x, pe[1] = v.y, pe[2] = v.z, pe[3] = v.w;
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pe[e] = acc_s[mt][n8][e];
         }
+        float ds[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float dsum = d_s[frag_row(mt, e)];
+          const float dp = !C::kDropout ? acc_dp[mt][n8][e]
+                                        : kept(mt, n8, e) ? acc_dp[mt][n8][e] * drop_scale : 0.f;
+          ds[e] = pe[e] * (dp - dsum);
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          *reinterpret_cast<uint32_t*>(sdS + frag_row(mt, 2 * r) * C::kPStride + s_col0 + n8 * 8 +
+                                       2 * t4) = MmaT::pack(ds[2 * r], ds[2 * r + 1]);
+      }
     __syncthreads();  // Pd and dS visible to every warp
 
     // ---- dV += Pd^T dO and dK += dS^T Q over (keys, head dim) ---------------------------
+    // One product at a time: each operand is read once either way, and only one A set (the
+    // transposed Pd or dS rows) is live next to the accumulators.
+    auto kv_update = [&](uint32_t a_base, uint32_t b_slot, float (&acc)[C::kKvMT][C::kKvDT][4]) {
 #pragma unroll
-    for (int ks = 0; ks < C::kMS; ++ks) {
-      uint32_t ap[C::kKvMT][4], ads[C::kKvMT][4];
+      for (int ks = 0; ks < C::kMS; ++ks) {
+        uint32_t a[C::kKvMT][4];
 #pragma unroll
-      for (int mt = 0; mt < C::kKvMT; ++mt) {
-        // A = Pd^T from its transposed storage [query][key]: ldmatrix.trans, "b" offsets
-        const uint32_t off =
-            ((ks * 16 + lo.b_row) * C::kPStride + kv_row0 + mt * 16 + lo.b_col) * kE;
-        ldmatrix_x4_trans(ap[mt], sP_a + off);
-        ldmatrix_x4_trans(ads[mt], sdS_a + off);
-      }
+        for (int mt = 0; mt < C::kKvMT; ++mt)  // A = Pd^T or dS^T, stored [query][key]: .trans
+          ldmatrix_x4_trans(a[mt], a_base + ((ks * 16 + lo.b_row) * C::kPStride + kv_row0 +
+                                             mt * 16 + lo.b_col) * kE);
 #pragma unroll
-      for (int dp = 0; dp < C::kKvDT / 2; ++dp) {
-        const uint32_t off = ((ks * 16 + lo.a_row) * C::kStride + kv_col0 + dp * 16 + lo.a_col) * kE;
-        uint32_t bdo[4], bq[4];
-        ldmatrix_x4_trans(bdo, do_slot + off);
-        ldmatrix_x4_trans(bq, q_slot + off);
+        for (int dp = 0; dp < C::kKvDT / 2; ++dp) {
+          uint32_t bt[4];
+          ldmatrix_x4_trans(bt, b_slot + ((ks * 16 + lo.a_row) * C::kStride + kv_col0 + dp * 16 +
+                                          lo.a_col) * kE);
 #pragma unroll
-        for (int mt = 0; mt < C::kKvMT; ++mt) {
-          MmaT::run(acc_dv[mt][2 * dp], ap[mt], bdo[0], bdo[1]);
-          MmaT::run(acc_dv[mt][2 * dp + 1], ap[mt], bdo[2], bdo[3]);
-          MmaT::run(acc_dk[mt][2 * dp], ads[mt], bq[0], bq[1]);
-          MmaT::run(acc_dk[mt][2 * dp + 1], ads[mt], bq[2], bq[3]);
+          for (int mt = 0; mt < C::kKvMT; ++mt) {
+            MmaT::run(acc[mt][2 * dp], a[mt], bt[0], bt[1]);
+            MmaT::run(acc[mt][2 * dp + 1], a[mt], bt[2], bt[3]);
+          }
         }
       }
-    }
+    };
+    kv_update(sP_a, do_slot, acc_dv);
+    kv_update(sdS_a, q_slot, acc_dk);
 
     // ---- dQ += dS K over (query rows, head dim), added to dq_accum ----------------------
     {
@@ -422,9 +479,11 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
           }
         }
       if (C::kDeterministic) {  // this tile's adds are done: the next K/V tile's turn
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) atomicExch(sem, turn + 1);
+        __syncthreads();  // every thread's adds precede thread 0's fence (CTA order) ...
+        if (tid == 0) {
+          __threadfence();  // ... and the fence is cumulative: all of them before the release
+          atomicExch(sem, turn + 1);
+        }
       }
     }
     if (C::kStages == 1) __syncthreads();  // the only buffers are refilled next step
@@ -552,16 +611,24 @@ int64_t bwd_row_grid(const fg_bwd_params& p) {
 }
 
 // The caller's fp32 workspace: dq_accum, then dsum, each rounded up to 256 bytes.
+// `_used` is what the kernels touch (and the launcher zeroes), `_bytes` its padded share.
 inline int64_t bwd_round256(int64_t n) { return (n + 255) / 256 * 256; }
 template <class C>
+int64_t bwd_dq_accum_used(const fg_bwd_params& p) {
+  return p.batch * p.seqlen_q * p.heads * C::kHeadDim * 4;
+}
+template <class C>
 int64_t bwd_dq_accum_bytes(const fg_bwd_params& p) {
-  return bwd_round256(p.batch * p.seqlen_q * p.heads * C::kHeadDim * 4);
+  return bwd_round256(bwd_dq_accum_used<C>(p));
+}
+template <class C>
+int64_t bwd_sem_used(const fg_bwd_params& p) {
+  return C::kDeterministic ? p.batch * p.heads * ((p.seqlen_q + C::kBlockM - 1) / C::kBlockM) * 4
+                           : 0;
 }
 template <class C>
 int64_t bwd_sem_bytes(const fg_bwd_params& p) {
-  return C::kDeterministic
-             ? bwd_round256(p.batch * p.heads * ((p.seqlen_q + C::kBlockM - 1) / C::kBlockM) * 4)
-             : 0;
+  return bwd_round256(bwd_sem_used<C>(p));
 }
 template <class C>
 int64_t bwd_workspace_bytes(const fg_bwd_params& p) {

@@ -9,10 +9,9 @@
 #include <stdint.h>
 
 #include "bwd_params.h"
+#include "host.h"
 
 namespace fg {
-
-inline bool aligned(const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; }
 
 // Returns nullptr when the parameters are acceptable, else what is wrong and what is allowed.
 template <class C>

@@ -1,0 +1,369 @@
+// flashgen: the forward FlashAttention kernel on Hopper (sm_90a): TMA loads into an mbarrier
+// ring, SS-wgmma for Q K^T and RS-wgmma for P V (P straight from S's accumulators).
+//
+// Glossary
+//   CTA        one query tile of block_m = 64 * groups rows of one (batch b, head h)
+//   group      a consumer warpgroup (4 warps, 128 threads) owning 64 query rows; warp w of
+//              it owns 16 of them, and its wgmma accumulators have the m16n8 C layout per
+//              warp (sm90.cuh), so mask, dropout and the online softmax are the mma.sync
+//              forward's own functions (frag.cuh, softmax.cuh) on acc[1][kNT][4]
+//   Dp         head_dim rounded up to 64 (the TMA box width): columns d..Dp-1 read as 0 and
+//              are never stored, so every head dim runs on 64-column SW128 boxes
+//   slot       ring position of a K/V tile (it % stages); full[slot] completes when its TMA
+//              bytes land, empty[slot] when every warp has finished reading it
+//   parity     the phase of a slot's barriers for tile it: (it / stages) & 1
+//
+// Per CTA: a producer warpgroup (24 registers) whose one thread loads Q and streams the K/V
+// tiles by TMA into the ring; every consumer group (the rest of the registers) then, per
+// tile: waits full[slot], S = Q K^T (wgmma, fp32), masks (mask.cuh), folds S into the online
+// softmax, dropout (frag.cuh, the forward's Philox stream), O += P V (wgmma, P in registers),
+// and signals empty[slot]. With three or more stages, Q K^T of the next tile and P V of this
+// one are issued together and the groups take turns (ping-pong), FlashAttention-3's schedule.
+// O = acc / l and LSE are stored from registers. Rows without a visible key give O = 0 and
+// LSE = -inf, as everywhere.
+#pragma once
+
+#include <cuda.h>
+#include <stdint.h>
+
+#include "arch.cuh"
+#include "block_info.cuh"
+#include "frag.cuh"
+#include "mask.cuh"
+#include "params.h"
+#include "philox.cuh"
+#include "schedule.cuh"
+#include "sm90.cuh"
+#include "softmax.cuh"
+#include "tile_io.cuh"
+#include "warp_mma.cuh"
+
+namespace fg {
+
+// The TMA tensor maps of one call (built by the launcher, sm90_host.h).
+struct FwdSm90Maps {
+  CUtensorMap q, k, v;
+  int q_heads_inner, kv_heads_inner;  // coordinate order of the maps (make_tmap_bshd)
+};
+
+template <class S>
+struct FwdSm90Config : S {
+  using S::kBlockM, S::kBlockN, S::kHeadDim, S::kWarps, S::kStages;
+  using Elem = typename S::Elem;
+  // `warps` are the consumers; one more warpgroup is the TMA producer.
+  static constexpr int kConsumerThreads = kWarps * 32;
+  static constexpr int kThreads = kConsumerThreads + 128;
+  static constexpr int kGroups = kWarps / 4;
+  // setmaxnreg: the producer keeps 24 registers, the consumers share the rest of the 64K
+  // (multiples of 8: 240 for one or two consumer warpgroups, 160 for three).
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = kGroups == 3 ? 160 : 240;
+  static constexpr int kHeadDimPad = (kHeadDim + 63) / 64 * 64;
+  static constexpr int kBoxes = kHeadDimPad / 64;
+  static constexpr int kOChunk = kHeadDimPad % 128 == 0 ? 128 : 64;  // wgmma N of P V
+  static constexpr int kOChunks = kHeadDimPad / kOChunk;
+  static constexpr int kNT = kBlockN / 8;
+  static constexpr int kQBox = kBlockM * 64, kKvBox = kBlockN * 64;  // elements per box
+  static constexpr int kElem = static_cast<int>(sizeof(Elem));
+  static constexpr int kQBytes = kBlockM * kHeadDimPad * kElem;
+  static constexpr int kKvBytes = kBlockN * kHeadDimPad * kElem;  // one K (or V) tile
+  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKvBytes + 1024;  // + alignment
+  // Softmax overlapped with the neighbouring tiles' wgmma (with two stages the next tile's
+  // load would wait for the slot released at the end of this one, exposing its latency).
+  static constexpr bool kOverlap = kStages >= 3;
+  // ... and the consumer warpgroups take turns issuing their wgmma (ping-pong), so one's
+  // softmax runs while another's GEMMs occupy the tensor cores.
+  static constexpr bool kPingPong = kOverlap && kGroups >= 2;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536, "registers");
+
+  static_assert(kWarps % 4 == 0 && kGroups >= 1 && kGroups <= 3, "1 to 3 warpgroups");
+  static_assert(kBlockM == 64 * kGroups, "block_m = 64 rows per warpgroup");
+  static_assert(kBlockN == 64 || kBlockN == 128, "block_n: 64 or 128");
+  static_assert(kHeadDim % 16 == 0 && kHeadDim >= 16 && kHeadDim <= 256, "head_dim");
+  static_assert(kStages >= 1 && kStages <= 4, "stages");
+  static_assert(!S::kVarlen && !S::kSparse && !S::kInstrumentIo,
+                "varlen, sparsity and instrument_io are not on the sm_90a path yet");
+  static_assert(!S::kKeepMaskOut || S::kDropout, "the keep-mask output needs dropout");
+};
+
+template <class C>
+__device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
+                                                     const FwdSm90Maps& maps) {
+  using Elem = typename C::Elem;
+  using MmaT = Mma<Elem>;
+  using namespace sm90;
+  extern __shared__ unsigned char smem_raw[];  // SW128 tiles need 1024-byte alignment
+  Elem* sQ = reinterpret_cast<Elem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                     ~uintptr_t{1023});
+  Elem* sK = sQ + C::kBlockM * C::kHeadDimPad;
+  Elem* sV = sK + C::kStages * C::kBlockN * C::kHeadDimPad;
+  __shared__ uint64_t bar_q, full[C::kStages], empty[C::kStages];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int group = warp / 4, g = lane >> 2, t = lane & 3;
+  Io<false, FwdIo> io;
+
+  // ---- which (query tile, head, batch) this CTA is (the forward's order) ------------------
+  const int64_t num_qt = (p.seqlen_q + C::kBlockM - 1) / C::kBlockM;
+  int64_t bid = blockIdx.x;
+  const int64_t qt_raw = bid % num_qt;
+  bid /= num_qt;
+  const int64_t h = bid % p.heads, b = bid / p.heads;
+  if (b >= p.batch) return;
+  const int64_t qt = C::kCausal != Causal::kNone ? num_qt - 1 - qt_raw : qt_raw;
+  const SeqInfo<false> seq(b, p.seqlen_q, p.seqlen_k, nullptr, nullptr, io, false);
+  const int64_t sq = seq.sq, sk = seq.sk;
+  const int64_t r0 = qt * C::kBlockM;
+  const int64_t valid_rows = min(static_cast<int64_t>(C::kBlockM), sq - r0);
+  const int64_t r1 = r0 + valid_rows - 1;
+  const int64_t hk = C::kGqa ? h / (p.heads / p.kv_heads) : h;
+  Elem* gO = static_cast<Elem*>(p.o) + seq.q_off(p.o_batch_stride, p.o_row_stride, r0) +
+             h * p.o_head_stride;
+  float* gLse = p.lse + seq.lse_off(p.lse_batch_stride, p.lse_head_stride, h, r0);
+
+  const MaskPolicy<C::kCausal, C::kWindow> mask(sq, sk, p.window_left, p.window_right);
+  using Schedule = TileSchedule<false, /*descending=*/true>;
+  int64_t n_lo, n_hi;
+  mask.tile_range(r0, r1, C::kBlockN, n_lo, n_hi);
+  const Schedule sched = Schedule::dense(n_lo, n_hi);
+  const int n_iter = sched.count;
+
+  if (tid == 0) {
+    mbar_init(&bar_q, 1);
+#pragma unroll
+    for (int s = 0; s < C::kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], C::kConsumerThreads);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  // TMA coordinates (column, row, head, batch) in the maps' dimension order.
+  auto tma = [&](Elem* dst, const CUtensorMap& map, bool heads_inner, uint64_t* bar, int col,
+                 int64_t row, int64_t head) {
+    if (heads_inner)
+      tma_load_4d(dst, &map, bar, col, static_cast<int>(head), static_cast<int>(row),
+                  static_cast<int>(b));
+    else
+      tma_load_4d(dst, &map, bar, col, static_cast<int>(row), static_cast<int>(head),
+                  static_cast<int>(b));
+  };
+  auto load_kv = [&](int it) {  // the producer thread
+    const int slot = it % C::kStages;
+    const int64_t row = sched.tile(it, io, false) * C::kBlockN;
+    mbar_arrive_expect_tx(&full[slot], 2 * C::kKvBytes);
+#pragma unroll
+    for (int j = 0; j < C::kBoxes; ++j) {
+      const int off = slot * C::kBlockN * C::kHeadDimPad + j * C::kKvBox;
+      tma(sK + off, maps.k, maps.kv_heads_inner, &full[slot], j * 64, row, hk);
+      tma(sV + off, maps.v, maps.kv_heads_inner, &full[slot], j * 64, row, hk);
+    }
+  };
+  // ---- producer warpgroup: one thread issues every TMA load; slot s is refilled once every
+  // consumer thread has released it (empty[s]) ----------------------------------------------
+  if (warp >= C::kWarps) {
+    regs_dealloc<C::kProducerRegs>();
+    if (warp == C::kWarps && lane == 0 && n_iter > 0) {
+      mbar_arrive_expect_tx(&bar_q, C::kQBytes);
+#pragma unroll
+      for (int j = 0; j < C::kBoxes; ++j)
+        tma(sQ + j * C::kQBox, maps.q, maps.q_heads_inner, &bar_q, j * 64, r0, h);
+      for (int it = 0; it < n_iter; ++it) {
+        if (it >= C::kStages)
+          mbar_wait(&empty[it % C::kStages], ((it / C::kStages) - 1) & 1);
+        load_kv(it);
+      }
+    }
+    return;
+  }
+  regs_alloc<C::kConsumerRegs>();
+
+  RowState st[2] = {RowState{-INFINITY, 0.f}, RowState{-INFINITY, 0.f}};
+  float acc_o[C::kOChunks][C::kOChunk / 8][4];
+#pragma unroll
+  for (int c = 0; c < C::kOChunks; ++c)
+#pragma unroll
+    for (int j = 0; j < C::kOChunk / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[c][j][e] = 0.f;
+
+  const int row0 = warp * 16;  // the warp's first row of the tile (group * 64 + 16 * w)
+  const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
+  DropoutRng rng{};
+  float drop_scale = 1.f;
+  if (C::kDropout) {
+    rng = make_dropout_rng(p.seed, p.offset, b * p.heads + h, p.dropout_p);
+    drop_scale = static_cast<float>(1.0 / (1.0 - p.dropout_p));
+  }
+
+  // ---- the steps of one K/V tile, shared by both loop orders below ------------------------
+  auto slot_k = [&](int it) { return sK + (it % C::kStages) * C::kBlockN * C::kHeadDimPad; };
+  auto slot_v = [&](int it) { return sV + (it % C::kStages) * C::kBlockN * C::kHeadDimPad; };
+  // Issues S = Q K^T of tile it (k16 slice kk: box kk / 4, 32 bytes * (kk % 4) into each
+  // 128-byte row) and commits it as one wgmma group.
+  auto issue_s = [&](float (&s)[C::kNT * 4], int it) {
+    mbar_wait(&full[it % C::kStages], (it / C::kStages) & 1);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < C::kHeadDimPad / 16; ++kk) {
+      const int box = kk / 4, col = (kk % 4) * 16;
+      Wgmma<Elem, C::kBlockN>::template ss<0>(
+          s, desc_k_major(sQ + box * C::kQBox + group * 64 * 64 + col),
+          desc_k_major(slot_k(it) + box * C::kKvBox + col), kk > 0);
+    }
+    wgmma_commit();
+  };
+  // Mask, online softmax (alpha: the rescale of acc_o, applied by the caller) and dropout,
+  // in place: acc_s becomes P.
+  auto softmax = [&](float (&acc_s)[1][C::kNT][4], int it, float (&alpha)[2]) {
+    const int64_t n = sched.tile(it, io, false);
+    if (mask.tile_needs_mask(r0, r1, n, C::kBlockN))
+      mask_frag(acc_s, mask.tile(r0 + row0, n * C::kBlockN), lane);
+    online_softmax_update(st, acc_s[0], scale_log2, alpha);
+    if (C::kDropout) {
+      dropout_frag<1, C::kNT>(
+          rng, r0 + row0, n * C::kBlockN, lane,
+          [&](int mt, int nt, int e, bool keep, int64_t i, int64_t j) {
+            if (C::kKeepMaskOut && i < sq && j < sk)
+              store_keep(p.keep_mask + ((b * p.heads + h) * p.seqlen_q + i) * p.seqlen_k + j,
+                         keep, io);
+            acc_s[mt][nt][e] = keep ? acc_s[mt][nt][e] * drop_scale : 0.f;
+          });
+    }
+  };
+  // P packed as RS-wgmma A operands (S's n8 tiles 2 kk2 and 2 kk2 + 1 are P's k16 slice kk2).
+  auto pack_p = [&](const float (&acc_s)[1][C::kNT][4], uint32_t (&pf)[C::kBlockN / 16][4]) {
+#pragma unroll
+    for (int kk2 = 0; kk2 < C::kBlockN / 16; ++kk2)
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        pf[kk2][r] = MmaT::pack(acc_s[0][2 * kk2 + (r >> 1)][2 * (r & 1)],
+                                acc_s[0][2 * kk2 + (r >> 1)][2 * (r & 1) + 1]);
+  };
+  // Issues O += P V of tile it (V's rows 16 kk2 .. start 2048 bytes * kk2 into each box; the
+  // boxes of one wgmma N chunk are kKvBox apart) as one wgmma group.
+  auto issue_pv = [&](const uint32_t (&pf)[C::kBlockN / 16][4], int it) {
+    wgmma_fence();
+#pragma unroll
+    for (int c = 0; c < C::kOChunks; ++c) {
+      auto& o_flat = reinterpret_cast<float(&)[C::kOChunk / 2]>(acc_o[c]);
+#pragma unroll
+      for (int kk2 = 0; kk2 < C::kBlockN / 16; ++kk2)
+        Wgmma<Elem, C::kOChunk>::template rs<1>(
+            o_flat, pf[kk2],
+            desc_mn_major(slot_v(it) + (c * C::kOChunk / 64) * C::kKvBox + kk2 * 16 * 64,
+                          C::kKvBox * C::kElem),
+            1);
+    }
+    wgmma_commit();
+  };
+  auto fence_o = [&] {
+#pragma unroll
+    for (int c = 0; c < C::kOChunks; ++c)
+      reg_fence(reinterpret_cast<float(&)[C::kOChunk / 2]>(acc_o[c]));
+  };
+  auto scale_o = [&](const float (&alpha)[2]) {
+#pragma unroll
+    for (int c = 0; c < C::kOChunks; ++c) scale_rows(acc_o[c], alpha);
+  };
+  // This thread is done with tile it's slot (every consumer thread arrives: no divergence
+  // beside in-flight wgmma).
+  auto release = [&](int it) { mbar_arrive(&empty[it % C::kStages]); };
+  // Ping-pong: a warpgroup issues its wgmma between taking its turn (named barrier 1 + group)
+  // and passing it on to the next group; the last group opens the first turn.
+  auto turn_take = [&] {
+    if constexpr (C::kPingPong) named_bar_sync(1 + group, 256);
+  };
+  auto turn_pass = [&] {
+    if constexpr (C::kPingPong) named_bar_arrive(1 + (group + 1) % C::kGroups, 256);
+  };
+  if constexpr (C::kPingPong)
+    if (group == C::kGroups - 1) named_bar_arrive(1, 256);
+
+  if (n_iter > 0) mbar_wait(&bar_q, 0);
+  if constexpr (C::kOverlap) {
+    // FlashAttention-3's intra-warpgroup pipelining: Q K^T of tile it + 1 is issued before
+    // P V of tile it, and tile it + 1's softmax runs while P V of tile it is on the tensor
+    // cores. wgmma inputs (P, the rescaled O) are only written while no S is in flight that
+    // they would wait behind, so ptxas keeps the wgmma pipeline (no serialisation).
+    float acc_s[1][C::kNT][4];
+    auto& s_flat = reinterpret_cast<float(&)[C::kNT * 4]>(acc_s);
+    uint32_t pf[C::kBlockN / 16][4];
+    float alpha[2];
+    if (n_iter > 0) {
+      turn_take();
+      issue_s(s_flat, 0);
+      turn_pass();
+      wgmma_wait<0>();
+      reg_fence(s_flat);
+      softmax(acc_s, 0, alpha);
+      pack_p(acc_s, pf);
+    }
+    // Every tile but the last has a next one; the last is peeled off, so each wgmma_wait
+    // below retires the same groups on every path (ptxas serialises wgmma otherwise).
+    for (int it = 0; it + 1 < n_iter; ++it) {
+      scale_o(alpha);
+      turn_take();
+      issue_s(s_flat, it + 1);
+      issue_pv(pf, it);
+      turn_pass();
+      wgmma_wait<1>();  // Q K^T of tile it + 1 (P V of tile it still runs)
+      reg_fence(s_flat);
+      softmax(acc_s, it + 1, alpha);
+      wgmma_wait<0>();
+      fence_o();
+      release(it);
+      pack_p(acc_s, pf);
+    }
+    if (n_iter > 0) {
+      scale_o(alpha);
+      turn_take();
+      issue_pv(pf, n_iter - 1);
+      turn_pass();
+      wgmma_wait<0>();
+      fence_o();
+      release(n_iter - 1);
+    }
+  } else {
+    for (int it = 0; it < n_iter; ++it) {
+      float acc_s[1][C::kNT][4];
+      auto& s_flat = reinterpret_cast<float(&)[C::kNT * 4]>(acc_s);
+      issue_s(s_flat, it);
+      wgmma_wait<0>();
+      reg_fence(s_flat);
+      float alpha[2];
+      uint32_t pf[C::kBlockN / 16][4];
+      softmax(acc_s, it, alpha);
+      pack_p(acc_s, pf);
+      scale_o(alpha);
+      issue_pv(pf, it);
+      wgmma_wait<0>();
+      fence_o();
+      release(it);
+    }
+  }
+
+  // ---- epilogue: O = acc_o / l, LSE; empty rows give 0 and -inf ----------------------------
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float inv_l, lse;
+    online_softmax_finalize(st[r], inv_l, lse);
+    const int row = row0 + g + r * 8;
+    if (row < valid_rows) {
+#pragma unroll
+      for (int c = 0; c < C::kOChunks; ++c)
+#pragma unroll
+        for (int j = 0; j < C::kOChunk / 8; ++j) {
+          const int col = c * C::kOChunk + j * 8 + 2 * t;
+          if (col < C::kHeadDim)
+            store_pair(gO + row * p.o_row_stride + col,
+                       MmaT::pack(acc_o[c][j][2 * r] * inv_l, acc_o[c][j][2 * r + 1] * inv_l),
+                       io, FwdIo::kO);
+        }
+      if (t == 0) store_f32(gLse + row, lse, io, FwdIo::kLse);
+    }
+  }
+}
+
+}  // namespace fg

@@ -1,0 +1,100 @@
+// flashgen: host side of the Hopper (sm_90a) building blocks: TMA tensor maps.
+//
+// Glossary
+//   tensor map  a 128-byte CUtensorMap describing a global tensor and the box one TMA load
+//               copies; built on the host, passed to kernels as a __grid_constant__ parameter
+//   box         64 elements (128 bytes, the SW128 row) x box_rows rows
+//
+// cuTensorMapEncodeTiled is a driver API function; it is reached through the runtime's
+// cudaGetDriverEntryPointByVersion, so vendored code links against cudart alone (no -lcuda).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace fg {
+namespace sm90 {
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+inline EncodeTiledFn encode_tiled_fn() {
+  static EncodeTiledFn fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      p = nullptr;
+    return reinterpret_cast<EncodeTiledFn>(p);
+  }();
+  return fn;
+}
+
+// A 2D view (rows x cols, 16-bit elements, `row_stride` elements between rows) loaded in
+// SW128 boxes of 64 columns x `box_rows` rows. Returns nullptr or what is wrong: TMA needs a
+// 16-byte aligned base, a row stride that is a multiple of 16 bytes and below 2^40 bytes.
+inline const char* make_tmap_2d(CUtensorMap* map, const void* base, bool bf16, uint64_t rows,
+                                uint64_t cols, uint64_t row_stride, uint32_t box_rows) {
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0) return "TMA needs a 16-byte aligned base";
+  if ((row_stride * 2) % 16 != 0)
+    return "TMA needs row strides that are multiples of 8 elements (16 bytes)";
+  if (row_stride * 2 >= (1ull << 40)) return "TMA row stride must be below 2^40 bytes";
+  if (box_rows < 1 || box_rows > 256) return "TMA boxes have 1 to 256 rows";
+  EncodeTiledFn fn = encode_tiled_fn();
+  if (!fn) return "cuTensorMapEncodeTiled is not available (driver too old for TMA)";
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t strides[1] = {row_stride * 2};
+  const cuuint32_t box[2] = {64, box_rows};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = fn(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                        2, const_cast<void*>(base), dims, strides, box, elem_strides,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? nullptr : "cuTensorMapEncodeTiled rejected the tensor map";
+}
+
+// A (batch, rows, heads, cols) tensor of 16-bit elements with element strides `batch_stride`,
+// `row_stride`, `head_stride` (cols contiguous), loaded in SW128 boxes of 64 columns x
+// `box_rows` rows of one (head, batch); rows past `rows` and columns past `cols` read as 0.
+// The map's dimensions are (cols, rows, heads, batch), or (cols, heads, rows, batch) when
+// the head stride is the smaller one (`heads_inner`, the usual (b, s, h, d) layout), so
+// strides grow with the dimension; a kernel passes its coordinates in the same order.
+// Returns nullptr or what is wrong (TMA: 16-byte aligned base, strides multiples of 16 bytes
+// and below 2^40 bytes).
+inline const char* make_tmap_bshd(CUtensorMap* map, bool* heads_inner, const void* base,
+                                  bool bf16, uint64_t batch, uint64_t rows, uint64_t heads,
+                                  uint64_t cols, int64_t batch_stride, int64_t row_stride,
+                                  int64_t head_stride, uint32_t box_rows) {
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0) return "TMA needs a 16-byte aligned base";
+  const int64_t strides_elems[3] = {row_stride, head_stride, batch_stride};
+  for (int64_t s : strides_elems)
+    if (s <= 0 || (s * 2) % 16 != 0 || s * 2 >= (int64_t{1} << 40))
+      return "TMA needs positive row, head and batch strides that are multiples of 8 elements "
+             "(16 bytes) and below 2^40 bytes";
+  if (box_rows < 1 || box_rows > 256) return "TMA boxes have 1 to 256 rows";
+  EncodeTiledFn fn = encode_tiled_fn();
+  if (!fn) return "cuTensorMapEncodeTiled is not available (driver too old for TMA)";
+  // Degenerate sizes (a zero batch) never reach a load; the map still needs sizes >= 1.
+  auto at_least_1 = [](uint64_t x) { return x < 1 ? uint64_t{1} : x; };
+  *heads_inner = head_stride < row_stride;
+  const cuuint64_t r = at_least_1(rows), h = at_least_1(heads);
+  const cuuint64_t rs = static_cast<cuuint64_t>(row_stride) * 2;
+  const cuuint64_t hs = static_cast<cuuint64_t>(head_stride) * 2;
+  const cuuint64_t dims[4] = {cols, *heads_inner ? h : r, *heads_inner ? r : h, at_least_1(batch)};
+  const cuuint64_t strides[3] = {*heads_inner ? hs : rs, *heads_inner ? rs : hs,
+                                 static_cast<cuuint64_t>(batch_stride) * 2};
+  const cuuint32_t box[4] = {64, *heads_inner ? 1u : box_rows, *heads_inner ? box_rows : 1u, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUresult res = fn(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                          4, const_cast<void*>(base), dims, strides, box, elem_strides,
+                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                          CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS ? nullptr : "cuTensorMapEncodeTiled rejected the tensor map";
+}
+
+}  // namespace sm90
+}  // namespace fg
