@@ -11,10 +11,11 @@
 #               spec, in SHARDS (12) processes (FLASHGEN_SHARD): the float64 references
 #               are CPU-bound, the GPU is shared
 #     sm80      the sm_80 builds, run as compute_80 PTX on this GPU (5 examples each)
-#     sanitize  compute-sanitizer memcheck and racecheck on one kernel per feature family
+#     sanitize  compute-sanitizer memcheck, racecheck and synccheck on one kernel per family
 #               (bench/sanitize.py), then merged into the records
 #   bench lane, stages BENCH (default "fwd ab bwd det"):
 #     fwd       forward vs SDPA's backends and FlexAttention   -> fwd_h200.json
+#     fwd90a    the sm_90a (wgmma) forward vs SDPA's backends   -> fwd_sm90a_h200.json
 #     ab        this forward vs BASELINE (an earlier generated/) -> fwd_ab.json
 #     bwd       backward and forward+backward vs SDPA          -> bwd_h200.json
 #     det       deterministic backward                         -> bwd_det_h200.json
@@ -47,20 +48,26 @@ stage_sm80() {
   wait
 }
 stage_sanitize() {
-  for tool in memcheck racecheck; do
-    for i in 0 1 2 3 4 5; do
-      t 240 compute-sanitizer --tool $tool python3 -m flashgen.bench.sanitize run $i/6 \
+  for tool in memcheck racecheck synccheck; do
+    for i in 0 1 2 3; do
+      t 240 compute-sanitizer --tool $tool python3 -m flashgen.bench.sanitize run $i/4 \
         > "$out/${tool}_$i.txt" 2>&1 &
     done
   done
   wait
   python3 -m flashgen.bench.sanitize merge "$out"/memcheck_*.txt "$out"/racecheck_*.txt \
+    "$out"/synccheck_*.txt \
     > "$out/sanitize.txt" 2>&1
 }
 stage_fwd() {
   t 200 python3 -m flashgen.bench.fwd_bench --specs specs/fwd_dense.yaml \
-    --seqlens 1024 4096 8192 16384 --flex-min-seqlen 4096 --check --out "$out/fwd_h200.json" \
+    --seqlens 1024 4096 16384 --flex-min-seqlen 4096 --check --out "$out/fwd_h200.json" \
     > "$out/bench_fwd.txt" 2>&1
+}
+stage_fwd90a() {
+  t 150 python3 -m flashgen.bench.fwd_bench --specs specs/fwd_sm90a.yaml \
+    --seqlens 1024 4096 8192 16384 --no-flex --check --out "$out/fwd_sm90a_h200.json" \
+    > "$out/bench_fwd90a.txt" 2>&1
 }
 stage_ab() {
   [ -n "${BASELINE:-}" ] || return 0
@@ -77,16 +84,17 @@ stage_det() {
     --seqlens 4096 16384 --out "$out/bwd_det_h200.json" > "$out/bench_det.txt" 2>&1
 }
 stage_decode() {
-  t 240 python3 -m flashgen.bench.decode_bench --out "$out/decode_h200.json" ${DECODE_ARGS:-} \
+  t 170 python3 -m flashgen.bench.decode_bench --out "$out/decode_h200.json" ${DECODE_ARGS:-} \
     > "$out/bench_decode.txt" 2>&1
 }
 stage_train() {
-  t 300 python3 examples/train_gpt.py --out "$out/train_h200.json" ${TRAIN_ARGS:-} \
+  t 260 python3 examples/train_gpt.py --out "$out/train_h200.json" --plot "$out/train_h200.png" \
+    ${TRAIN_ARGS:-} \
     > "$out/train.txt" 2>&1
 }
 stage_hbm() {
   for impl in flashgen math flash cudnn; do
-    t 120 ncu --clock-control none --nvtx --nvtx-include "fwdbwd/" --csv \
+    t 60 ncu --clock-control none --nvtx --nvtx-include "fwdbwd/" --csv \
       --metrics dram__bytes_read.sum,dram__bytes_write.sum \
       python3 -m flashgen.bench.hbm_fwdbwd run --impl $impl > "$out/$impl.csv" 2> "$out/hbm_$impl.err"
   done

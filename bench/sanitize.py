@@ -2,6 +2,7 @@
 
     compute-sanitizer --tool memcheck python3 bench/sanitize.py run [i/n] > memcheck_i.txt
     compute-sanitizer --tool racecheck python3 bench/sanitize.py run [i/n] > racecheck_i.txt
+    compute-sanitizer --tool synccheck python3 bench/sanitize.py run [i/n] > synccheck_i.txt
     python3 bench/sanitize.py merge memcheck_*.txt racecheck_*.txt   # into verify/records/
 
 `run` launches each sampled kernel (every n-th from the i-th, so n processes share the
@@ -35,6 +36,7 @@ def sample_specs():
             continue
         family = (
             s.kernel,
+            s.target.value.suffix,  # the sm_90a (wgmma/TMA) mainloop is its own family
             s.deterministic,
             s.gqa,
             s.tile.warps,
@@ -102,7 +104,10 @@ def merge(paths: list[str]) -> dict[str, dict[str, str]]:
     verdicts: dict[str, dict[str, str]] = {}
     for p in paths:
         text = Path(p).read_text()
-        tool = "racecheck" if "RACECHECK" in text or "racecheck" in Path(p).name else "memcheck"
+        name = Path(p).name
+        tool = next((t for t in ("racecheck", "synccheck") if t in name), "memcheck")
+        if tool == "memcheck" and "RACECHECK" in text:
+            tool = "racecheck"
         m = re.search(r"(ERROR|RACECHECK) SUMMARY: (\d+) (errors|hazards)", text)
         summary = m.group(0) if m else "no summary (tool did not finish)"
         for name in re.findall(r"^ran (\S+)$", text, re.MULTILINE):

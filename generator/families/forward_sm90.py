@@ -106,14 +106,15 @@ class ForwardSm90(Forward):
         """Measured on an H200 (bf16, side by side, docs/benchmarks.md "Hopper forward"):
         three stages, so Q K^T of the next tile and P V of this one overlap the softmax and
         the consumer warpgroups ping-pong (+6-9% at d=128 and d=64 over two stages); three
-        consumer warpgroups (block_m 192) up to 64 padded columns, two above; 128-key tiles
+        consumer warpgroups (block_m 192) for 33..64 columns, two elsewhere; 128-key tiles
         up to 128 padded columns, 64-key tiles above; two stages where three do not fit in
-        shared memory (d > 192) or with the debug keep-mask (registers)."""
+        shared memory (d > 192) or with dropout (registers)."""
         pad = head_dim_pad(head_dim)
-        warps = 12 if pad <= 64 else 8
+        # At 160 consumer registers, d <= 32 and dropout spill (ptxas): two warpgroups there.
+        warps = 12 if 32 < head_dim <= 64 and not values.get("dropout") else 8
         block_n = 128 if pad <= 128 else 64
-        # the debug keep-mask's stores beside the pipelined loop spill (ptxas): two stages
-        for stages in (2,) if values.get("debug_keep_mask") else (3, 2):
+        # dropout's Philox state beside the pipelined loop spills at d <= 64 (ptxas): two stages
+        for stages in (2,) if values.get("dropout") else (3, 2):
             tile = Tile(block_m=16 * warps, block_n=block_n, warps=warps, stages=stages)
             if smem_bytes(tile, head_dim, dtype) + 64 <= target.info.max_smem_per_block:
                 return tile

@@ -18,18 +18,18 @@
 //   block_m: 128
 //   block_n: 128
 //   warps: 8
-//   stages: 3
+//   stages: 2
 // tile_auto: true
 // target: sm_90a
 // allow_spills: false
 //
 // C ABI of one flashgen forward kernel. Layouts and conventions: docs/conventions.md.
-//   fa_fwd_d128_bf16_drop_m128n128w8s3_sm90a_79a9c2b4_launch: checks the parameters (cudaErrorInvalidValue when they are unusable:
-//     call fa_fwd_d128_bf16_drop_m128n128w8s3_sm90a_79a9c2b4_check for the reason), then launches on `stream`.
+//   fa_fwd_d128_bf16_drop_m128n128w8s2_sm90a_6d5a91bd_launch: checks the parameters (cudaErrorInvalidValue when they are unusable:
+//     call fa_fwd_d128_bf16_drop_m128n128w8s2_sm90a_6d5a91bd_check for the reason), then launches on `stream`.
 //   Tile: block_m=128, block_n=128, 384 threads,
-//     230400 bytes of dynamic shared memory, built for sm_90.
-#ifndef FA_FWD_D128_BF16_DROP_M128N128W8S3_SM90A_79A9C2B4_H
-#define FA_FWD_D128_BF16_DROP_M128N128W8S3_SM90A_79A9C2B4_H
+//     164864 bytes of dynamic shared memory, built for sm_90.
+#ifndef FA_FWD_D128_BF16_DROP_M128N128W8S2_SM90A_6D5A91BD_H
+#define FA_FWD_D128_BF16_DROP_M128N128W8S2_SM90A_6D5A91BD_H
 
 #include <cuda_runtime.h>
 
@@ -40,10 +40,10 @@ extern "C" {
 #endif
 
 /* NULL when the parameters are acceptable, else a message naming what is wrong. */
-const char* fa_fwd_d128_bf16_drop_m128n128w8s3_sm90a_79a9c2b4_check(const fg_fwd_params* params);
-cudaError_t fa_fwd_d128_bf16_drop_m128n128w8s3_sm90a_79a9c2b4_launch(const fg_fwd_params* params, cudaStream_t stream);
+const char* fa_fwd_d128_bf16_drop_m128n128w8s2_sm90a_6d5a91bd_check(const fg_fwd_params* params);
+cudaError_t fa_fwd_d128_bf16_drop_m128n128w8s2_sm90a_6d5a91bd_launch(const fg_fwd_params* params, cudaStream_t stream);
 
 #ifdef __cplusplus
 }
 #endif
-#endif /* FA_FWD_D128_BF16_DROP_M128N128W8S3_SM90A_79A9C2B4_H */
+#endif /* FA_FWD_D128_BF16_DROP_M128N128W8S2_SM90A_6D5A91BD_H */

@@ -15,21 +15,21 @@
 // paged: false
 // instrument_io: false
 // tile:
-//   block_m: 192
+//   block_m: 128
 //   block_n: 128
-//   warps: 12
+//   warps: 8
 //   stages: 3
 // tile_auto: true
 // target: sm_90a
 // allow_spills: false
 //
 // C ABI of one flashgen forward kernel. Layouts and conventions: docs/conventions.md.
-//   fa_fwd_d32_bf16_m192n128w12s3_sm90a_688550f8_launch: checks the parameters (cudaErrorInvalidValue when they are unusable:
-//     call fa_fwd_d32_bf16_m192n128w12s3_sm90a_688550f8_check for the reason), then launches on `stream`.
-//   Tile: block_m=192, block_n=128, 512 threads,
-//     123904 bytes of dynamic shared memory, built for sm_90.
-#ifndef FA_FWD_D32_BF16_M192N128W12S3_SM90A_688550F8_H
-#define FA_FWD_D32_BF16_M192N128W12S3_SM90A_688550F8_H
+//   fa_fwd_d32_bf16_m128n128w8s3_sm90a_69bad335_launch: checks the parameters (cudaErrorInvalidValue when they are unusable:
+//     call fa_fwd_d32_bf16_m128n128w8s3_sm90a_69bad335_check for the reason), then launches on `stream`.
+//   Tile: block_m=128, block_n=128, 384 threads,
+//     115712 bytes of dynamic shared memory, built for sm_90.
+#ifndef FA_FWD_D32_BF16_M128N128W8S3_SM90A_69BAD335_H
+#define FA_FWD_D32_BF16_M128N128W8S3_SM90A_69BAD335_H
 
 #include <cuda_runtime.h>
 
@@ -40,10 +40,10 @@ extern "C" {
 #endif
 
 /* NULL when the parameters are acceptable, else a message naming what is wrong. */
-const char* fa_fwd_d32_bf16_m192n128w12s3_sm90a_688550f8_check(const fg_fwd_params* params);
-cudaError_t fa_fwd_d32_bf16_m192n128w12s3_sm90a_688550f8_launch(const fg_fwd_params* params, cudaStream_t stream);
+const char* fa_fwd_d32_bf16_m128n128w8s3_sm90a_69bad335_check(const fg_fwd_params* params);
+cudaError_t fa_fwd_d32_bf16_m128n128w8s3_sm90a_69bad335_launch(const fg_fwd_params* params, cudaStream_t stream);
 
 #ifdef __cplusplus
 }
 #endif
-#endif /* FA_FWD_D32_BF16_M192N128W12S3_SM90A_688550F8_H */
+#endif /* FA_FWD_D32_BF16_M128N128W8S3_SM90A_69BAD335_H */
