@@ -249,9 +249,12 @@ def retarget(specs: Sequence[KernelSpec], arch: Target) -> list[KernelSpec]:
     """The specs built for another target: new specs (so new names, never another kernel's
     cache entry), validated against that target's limits (SpecError naming the kernel). An
     auto tile is chosen again for the new target; an explicit one is kept (and refused when
-    it does not fit)."""
+    it does not fit). Kernels of an architecture-specific target (sm_90a) have no build for
+    another target and are left out."""
     out = []
     for s in specs:
+        if s.target.value.suffix and s.target is not arch:
+            continue
         try:
             tile = s.tile
             if s.tile_auto:
