@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from .checks import assert_pass, verdicts
-from .conftest import CUBIN_DIR, shipped_specs
+from .conftest import CUBIN_DIR, ensure_cubins, shipped_specs
 from .test_forward import SETTINGS, make_inputs, runtime_case
 
 SPECS = [s for s in shipped_specs() if s.kernel.yaml == "forward"]
@@ -89,8 +89,10 @@ def test_keep_rate_is_within_binomial_bounds(spec, p, specs):  # noqa: ARG001
 def test_dropout_p0_is_bitwise_the_dense_kernel(spec, specs, recorder):  # noqa: ARG001
     dense = [
         s
-        for s in SPECS
-        if not s.dropout
+        for s in shipped_specs(sharded=False)
+        if s.kernel.yaml == "forward"
+        and s.target is spec.target
+        and not s.dropout
         and not s.sparse
         and not s.instrument_io
         and not s.mask.window
@@ -102,6 +104,7 @@ def test_dropout_p0_is_bitwise_the_dense_kernel(spec, specs, recorder):  # noqa:
         and s.tile == spec.tile
     ]
     assert dense, "no dense kernel with the same tile to compare with"
+    ensure_cubins(dense[:1])
     kd, kp = load_kernel(dense[0], CUBIN_DIR), load_kernel(spec, CUBIN_DIR)
     rng = np.random.default_rng(11)
     for sq, sk in ((1, 1), (97, 300), (513, 129)):
