@@ -159,8 +159,13 @@ def main(argv=None) -> int:
                         )
                     ws = torch.zeros(lib.workspace_bytes(values), device=dev, dtype=torch.uint8)
                     values.update(workspace=ws.data_ptr(), workspace_size=ws.numel())
-                    stream = torch.cuda.current_stream().cuda_stream
-                    launch = lib.launcher(values, stream)
+
+                    # Launched on the stream current at call time: `_time` captures a CUDA
+                    # graph on its own stream (a launcher bound to another stream would
+                    # record nothing and time an empty graph).
+                    def launch(lib=lib, values=values):
+                        lib.launch(values, torch.cuda.current_stream().cuda_stream)
+
                     t = _time(launch, calls, reps)
                     row = {
                         "batch": batch,

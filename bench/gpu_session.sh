@@ -94,7 +94,7 @@ stage_train() {
 }
 stage_hbm() {
   for impl in flashgen math flash cudnn; do
-    t 60 ncu --clock-control none --nvtx --nvtx-include "fwdbwd/" --csv \
+    t 60 ncu --clock-control none --profile-from-start off --csv \
       --metrics dram__bytes_read.sum,dram__bytes_write.sum \
       python3 -m flashgen.bench.hbm_fwdbwd run --impl $impl > "$out/$impl.csv" 2> "$out/hbm_$impl.err"
   done

@@ -2,12 +2,13 @@
 shape (batch 64, seqlen 1024, 16 heads, d 64, fp16; FlashAttention paper, Figure 2): flashgen
 against SDPA's MATH (standard attention), FLASH (FlashAttention-2) and CUDNN backends.
 
-Each implementation runs in its own process under ncu; only the kernels inside the NVTX range
-`fwdbwd` (one forward and one backward, after a warm-up outside it) are profiled, so input
-generation and warm-up are never counted:
+Each implementation runs in its own process under ncu; only the kernels between
+cudaProfilerStart and cudaProfilerStop (one forward and one backward, after a warm-up
+outside) are profiled, so input generation and warm-up are never counted. (Not an NVTX
+range: autograd runs the backward on its own thread, which a thread-local range misses.)
 
     for impl in flashgen math flash cudnn; do
-      ncu --clock-control none --nvtx --nvtx-include "fwdbwd/" --csv \\
+      ncu --clock-control none --profile-from-start off --csv \\
           --metrics dram__bytes_read.sum,dram__bytes_write.sum \\
           python3 -m flashgen.bench.hbm_fwdbwd run --impl $impl > $impl.csv
     done
@@ -28,7 +29,6 @@ from pathlib import Path
 
 SHAPE = {"batch": 64, "seqlen": 1024, "heads": 16, "head_dim": 64}
 IMPLS = ("flashgen", "math", "flash", "cudnn")
-RANGE = "fwdbwd"
 
 
 def _specs(spec_dir: str):
@@ -87,12 +87,12 @@ def run(impl: str, spec_dir: str) -> None:
                 out = F.scaled_dot_product_attention(qt, kt, vt, scale=scale)
             out.backward(dot)
 
-    step()  # warm-up (workspace allocation, autotuning), outside the profiled range
+    step()  # warm-up (workspace allocation, autotuning), outside the profiled window
     torch.cuda.synchronize()
-    torch.cuda.nvtx.range_push(RANGE)
+    torch.cuda.profiler.start()
     step()
     torch.cuda.synchronize()
-    torch.cuda.nvtx.range_pop()
+    torch.cuda.profiler.stop()
 
 
 def _ncu_bytes(text: str) -> dict[str, float]:

@@ -183,21 +183,29 @@ def recorder():
     return RECORDER
 
 
+_SHARED_FAILED: list[str] = []  # failed tests that take no shipped kernel
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):  # noqa: ARG001
-    """Any failed test parametrized by a spec marks that kernel's record failed."""
+    """A failed test parametrized by a spec marks that kernel's record failed; a failed test
+    that takes no shipped kernel (drawn specs, the PyTorch op) marks every record failed."""
     outcome = yield
     report = outcome.get_result()
     spec = getattr(getattr(item, "callspec", None), "params", {}).get("spec")
-    if report.failed and isinstance(spec, KernelSpec):
-        RECORDER.fail(spec, item.name)
+    if report.failed:
+        if isinstance(spec, KernelSpec):
+            RECORDER.fail(spec, item.name)
+        else:
+            _SHARED_FAILED.append(item.nodeid)
 
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001
-    """Records are written only for a complete session; a failing one marks them all failed
-    (a record says 'passed' only when every GPU test of the run passed)."""
-    if _ok and os.environ.get("FLASHGEN_WRITE_RECORDS", "1") == "1":
-        RECORDER.write(session_failed=int(exitstatus) != 0)
+    """Records are written for a complete session only (an interrupted one writes none): a
+    kernel's record passes when every test of that kernel passed and no shared test failed."""
+    interrupted = int(exitstatus) in (2, 3, 4)  # interrupted, internal error, usage error
+    if _ok and not interrupted and os.environ.get("FLASHGEN_WRITE_RECORDS", "1") == "1":
+        RECORDER.write(session_failed=bool(_SHARED_FAILED))
 
 
 @pytest.fixture(scope="session")
