@@ -3,6 +3,7 @@ ctypes, and its C launcher's checks called from Python (`generator.launch`)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -71,3 +72,42 @@ def test_unknown_fields_are_refused_before_the_launcher(library):
 def test_a_missing_library_says_how_to_build_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="run `flashgen compile`"):
         KernelLibrary(DENSE, tmp_path)
+
+
+# The Hopper forward (sm_90a) adds TMA's rules to the checks, as host arithmetic (no driver).
+HOPPER = load_spec_text("dtype: bf16\nhead_dim: 64\ntarget: sm_90a\n")[0]
+D, H, SQ, SK = 64, 2, 3, 4
+HOPPER_GOOD = {
+    **GOOD,
+    **{f"{t}_{k}": v for t in "qo" for k, v in
+       (("batch_stride", SQ * H * D), ("row_stride", H * D), ("head_stride", D))},
+    **{f"{t}_{k}": v for t in "kv" for k, v in
+       (("batch_stride", SK * H * D), ("row_stride", H * D), ("head_stride", D))},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hopper(tmp_path_factory):
+    out = tmp_path_factory.mktemp("libs90a")
+    (res,) = compile_specs([HOPPER], out, jobs=1, progress=False)
+    assert res.ok, res.error
+    return KernelLibrary(HOPPER, out)
+
+
+def test_the_hopper_launcher_accepts_good_parameters(hopper):
+    assert hopper.check(HOPPER_GOOD) is None
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"v": 0x3008}, "16-byte aligned"),
+        ({"q_head_stride": 0}, "positive row, head and batch strides"),
+        ({"k_batch_stride": 2**40}, "below 2^40 bytes"),
+        ({"v_row_stride": D, "v_head_stride": SK * D}, "k and v must order their strides alike"),
+    ],
+)
+def test_the_hopper_launcher_names_tmas_rules(hopper, change, message):
+    assert message in hopper.check({**HOPPER_GOOD, **change})
+    with pytest.raises(LaunchError, match=re.escape(message)):
+        hopper.launch({**HOPPER_GOOD, **change})

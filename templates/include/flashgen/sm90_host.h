@@ -57,18 +57,11 @@ inline const char* make_tmap_2d(CUtensorMap* map, const void* base, bool bf16, u
   return r == CUDA_SUCCESS ? nullptr : "cuTensorMapEncodeTiled rejected the tensor map";
 }
 
-// A (batch, rows, heads, cols) tensor of 16-bit elements with element strides `batch_stride`,
-// `row_stride`, `head_stride` (cols contiguous), loaded in SW128 boxes of 64 columns x
-// `box_rows` rows of one (head, batch); rows past `rows` and columns past `cols` read as 0.
-// The map's dimensions are (cols, rows, heads, batch), or (cols, heads, rows, batch) when
-// the head stride is the smaller one (`heads_inner`, the usual (b, s, h, d) layout), so
-// strides grow with the dimension; a kernel passes its coordinates in the same order.
-// Returns nullptr or what is wrong (TMA: 16-byte aligned base, strides multiples of 16 bytes
-// and below 2^40 bytes).
-inline const char* make_tmap_bshd(CUtensorMap* map, bool* heads_inner, const void* base,
-                                  bool bf16, uint64_t batch, uint64_t rows, uint64_t heads,
-                                  uint64_t cols, int64_t batch_stride, int64_t row_stride,
-                                  int64_t head_stride, uint32_t box_rows) {
+// TMA's rules for a (batch, rows, heads, cols) tensor of 16-bit elements with element
+// strides `batch_stride`, `row_stride`, `head_stride` (cols contiguous): nullptr, or what is
+// wrong and what is allowed. Arithmetic only (no driver call), so a launcher's check can use it.
+inline const char* tmap_bshd_problem(const void* base, int64_t batch_stride, int64_t row_stride,
+                                     int64_t head_stride, uint32_t box_rows) {
   if (reinterpret_cast<uintptr_t>(base) % 16 != 0) return "TMA needs a 16-byte aligned base";
   const int64_t strides_elems[3] = {row_stride, head_stride, batch_stride};
   for (int64_t s : strides_elems)
@@ -76,6 +69,20 @@ inline const char* make_tmap_bshd(CUtensorMap* map, bool* heads_inner, const voi
       return "TMA needs positive row, head and batch strides that are multiples of 8 elements "
              "(16 bytes) and below 2^40 bytes";
   if (box_rows < 1 || box_rows > 256) return "TMA boxes have 1 to 256 rows";
+  return nullptr;
+}
+
+// The map of such a tensor, loaded in SW128 boxes of 64 columns x `box_rows` rows of one
+// (head, batch); rows past `rows` and columns past `cols` read as 0. The map's dimensions are
+// (cols, rows, heads, batch), or (cols, heads, rows, batch) when the head stride is the smaller
+// one (`heads_inner`, the usual (b, s, h, d) layout), so strides grow with the dimension; a
+// kernel passes its coordinates in the same order. nullptr, or what is wrong.
+inline const char* make_tmap_bshd(CUtensorMap* map, bool* heads_inner, const void* base,
+                                  bool bf16, uint64_t batch, uint64_t rows, uint64_t heads,
+                                  uint64_t cols, int64_t batch_stride, int64_t row_stride,
+                                  int64_t head_stride, uint32_t box_rows) {
+  if (const char* msg = tmap_bshd_problem(base, batch_stride, row_stride, head_stride, box_rows))
+    return msg;
   EncodeTiledFn fn = encode_tiled_fn();
   if (!fn) return "cuTensorMapEncodeTiled is not available (driver too old for TMA)";
   // Degenerate sizes (a zero batch) never reach a load; the map still needs sizes >= 1.
