@@ -96,6 +96,32 @@ class Family:
         """The derived constants the templates see as `cfg`."""
         raise NotImplementedError
 
+    @staticmethod
+    def spec_config(spec: KernelSpec) -> dict[str, Any]:
+        """The constants every family's `cfg` starts from: the spec's types, tile and feature
+        flags as `templates/common/spec_struct.j2` names them (a family overrides a flag it
+        does not take, e.g. decode's varlen)."""
+        t = spec.tile
+        return {
+            "dtype_cpp": spec.dtype.cpp,
+            "head_dim": spec.head_dim,
+            "block_m": t.block_m,
+            "block_n": t.block_n,
+            "warps": t.warps,
+            "threads": spec.threads,
+            "stages": t.stages,
+            "smem_bytes": spec.smem_bytes,
+            "causal_cpp": spec.mask.causal.cpp,
+            "window": spec.mask.window,
+            "varlen": spec.mask.varlen,
+            "gqa": spec.gqa,
+            "dropout": spec.dropout,
+            "debug_keep_mask": spec.debug_keep_mask,
+            "sparse": spec.sparse,
+            "instrument_io": spec.instrument_io,
+            "sm": spec.target.cc,
+        }
+
     def entry_points(self, name: str) -> dict[str, str]:
         """Exported C symbols of one kernel."""
         return {

@@ -326,28 +326,12 @@ class Backward(Family):
         t = spec.tile
         lay = warp_layouts(t, spec.head_dim)
         return {
-            "dtype_cpp": spec.dtype.cpp,
-            "head_dim": spec.head_dim,
-            "block_m": t.block_m,
-            "block_n": t.block_n,
-            "warps": t.warps,
-            "threads": spec.threads,
-            "stages": t.stages,
-            "smem_bytes": spec.smem_bytes,
-            "causal_cpp": spec.mask.causal.cpp,
-            "window": spec.mask.window,
-            "varlen": spec.mask.varlen,
-            "gqa": spec.gqa,
-            "dropout": spec.dropout,
-            "debug_keep_mask": spec.debug_keep_mask,
-            "sparse": spec.sparse,
-            "instrument_io": spec.instrument_io,
+            **self.spec_config(spec),
             "deterministic": spec.deterministic,
             "s_rows": lay["s"][0],
             "kv_rows": lay["kv"][0],
             "q_rows": lay["q"][0],
             "p_scratch": p_scratch(t, spec.head_dim),
-            "sm": spec.target.cc,
             # CTAs per SM the register allocation aims for: two when two fit in shared memory
             # and the tile is small enough (<= 64 x 64, d <= 64, no dropout: measured to fit
             # 128 registers; with dropout's Philox state it spills) for 128 per thread.

@@ -237,7 +237,7 @@ class Decode(Family):
             out.append(
                 (
                     "target",
-                    f"{spec.target.yaml} is reserved for the wgmma kernels; the mma.sync decode "
+                    f"{spec.target.yaml} serves the Hopper forward only; the mma.sync decode "
                     "serves sm_80, sm_86, sm_89, sm_90",
                 )
             )
@@ -284,26 +284,13 @@ class Decode(Family):
         return fit(default_tile(head_dim), target, dtype, head_dim)
 
     def config(self, spec: KernelSpec) -> dict[str, Any]:
-        t = spec.tile
         return {
-            "dtype_cpp": spec.dtype.cpp,
-            "head_dim": spec.head_dim,
-            "block_m": t.block_m,
-            "block_n": t.block_n,
-            "warps": t.warps,
-            "threads": spec.threads,
-            "stages": t.stages,
-            "smem_bytes": spec.smem_bytes,
-            "causal_cpp": spec.mask.causal.cpp,
-            "window": spec.mask.window,
-            "varlen": False,
-            "gqa": spec.gqa,
+            **self.spec_config(spec),
+            "varlen": False,  # decode's lengths are cache_seqlens, not cu_seqlens
             "dropout": False,
             "debug_keep_mask": False,
             "sparse": False,
-            "instrument_io": spec.instrument_io,
             "paged": spec.paged,
-            "sm": spec.target.cc,
             "reference_sms": spec.target.info.sm_count,
         }
 

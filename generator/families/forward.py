@@ -152,26 +152,7 @@ class Forward(Family):
         return auto_tile(target, dtype, head_dim, features=values)
 
     def config(self, spec: KernelSpec) -> dict[str, Any]:
-        t = spec.tile
-        return {
-            "dtype_cpp": spec.dtype.cpp,
-            "head_dim": spec.head_dim,
-            "block_m": t.block_m,
-            "block_n": t.block_n,
-            "warps": t.warps,
-            "threads": spec.threads,
-            "stages": t.stages,
-            "smem_bytes": spec.smem_bytes,
-            "causal_cpp": spec.mask.causal.cpp,
-            "window": spec.mask.window,
-            "varlen": spec.mask.varlen,
-            "gqa": spec.gqa,
-            "dropout": spec.dropout,
-            "debug_keep_mask": spec.debug_keep_mask,
-            "sparse": spec.sparse,
-            "instrument_io": spec.instrument_io,
-            "sm": spec.target.cc,
-        }
+        return self.spec_config(spec)
 
     def launch_info(self, spec: KernelSpec) -> dict[str, Any]:
         return {"threads": spec.threads, "block_m": spec.tile.block_m, "grid": GRID_FORMULA}
