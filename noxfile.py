@@ -94,6 +94,17 @@ def gpu(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "-q", "tests/gpu", *session.posargs)
 
 
+@nox.session(name="gpu-session")
+def gpu_session(session: nox.Session) -> None:
+    """One whole GPU session (bench/gpu_session.sh): the sharded suite, the sm_80 builds as
+    PTX, compute-sanitizer, and the benchmarks; build the libraries first (`flashgen compile
+    specs/` and `flashgen compile specs/ --arch sm_80`). Stages: VERIFY=..., BENCH=..."""
+    if not _have_gpu():
+        session.skip("no CUDA GPU found (nvidia-smi -L lists none): skipping the GPU session")
+    _install(session, "dev,gpu,bench")
+    session.run("bash", str(ROOT / "bench" / "gpu_session.sh"), external=True)
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks (flashgen bench); needs a CUDA GPU and pycuda."""
