@@ -290,7 +290,17 @@ def cmd_compile(args: argparse.Namespace) -> int:
     specs = load_paths(args.specs)
     arch = Target.from_yaml(args.arch) if args.arch else None
     if arch is not None:  # refused here (SpecError) before nvcc is looked for or a file written
-        specs = retarget(specs, arch)
+        built = retarget(specs, arch)
+        left_out = len(specs) - len(built)  # architecture-specific kernels (sm_90a)
+        if left_out:
+            print(
+                f"flashgen compile: left out {left_out} kernel(s) of an architecture-specific "
+                f"target: they have no {arch.yaml} build",
+                file=sys.stderr,
+            )
+            if not built:
+                raise SpecError(f"nothing to build for {arch.yaml}")
+        specs = built
     _check_kernel_count(specs, args.max_kernels, "compile")
     out = Path(args.output)
     _check_output_dirs([out, out / "src"], "-o")

@@ -538,6 +538,18 @@ def test_compile_arch_refusal_comes_before_looking_for_nvcc(tmp_path, capsys):
     assert "cannot build for sm_86" in one_error_line(capsys.readouterr().err)
 
 
+def test_compile_arch_says_what_it_left_out_and_refuses_an_empty_build(tmp_path, capsys):
+    spec = tmp_path / "hopper.yaml"
+    spec.write_text("dtype: bf16\nhead_dim: 64\ntarget: sm_90a\n")
+    out = tmp_path / "b"
+    rc = run("compile", spec, "--arch", "sm_80", "-o", out, "--nvcc", tmp_path / "no")
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "left out 1 kernel(s) of an architecture-specific target" in err
+    assert "nothing to build for sm_80" in err
+    assert not out.exists()
+
+
 def test_compile_arch_writes_nothing_named_after_the_original_kernel(
     tmp_path, templates, spec_file, capsys
 ):
