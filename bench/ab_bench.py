@@ -73,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     specs = [
         s for s in load_paths(args.specs)
         if s.kernel.yaml == "forward" and s.dtype.yaml == "bf16" and s.head_dim in args.head_dims
-        and s.mask.causal.yaml in ("none", "bottom_right") and not (
-            s.mask.window or s.mask.varlen or s.gqa or s.dropout or s.sparse or s.instrument_io)
+        and s.mask.causal.yaml in ("none", "bottom_right") and s.plain
     ]  # fmt: skip
     names = {"_".join(readable_parts(s)): kernel_name(s) for s in specs}
     tmp = Path(tempfile.mkdtemp(prefix="flashgen-ab-"))

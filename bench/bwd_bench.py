@@ -174,9 +174,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def dense(s):
         return (
-            s.dtype.yaml == "bf16" and s.head_dim in args.head_dims and not s.mask.window
-            and not s.mask.varlen and not s.dropout and not s.sparse and not s.instrument_io
-            and not s.gqa and s.mask.causal.yaml in ("none", "bottom_right")
+            s.dtype.yaml == "bf16" and s.head_dim in args.head_dims and s.plain
+            and s.mask.causal.yaml in ("none", "bottom_right")
         )  # fmt: skip
 
     specs = [

@@ -40,8 +40,8 @@ def _specs(spec_dir: str):
             s.dtype.yaml == "fp16"
             and s.head_dim == SHAPE["head_dim"]
             and s.mask.causal.yaml == "none"
-            and not (s.mask.window or s.mask.varlen or s.gqa or s.dropout or s.sparse)
-            and not (s.instrument_io or getattr(s, "deterministic", False))
+            and s.plain
+            and not s.deterministic
         )
 
     specs = [s for s in load_paths([spec_dir]) if dense(s)]

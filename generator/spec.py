@@ -542,6 +542,19 @@ class KernelSpec:
         return self.sparsity is Sparsity.BLOCK
 
     @property
+    def plain(self) -> bool:
+        """Nothing beyond the causal mask: no window, varlen, GQA, dropout, block sparsity or
+        IO counting (the kernels benchmarks compare with SDPA, and dense twins)."""
+        return not (
+            self.mask.window
+            or self.mask.varlen
+            or self.gqa
+            or self.dropout
+            or self.sparse
+            or self.instrument_io
+        )
+
+    @property
     def source_file(self) -> str:
         """The spec file part of `source` ("" when unknown)."""
         return self.source.rsplit(":", 1)[0] if ":" in self.source else self.source

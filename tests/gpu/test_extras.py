@@ -92,12 +92,7 @@ def test_dropout_p0_is_bitwise_the_dense_kernel(spec, specs, recorder):  # noqa:
         for s in shipped_specs(sharded=False)
         if s.kernel.yaml == "forward"
         and s.target is spec.target
-        and not s.dropout
-        and not s.sparse
-        and not s.instrument_io
-        and not s.mask.window
-        and not s.mask.varlen
-        and not s.gqa
+        and s.plain
         and s.mask.causal == spec.mask.causal
         and s.head_dim == spec.head_dim
         and s.dtype == spec.dtype

@@ -20,14 +20,12 @@ from .conftest import CUBIN_DIR, shipped_specs
 SPEC = next(
     (
         s
-    for s in shipped_specs()
-    if s.kernel.yaml == "forward"
-    and s.head_dim == 128
-    and s.dtype.yaml == "bf16"
-    and s.mask.causal.yaml == "none"
-        and not (
-            s.mask.window or s.mask.varlen or s.gqa or s.dropout or s.sparse or s.instrument_io
-        )
+        for s in shipped_specs()
+        if s.kernel.yaml == "forward"
+        and s.head_dim == 128
+        and s.dtype.yaml == "bf16"
+        and s.mask.causal.yaml == "none"
+        and s.plain
     ),
     None,  # not among this run's kernels (another shard has it)
 )
