@@ -113,16 +113,18 @@ class KernelLibrary:
         return None if msg is None else msg.decode()
 
     def launch(self, values: dict[str, Any], stream: int = 0) -> None:
-        """Check, then launch on `stream` (asynchronous; nothing is synchronised)."""
+        """Launch on `stream` (asynchronous; nothing is synchronised). The C launcher checks
+        the parameters itself; only when it refuses them is `_check` asked for the reason."""
         params = self.pack(values)
-        msg = self._check(ctypes.byref(params))
+        err = self._launch(ctypes.byref(params), ctypes.c_void_p(int(stream) or None))
+        if err == 0:
+            return
+        msg = self._check(ctypes.byref(params)) if err == 1 else None  # cudaErrorInvalidValue
         if msg is not None:
             raise LaunchError(f"{self.name}: {msg.decode()}")
-        err = self._launch(ctypes.byref(params), ctypes.c_void_p(int(stream) or None))
-        if err != 0:
-            raise LaunchError(
-                f"{self.name}: launch failed with {_CUDA_ERRORS.get(err, 'cudaError')} ({err})"
-            )
+        raise LaunchError(
+            f"{self.name}: launch failed with {_CUDA_ERRORS.get(err, 'cudaError')} ({err})"
+        )
 
     def launcher(self, values: dict[str, Any], stream: int = 0):
         """A no-argument callable launching with these parameters (checked once now), for
