@@ -168,6 +168,7 @@ _MODULES = {
 # portable family: the same kernel kind and C ABI, another mainloop.
 _TARGET_MODULES = {
     (KernelKind.FORWARD, Target.SM90A): "flashgen.generator.families.forward_sm90",
+    (KernelKind.BACKWARD, Target.SM90A): "flashgen.generator.families.backward_sm90",
 }
 _FAMILIES: dict[KernelKind, Family] = {}
 _TARGET_FAMILIES: dict[tuple[KernelKind, Target], Family] = {}

@@ -1,0 +1,123 @@
+"""The Hopper backward (`kernel: backward`, `target: sm_90a`): TMA + wgmma, same C ABI.
+
+A sibling of the mma.sync backward that serves the same kernel kind on the architecture-
+specific target: it keeps the backward's parameter struct (`fg_bwd_params`), workspace,
+preprocess and dQ conversion kernels, runner, tests and benchmarks, and replaces the main
+kernel (include/flashgen/bwd_sm90_kernel.cuh): a producer warpgroup loads K and V once and
+streams Q, dO (TMA) and LSE, D into a ring; two consumer warpgroups of 64 keys each compute
+S^T = K Q^T and dP^T = V dO^T (SS-wgmma), then dV += P^T dO and dK += dS^T Q from registers
+(RS-wgmma), and dQ = dS K through shared memory, added to the fp32 workspace.
+
+Tile rules: `warps` 8 (two consumer warpgroups), `block_n` 128 (64 keys each), `block_m` 64
+or 128 query rows a step (dQ of a step is cut into one 64-row piece per warpgroup: 64 x Dp/2
+at block_m 64, 64 x Dp at 128); `stages` 1..4 Q/dO tiles in the ring. Head dims are
+multiples of 16 up to 128 (dK and dV of 64 keys x 128 columns fill half a warpgroup's
+registers; larger head dims need the head dim split across warpgroups, not built).
+Shared memory: K, V; `stages` Q and dO tiles; two dS^T buffers (block_n x block_m); `stages`
+LSE and D rows; 1024 bytes of alignment slack.
+Not on this path (rejected by name; `target: sm_90` has them): varlen, dropout, block
+sparsity, deterministic, instrument_io.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flashgen.generator.families.backward import Backward
+from flashgen.generator.families.forward_sm90 import head_dim_pad
+from flashgen.generator.spec import Dtype, KernelSpec, Target, Tile
+
+HEAD_DIMS = tuple(range(16, 129, 16))
+TILE_WARPS = (8,)
+TILE_BLOCK_N = (128,)
+TILE_BLOCK_M = (64, 128)
+TILE_STAGES = (1, 2, 3, 4)
+
+
+def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype) -> int:
+    """K, V, `stages` x (Q, dO) tiles of Dp columns, two dS^T buffers, `stages` x (LSE, D)
+    fp32 rows, + 1024 alignment."""
+    pad, e = head_dim_pad(head_dim), dtype.nbytes
+    tiles = (2 * tile.block_n + 2 * tile.stages * tile.block_m) * pad * e
+    return tiles + 2 * tile.block_n * tile.block_m * e + 2 * tile.stages * tile.block_m * 4 + 1024
+
+
+def tile_problems(tile: Tile, head_dim: int) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = tile.type_problems()
+    if out:
+        return out
+    if tile.warps not in TILE_WARPS:
+        out.append(("tile.warps", f"{tile.warps} is not allowed on the sm_90a backward (allowed: 8)"))
+    if tile.block_n not in TILE_BLOCK_N:
+        out.append(
+            ("tile.block_n", f"{tile.block_n} is not allowed on the sm_90a backward (allowed: 128)")
+        )
+    if tile.block_m not in TILE_BLOCK_M:
+        out.append(
+            ("tile.block_m", f"{tile.block_m} is not allowed on the sm_90a backward (allowed: 64, 128)")
+        )
+    if tile.stages not in TILE_STAGES:
+        out.append(("tile.stages", f"{tile.stages} is not allowed on sm_90a (allowed: 1..4)"))
+    return out
+
+
+class BackwardSm90(Backward):
+    templates = "backward_sm90"
+
+    def head_dim_ok(self, head_dim: Any) -> bool:
+        return head_dim in HEAD_DIMS
+
+    def problems(self, spec: KernelSpec) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        if spec.target is not Target.SM90A:
+            out.append(("target", f"{spec.target.yaml}: this family serves sm_90a only"))
+        if not self.head_dim_ok(spec.head_dim):
+            out.append(
+                (
+                    "head_dim",
+                    f"{spec.head_dim} is not allowed on the sm_90a backward (allowed: multiples "
+                    "of 16 in 16..128; target: sm_90 has the rest)",
+                )
+            )
+            return out
+        for flag, name in (
+            (spec.mask.varlen, "mask.varlen"),
+            (spec.dropout, "dropout"),
+            (spec.sparse, "sparsity"),
+            (spec.deterministic, "deterministic"),
+            (spec.instrument_io, "instrument_io"),
+        ):
+            if flag:
+                out.append(
+                    (name, "not on the sm_90a (wgmma) backward yet: use target: sm_90 for it")
+                )
+        tile = tile_problems(spec.tile, spec.head_dim)
+        out.extend(tile)
+        if not tile and not out:
+            out.extend(
+                self.smem_problem(
+                    spec,
+                    f"(2*block_n + 2*stages*block_m) * ceil(head_dim/64)*64 * {spec.dtype.nbytes}"
+                    f" + 2*block_n*block_m*{spec.dtype.nbytes} + 8*stages*block_m + 1024",
+                )
+            )
+        return out
+
+    def smem_bytes(self, spec: KernelSpec) -> int:
+        return smem_bytes(spec.tile, spec.head_dim, spec.dtype)
+
+    def threads(self, spec: KernelSpec) -> int:
+        """The consumer warps plus one producer warpgroup (TMA)."""
+        return (spec.tile.warps + 4) * 32
+
+    def auto_tile(self, target: Target, dtype: Dtype, head_dim: int, values: dict) -> Tile:
+        """128 keys per CTA (two consumer warpgroups), 64 query rows a step, two stages: with
+        128 query rows at 64 padded columns S^T and dP^T (2 x 64 registers) beside dK and dV
+        spill (ptxas, 240 registers per consumer thread)."""
+        return Tile(block_m=64, block_n=128, warps=8, stages=2)
+
+    def config(self, spec: KernelSpec) -> dict[str, Any]:
+        return {**self.spec_config(spec), "head_dim_pad": head_dim_pad(spec.head_dim)}
+
+
+FAMILY = BackwardSm90()
