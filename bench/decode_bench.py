@@ -1,7 +1,8 @@
 """Decode bandwidth on one GPU: flashgen's decode kernels next to a device-to-device copy of
 the same K/V bytes and SDPA's backends on the same call, all measured in one run.
 
-    python -m flashgen.bench.decode_bench [--quick] [--out bench/results/decode_h200.json]
+    python -m flashgen.bench.decode_bench [--quick] [--baseline OLD/generated] [--out FILE]
+    python -m flashgen.bench.decode_bench --profile [--baseline OLD/generated]   # for ncu
 
 Setup (issue 12): bf16, d 128, kv_heads 8, query heads 32 and 64, batch 1, 8, 64, context 4k
 to 128k (combinations whose caches exceed 60% of the device's memory are skipped), one query
@@ -12,13 +13,30 @@ HBM bandwidth a plain stream achieves. SDPA gets q `(batch, heads, 1, d)` and th
 `(batch, kv_heads, context, d)` view (enable_gqa), per backend: FLASH, EFFICIENT, CUDNN; a
 backend that refuses the shape is left out of the row. Timing: CUDA graphs of 20 calls,
 median of 7 replays (quick: 3 and 3). Rows: {batch, heads, kv_heads, context, page_size,
-kernel, gbps: {"flashgen": x, "copy": y, BACKEND: z}}.
+kernel, num_splits, gbps: {"flashgen": x, "copy": y, BACKEND: z, "old": w}}.
+
+`--baseline DIR` adds an "old" column: DIR is another version's `generated/` folder (e.g.
+`git archive <commit> generated | tar -x -C /tmp/old`); its decode kernels with the same
+readable names as this version's (the name without the hash) are compiled here with the
+same nvcc flags and launched through their own C launchers with the same `fg_decode_params`
+(the struct is unchanged since the first decode version), on the same tensors, in the same
+graphs, right after this version's.
+
+`--profile` launches each of PROFILE_SHAPES once (after one warm-up call) between
+cudaProfilerStart and cudaProfilerStop, new kernel then old, printing each shape before its
+launch, for Nsight Compute:
+`ncu --clock-control none --profile-from-start off --set full -o decode python -m
+flashgen.bench.decode_bench --profile`.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +45,15 @@ HEADS = (32, 64)
 BATCHES = (1, 8, 64)
 CONTEXTS = (4096, 16384, 32768, 65536, 131072)
 PAGES = (0, 16, 256)  # 0: contiguous
+# (batch, heads, context, page_size): the short batch-1 call (launch and tail bound), the
+# batch-1 contexts below the copy bar, a split batch-8 call and an unsplit paged batch-64 one
+PROFILE_SHAPES = (
+    (1, 32, 4096, 0),
+    (1, 32, 16384, 0),
+    (1, 64, 65536, 16),
+    (8, 32, 32768, 0),
+    (64, 32, 16384, 256),
+)
 
 
 def _specs():
@@ -34,6 +61,62 @@ def _specs():
 
     text = "kernel: decode\ndtype: bf16\nhead_dim: 128\ngqa: true\npaged: {}\n"
     return {p: load_spec_text(text.format(p), "decode_bench")[0] for p in (False, True)}
+
+
+def _baseline_libraries(generated: Path, libs: dict) -> dict:
+    """paged -> (name, ctypes library) of the other version's kernel with the same readable
+    name as this version's, compiled into a temporary folder (or `<name>.so` found there)."""
+    from flashgen.generator.compile import nvcc_flags
+
+    out = Path(tempfile.mkdtemp(prefix="flashgen-decode-ab-"))
+    found = {}
+    for paged, lib in libs.items():
+        readable = lib.name.rpartition("_")[0]
+        cands = [
+            cu for cu in generated.glob("fa_dec_*.cu") if cu.stem.rpartition("_")[0] == readable
+        ]
+        if not cands:
+            print(f"decode_bench: no baseline kernel named {readable}_*", file=sys.stderr)
+            continue
+        cu = cands[0]
+        so = generated / f"{cu.stem}.so"
+        if not so.is_file():
+            so = out / f"{cu.stem}.so"
+            cmd = ["nvcc", *nvcc_flags(lib.spec.target), "-o", str(so), cu.name]
+            proc = subprocess.run(cmd, cwd=generated, capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(
+                    f"decode_bench: {cu.name} does not build: {proc.stderr[-400:]}", file=sys.stderr
+                )
+                continue
+        found[paged] = (cu.stem, ctypes.CDLL(str(so.resolve())))
+    return found
+
+
+class _OldKernel:
+    """The other version's decode launcher: launch and workspace_bytes with this version's
+    parameter struct (same layout)."""
+
+    def __init__(self, name: str, cdll, params_type) -> None:
+        self.name = name
+        ptr = ctypes.POINTER(params_type)
+        self._launch = getattr(cdll, f"{name}_launch")
+        self._launch.argtypes, self._launch.restype = [ptr, ctypes.c_void_p], ctypes.c_int
+        self._ws = getattr(cdll, f"{name}_workspace_bytes")
+        self._ws.argtypes, self._ws.restype = [ptr], ctypes.c_size_t
+        self._splits = getattr(cdll, f"{name}_num_splits")
+        self._splits.argtypes, self._splits.restype = [ptr], ctypes.c_int64
+
+    def workspace_bytes(self, packed) -> int:
+        return int(self._ws(ctypes.byref(packed)))
+
+    def num_splits(self, packed) -> int:
+        return int(self._splits(ctypes.byref(packed)))
+
+    def launch(self, packed, stream: int) -> None:
+        err = self._launch(ctypes.byref(packed), ctypes.c_void_p(int(stream) or None))
+        if err != 0:
+            raise RuntimeError(f"{self.name}: launch failed ({err})")
 
 
 def _time(fn, calls: int, reps: int) -> float:
@@ -61,6 +144,124 @@ def _time(fn, calls: int, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _cache(k, v, batch: int, context: int, page: int):
+    """(values, k, v, keep-alive tensors) of the cache: contiguous, or paged in a random page
+    order."""
+    import torch
+
+    values = {}
+    keep = []
+    if page == 0:
+        kk, vv = k, v
+        values.update(seqlen_k=context)
+        strides = (context * KV_HEADS * D, KV_HEADS * D, D)
+    else:
+        pages = batch * context // page
+        perm = torch.randperm(pages, device=k.device)
+        kk = torch.empty(pages, page, KV_HEADS, D, device=k.device, dtype=k.dtype)
+        vv = torch.empty_like(kk)
+        kk[perm] = k.view(pages, page, KV_HEADS, D)
+        vv[perm] = v.view(pages, page, KV_HEADS, D)
+        table = perm.view(batch, context // page).to(torch.int32).contiguous()
+        keep.append(table)
+        values.update(
+            block_table=table.data_ptr(),
+            page_size=page,
+            num_pages=pages,
+            max_pages=context // page,
+            block_table_stride=context // page,
+        )
+        strides = (page * KV_HEADS * D, KV_HEADS * D, D)
+    for nm, t in (("k", kk), ("v", vv)):
+        values[nm] = t.data_ptr()
+        names = (f"{nm}_batch_stride", f"{nm}_row_stride", f"{nm}_head_stride")
+        values.update(dict(zip(names, strides)))
+    return values, kk, vv, keep
+
+
+def _call_values(q, o, lens, batch: int, heads: int) -> dict:
+    return dict(
+        q=q.data_ptr(),
+        o=o.data_ptr(),
+        cache_seqlens=lens.data_ptr(),
+        q_batch_stride=heads * D,
+        q_row_stride=heads * D,
+        q_head_stride=D,
+        o_batch_stride=heads * D,
+        o_row_stride=heads * D,
+        o_head_stride=D,
+        batch=batch,
+        heads=heads,
+        kv_heads=KV_HEADS,
+        seqlen_q=1,
+        softmax_scale=D**-0.5,
+    )
+
+
+def _launchers(lib, old, values: dict, dev):
+    """(new launch, old launch or None, num_splits, keep-alive): each version with its own
+    zeroed workspace, launching on the stream current at call time (`_time` captures a CUDA
+    graph on its own stream; a launcher bound to another stream would record nothing)."""
+    import torch
+
+    ws = torch.zeros(lib.workspace_bytes(values), device=dev, dtype=torch.uint8)
+    new_values = {**values, "workspace": ws.data_ptr(), "workspace_size": ws.numel()}
+
+    def new(lib=lib, values=new_values):
+        lib.launch(values, torch.cuda.current_stream().cuda_stream)
+
+    keep = [ws]
+    old_launch = None
+    if old is not None:
+        packed = lib.pack(values)
+        ws_old = torch.zeros(max(old.workspace_bytes(packed), 256), device=dev, dtype=torch.uint8)
+        packed = lib.pack(
+            {**values, "workspace": ws_old.data_ptr(), "workspace_size": ws_old.numel()}
+        )
+        keep += [ws_old, packed]
+
+        def old_launch(old=old, packed=packed):
+            old.launch(packed, torch.cuda.current_stream().cuda_stream)
+
+    return new, old_launch, lib.num_splits(values), keep
+
+
+def _profile(libs, olds) -> int:
+    """PROFILE_SHAPES once each between cudaProfilerStart/Stop (after a warm-up call)."""
+    import torch
+
+    dev = torch.device("cuda")
+    for batch, heads, context, page in PROFILE_SHAPES:
+        k = torch.randn(batch, context, KV_HEADS, D, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        q = torch.randn(batch, 1, heads, D, device=dev, dtype=torch.bfloat16)
+        o = torch.empty_like(q)
+        lens = torch.full((batch,), context, device=dev, dtype=torch.int32)
+        cache, kk, vv, keep = _cache(k, v, batch, context, page)
+        lib = libs[page > 0]
+        values = {**_call_values(q, o, lens, batch, heads), **cache}
+        new, old, splits, keep2 = _launchers(lib, olds.get(page > 0), values, dev)
+        for label, fn in (("new", new), ("old", old)):
+            if fn is None:
+                continue
+            name = lib.name if label == "new" else olds[page > 0].name
+            print(
+                f"profile: {label} {name} batch={batch} heads={heads} kv_heads={KV_HEADS} "
+                f"context={context} page_size={page} splits={splits if label == 'new' else '-'} "
+                f"kv_bytes={2 * batch * context * KV_HEADS * D * 2}",
+                flush=True,
+            )
+            fn()  # warm-up, outside the profiled range
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+            fn()
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+        del k, v, kk, vv, keep, keep2
+        torch.cuda.empty_cache()
+    return 0
+
+
 def main(argv=None) -> int:
     import torch
     from flashgen.verify.runner_decode import DecodeLibrary
@@ -69,6 +270,10 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a subset, < 3 minutes")
+    ap.add_argument("--baseline", default=None, help="another version's generated/ folder")
+    ap.add_argument(
+        "--profile", action="store_true", help="PROFILE_SHAPES once each, for Nsight Compute"
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode_h200.json"))
     args = ap.parse_args(argv)
     calls, reps = (3, 3) if args.quick else (20, 7)
@@ -77,7 +282,15 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     free = torch.cuda.get_device_properties(0).total_memory
     libs = {p: DecodeLibrary(s) for p, s in _specs().items()}
-    name = {p: lib.name for p, lib in libs.items()}
+    olds = {}
+    if args.baseline:
+        params_type = libs[False].Params
+        olds = {
+            p: _OldKernel(nm, cdll, params_type)
+            for p, (nm, cdll) in _baseline_libraries(Path(args.baseline), libs).items()
+        }
+    if args.profile:
+        return _profile(libs, olds)
     rows, t0 = [], time.time()
     for batch in BATCHES:
         for context in contexts:
@@ -109,89 +322,44 @@ def main(argv=None) -> int:
                         pass
                 for page in PAGES:
                     lib = libs[page > 0]
-                    values = dict(
-                        q=q.data_ptr(),
-                        o=o.data_ptr(),
-                        cache_seqlens=lens.data_ptr(),
-                        q_batch_stride=heads * D,
-                        q_row_stride=heads * D,
-                        q_head_stride=D,
-                        o_batch_stride=heads * D,
-                        o_row_stride=heads * D,
-                        o_head_stride=D,
-                        batch=batch,
-                        heads=heads,
-                        kv_heads=KV_HEADS,
-                        seqlen_q=1,
-                        softmax_scale=D**-0.5,
-                    )
-                    keep = []
-                    if page == 0:
-                        kk, vv = k, v
-                        values.update(seqlen_k=context)
-                        strides = (context * KV_HEADS * D, KV_HEADS * D, D)
-                    else:
-                        pages = batch * context // page
-                        perm = torch.randperm(pages, device=dev)
-                        kk = torch.empty(pages, page, KV_HEADS, D, device=dev, dtype=k.dtype)
-                        vv = torch.empty_like(kk)
-                        kk[perm] = k.view(pages, page, KV_HEADS, D)
-                        vv[perm] = v.view(pages, page, KV_HEADS, D)
-                        table = perm.view(batch, context // page).to(torch.int32).contiguous()
-                        keep.append(table)
-                        values.update(
-                            block_table=table.data_ptr(),
-                            page_size=page,
-                            num_pages=pages,
-                            max_pages=context // page,
-                            block_table_stride=context // page,
-                        )
-                        strides = (page * KV_HEADS * D, KV_HEADS * D, D)
-                    for nm, t in (("k", kk), ("v", vv)):
-                        values[nm] = t.data_ptr()
-                        values.update(
-                            dict(
-                                zip(
-                                    (f"{nm}_batch_stride", f"{nm}_row_stride", f"{nm}_head_stride"),
-                                    strides,
-                                )
-                            )
-                        )
-                    ws = torch.zeros(lib.workspace_bytes(values), device=dev, dtype=torch.uint8)
-                    values.update(workspace=ws.data_ptr(), workspace_size=ws.numel())
-
-                    # Launched on the stream current at call time: `_time` captures a CUDA
-                    # graph on its own stream (a launcher bound to another stream would
-                    # record nothing and time an empty graph).
-                    def launch(lib=lib, values=values):
-                        lib.launch(values, torch.cuda.current_stream().cuda_stream)
-
-                    t = _time(launch, calls, reps)
+                    cache, kk, vv, keep = _cache(k, v, batch, context, page)
+                    values = {**_call_values(q, o, lens, batch, heads), **cache}
+                    new, old, splits, keep2 = _launchers(lib, olds.get(page > 0), values, dev)
+                    t = _time(new, calls, reps)
+                    extra = {}
+                    if old is not None:
+                        extra["old"] = kv_bytes / _time(old, calls, reps) / 1e9
                     row = {
                         "batch": batch,
                         "heads": heads,
                         "kv_heads": KV_HEADS,
                         "context": context,
                         "page_size": page,
-                        "kernel": name[page > 0],
-                        "num_splits": lib.num_splits(values),
+                        "kernel": lib.name,
+                        "num_splits": splits,
                         "gbps": {
                             "flashgen": kv_bytes / t / 1e9,
                             "copy": 2 * kv_bytes / copy / 1e9,
                             **sdpa_gbps,
+                            **extra,
                         },
                     }
+                    if old is not None:
+                        row["old_kernel"] = olds[page > 0].name
                     rows.append(row)
                     g = row["gbps"]
+                    best = max(sdpa_gbps.values(), default=float("nan"))
                     print(
                         f"b={batch:3d} h={heads} ctx={context:6d} page={page:3d} "
-                        f"splits={row['num_splits']:3d} flashgen {g['flashgen']:7.0f} GB/s "
-                        f"({g['flashgen'] / g['copy']:.0%} of copy {g['copy']:.0f}); "
+                        f"splits={splits:3d} flashgen {g['flashgen']:7.0f} GB/s "
+                        f"({g['flashgen'] / g['copy']:.0%} of copy {g['copy']:.0f}, "
+                        f"{g['flashgen'] / best:.2f}x best SDPA"
+                        + (f", {g['flashgen'] / g['old']:.2f}x old" if "old" in g else "")
+                        + "); "
                         + ", ".join(f"{b_} {x:.0f}" for b_, x in sdpa_gbps.items()),
                         flush=True,
                     )
-                    if page > 0:
-                        del kk, vv
+                    del kk, vv, keep, keep2
             del k, v, dst
             torch.cuda.empty_cache()
     out = Path(args.out)
