@@ -111,3 +111,51 @@ def test_the_hopper_launcher_names_tmas_rules(hopper, change, message):
     assert message in hopper.check({**HOPPER_GOOD, **change})
     with pytest.raises(LaunchError, match=re.escape(message)):
         hopper.launch({**HOPPER_GOOD, **change})
+
+
+# Varlen on the Hopper forward: the tensor maps span the packed tensors, whose rows the
+# launcher can only learn from total_q / total_k (cu_seqlens are on the device).
+HOPPER_VARLEN = load_spec_text(
+    "dtype: bf16\nhead_dim: 64\ntarget: sm_90a\nmask: {causal: bottom_right, varlen: true}\n"
+)[0]
+TQ, TK = 7, 9  # two sequences: q (3, 4), k (4, 5); seqlen_q, seqlen_k are the maxima
+HOPPER_VARLEN_GOOD = {
+    **HOPPER_GOOD,
+    "cu_seqlens_q": 0x6000,
+    "cu_seqlens_k": 0x7000,
+    "batch": 2,
+    "seqlen_q": 4,
+    "seqlen_k": 5,
+    "total_q": TQ,
+    "total_k": TK,
+    **{f"{t}_batch_stride": 0 for t in "qkvo"},  # packed: unused
+    "lse_batch_stride": 0,
+    "lse_head_stride": TQ,
+}
+
+
+@pytest.fixture(scope="module")
+def hopper_varlen(tmp_path_factory):
+    out = tmp_path_factory.mktemp("libs90a_varlen")
+    (res,) = compile_specs([HOPPER_VARLEN], out, jobs=1, progress=False)
+    assert res.ok, res.error
+    return KernelLibrary(HOPPER_VARLEN, out)
+
+
+def test_the_hopper_varlen_launcher_accepts_packed_tensors_with_their_totals(hopper_varlen):
+    # (batch strides 0: a packed tensor has none, and TMA's stride rule does not apply to them)
+    assert hopper_varlen.check(HOPPER_VARLEN_GOOD) is None
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"total_q": 0}, "varlen needs total_q"),
+        ({"total_k": 4}, "varlen needs total_k"),
+        ({"total_k": 2**31}, "below 2^31"),
+    ],
+)
+def test_the_hopper_varlen_launcher_names_the_missing_total(hopper_varlen, change, message):
+    assert message in hopper_varlen.check({**HOPPER_VARLEN_GOOD, **change})
+    with pytest.raises(LaunchError, match=re.escape(message)):
+        hopper_varlen.launch({**HOPPER_VARLEN_GOOD, **change})

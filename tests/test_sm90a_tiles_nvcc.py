@@ -22,6 +22,12 @@ FEATURES = {
     "window_gqa": "mask: {causal: top_left, window: true}\ngqa: true\n",
     "dropout": "dropout: true\n",
     "dropout_debug": "mask: {causal: bottom_right}\ndropout: true\ndebug_keep_mask: true\n",
+    # varlen, block sparsity and instrument_io (7 byte counters per thread), each combined with
+    # the features that weigh most on registers beside it
+    "varlen_sparse_io": "mask: {causal: bottom_right, varlen: true}\nsparsity: block\n"
+    "instrument_io: true\n",
+    "varlen_window_gqa_dropout_io": "mask: {causal: top_left, window: true, varlen: true}\n"
+    "gqa: true\ndropout: true\ndebug_keep_mask: true\ninstrument_io: true\n",
 }
 
 

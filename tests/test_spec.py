@@ -603,16 +603,19 @@ def test_sm90a_forward_is_served_by_the_hopper_family():
 
 
 @pytest.mark.parametrize(
-    "text, field",
+    "text",
     [
-        ("mask: {varlen: true}", "mask.varlen"),
-        ("sparsity: block", "sparsity"),
-        ("instrument_io: true", "instrument_io"),
+        "mask: {causal: bottom_right, varlen: true}",
+        "sparsity: block",
+        "instrument_io: true",
+        "mask: {varlen: true, window: true}\ngqa: true\nsparsity: block\ninstrument_io: true",
     ],
 )
-def test_hopper_forward_rejects_what_it_does_not_serve_by_name(text, field):
-    with pytest.raises(SpecError, match=f"{field}: not on the sm_90a .wgmma. forward yet"):
-        load(f"dtype: bf16\nhead_dim: 64\ntarget: sm_90a\n{text}\n")
+def test_hopper_forward_serves_varlen_sparsity_and_instrument_io(text):
+    from flashgen.generator.families import family
+
+    spec = one(f"dtype: bf16\nhead_dim: 64\ntarget: sm_90a\n{text}\n")
+    assert family(spec).templates == "forward_sm90" and spec.tile_auto
 
 
 def test_backward_and_decode_refuse_sm90a():

@@ -98,8 +98,9 @@ def test_derived_spec_carries_every_feature_of_the_call():
     c = call(causal=Causal.BOTTOM_RIGHT, varlen=True, gqa=True, dropout=True, deterministic=True)
     f, b = forward_spec(c), backward_spec(c)
     assert f.kernel is KernelKind.FORWARD and b.kernel is KernelKind.BACKWARD
-    for s in (f, b):  # varlen: the mma.sync forward (the sm_90a one has no varlen yet)
-        assert (s.dtype, s.head_dim, s.target) == (Dtype.BF16, 64, Target.SM90)
+    assert (f.dtype, f.head_dim, f.target) == (Dtype.BF16, 64, Target.SM90A)  # wgmma forward
+    assert (b.dtype, b.head_dim, b.target) == (Dtype.BF16, 64, Target.SM90)
+    for s in (f, b):
         assert s.mask.causal is Causal.BOTTOM_RIGHT and s.mask.varlen and not s.mask.window
         assert s.gqa and s.dropout and s.tile_auto
     assert b.deterministic and not f.deterministic  # a forward is deterministic anyway
@@ -111,7 +112,7 @@ def test_hopper_prefers_the_wgmma_forward_where_it_serves_the_call():
     assert forward_spec(call(causal=Causal.BOTTOM_RIGHT, gqa=True, dropout=True)).target is (
         Target.SM90A
     )
-    assert forward_spec(call(varlen=True)).target is Target.SM90
+    assert forward_spec(call(varlen=True)).target is Target.SM90A
     assert backward_spec(call()).target is Target.SM90
 
 

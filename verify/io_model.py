@@ -14,6 +14,16 @@ bytes") from the tile schedule alone, without data: per CTA `(qt, h, b)` with ro
 Sums run vectorised over query tiles; heads multiply when the schedule does not depend on the
 head (dense, or one shared sparse layout). `verify.tiled_model` counts the same bytes by
 emulating the loads; the two are tested equal.
+
+Both forward families follow this one model. The mma.sync forward counts its cp.async chunks
+(rows past the sequence are zero-filled, not read). The sm_90a forward counts per TMA box the
+rows inside the sequence times the columns below `d`: TMA zero-fills rows past the tensor
+map's extent and the padded columns of a head dim that is not a multiple of 64 without reading
+them, so for dense calls the count is what the hardware reads. Its varlen maps span the packed
+tensors, so a box that runs past its sequence's end also fetches rows of the next sequence
+(up to `block_n - 1` per K or V box, `block_m - 1` for Q; the mask excludes them). Those are
+not counted: the counters, like this model, are the bytes a CTA requests for its own
+sequence, and for varlen calls the sm_90a kernel's DRAM traffic can exceed them by that much.
 """
 
 from __future__ import annotations

@@ -443,6 +443,8 @@ class FwdKernel:
                     buf.upload(cu)
                     bufs.append(buf)
                     params[nm] = buf.ptr
+                # rows of the packed tensors (the sm_90a forward's tensor maps span them)
+                params["total_q"], params["total_k"] = q.shape[0], k.shape[0]
             keep_buf = None
             keep_shape = (pb.batch, pb.heads, pb.seqlen_q, pb.seqlen_k)
             if spec.debug_keep_mask:

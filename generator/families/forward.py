@@ -48,6 +48,8 @@ PARAMS = params_table(
     i64 seqlen_k
     ptr cu_seqlens_q
     ptr cu_seqlens_k
+    i64 total_q
+    i64 total_k
     f64 softmax_scale
     i64 window_left
     i64 window_right

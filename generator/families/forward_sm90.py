@@ -12,7 +12,13 @@ in 16..256; shared memory holds them rounded up to 64 columns (the TMA box), so 
 96 computes on 128 columns.
 Shared memory: Q tile plus `stages` K and V tiles of `Dp = ceil(head_dim / 64) * 64` columns,
 plus 1024 bytes of alignment slack (SW128 tiles start on 1024-byte boundaries).
-Not on this path yet (rejected by name): varlen, block sparsity, instrument_io.
+
+Every forward feature is served: causal (both alignments), window, GQA, dropout with the
+debug keep-mask, varlen, block sparsity (the forward's layout arrays and full/partial
+semantics; the producer and the consumers walk the same schedule) and instrument_io (bytes
+per TMA box, equal to verify/io_model.py). Varlen needs `total_q` and `total_k` in
+`fg_fwd_params`: the tensor maps span the packed tensors, and their rows are not known on the
+host otherwise (the cu_seqlens are on the device).
 """
 
 from __future__ import annotations
@@ -77,12 +83,6 @@ class ForwardSm90(Forward):
                     f"{spec.head_dim} is not allowed (allowed: multiples of 16 in 16..256)",
                 )
             )
-        for flag, name in ((spec.mask.varlen, "mask.varlen"), (spec.sparse, "sparsity"),
-                           (spec.instrument_io, "instrument_io")):  # fmt: skip
-            if flag:
-                out.append(
-                    (name, "not on the sm_90a (wgmma) forward yet: use target: sm_90 for it")
-                )
         tile = tile_problems(spec.tile)
         out.extend(tile)
         if not tile and not out:
