@@ -22,6 +22,7 @@
 #include "arch.cuh"
 #include "block_info.cuh"
 #include "frag.cuh"
+#include "fwd_cta.cuh"
 #include "mask.cuh"
 #include "params.h"
 #include "philox.cuh"
@@ -74,15 +75,10 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
   const LaneOffsets lo(lane);
   Io<C::kInstrumentIo, FwdIo> io;
 
-  // ---- which (query tile, head, batch) this CTA is, and where its sequence lies ---------
-  const int64_t num_qt = (p.seqlen_q + C::kBlockM - 1) / C::kBlockM;
-  int64_t bid = blockIdx.x;
-  const int64_t qt_raw = bid % num_qt;
-  bid /= num_qt;
-  const int64_t h = bid % p.heads, b = bid / p.heads;
-  if (b >= p.batch) return;  // a grid larger than the problem's (the launcher never makes one)
-  // With a causal mask the last query tiles visit the most K/V tiles: start them first.
-  const int64_t qt = C::kCausal != Causal::kNone ? num_qt - 1 - qt_raw : qt_raw;
+  // ---- which (query tile, head, batch) this CTA is (fwd_cta.cuh), and where its sequence lies
+  const FwdTileId id = fwd_tile_id<C>(p);
+  if (id.b >= p.batch) return;  // a grid larger than the problem's (the launcher never makes one)
+  const int64_t qt = id.qt, h = id.h, b = id.b;
   const SeqInfo<C::kVarlen> seq(b, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k, io,
                                 tid == 0);
   const int64_t sq = seq.sq, sk = seq.sk;
@@ -108,17 +104,7 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
   const MaskPolicy<C::kCausal, C::kWindow> mask(sq, sk, p.window_left, p.window_right);
 
   // ---- the tile schedule: a dense range visited from the top, or the sparse lists ----------
-  using Schedule = TileSchedule<C::kSparse, /*descending=*/true>;
-  Schedule sched;
-  if (C::kSparse) {
-    const int64_t row = (p.blk_layout_heads == 1 ? 0 : h) * num_qt + qt;
-    sched = Schedule::sparse(p.blk_full_count, p.blk_full_idx, p.blk_part_count,
-                             p.blk_part_idx, row, p.blk_max_blocks, io, tid == 0);
-  } else {
-    int64_t n_lo, n_hi;
-    mask.tile_range(r0, r1, C::kBlockN, n_lo, n_hi);
-    sched = Schedule::dense(n_lo, n_hi);
-  }
+  const FwdSchedule<C> sched = fwd_schedule<C>(p, id, mask, r0, r1, io, tid == 0);
   const int n_iter = sched.count;
 
   auto load_kv = [&](int it) {
@@ -157,12 +143,7 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
   const uint32_t k_lane = smem_addr(sK) + (lo.b_row * C::kStride + lo.b_col) * kElemBytes;
   const uint32_t v_lane = smem_addr(sV) + (lo.a_row * C::kStride + lo.a_col) * kElemBytes;
   const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
-  DropoutRng rng{};
-  float drop_scale = 1.f;
-  if (C::kDropout) {
-    rng = make_dropout_rng(p.seed, p.offset, b * p.heads + h, p.dropout_p);
-    drop_scale = static_cast<float>(1.0 / (1.0 - p.dropout_p));
-  }
+  const FwdDropout drop = fwd_dropout<C>(p, b, h);
 
   if (n_iter > 0) {
     load_tile_async<C::kBlockM, C::kHeadDim, C::kThreads, C::kStride>(sQ, gQ, p.q_row_stride,
@@ -205,11 +186,7 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
       const uint32_t k_slot = k_lane + slot * kSlotBytes;
       const uint32_t v_slot = v_lane + slot * kSlotBytes;
       const int64_t n = C::kSparse ? s_tile[slot] : sched.tile(it, io, false);
-      // A sparse "full" tile still gets the tail mask if it reaches past Sk (a layout built
-      // for other lengths, or a varlen batch's shorter sequence), so no zero-filled key is
-      // ever scored.
-      const bool masked = C::kSparse ? (sched.partial(it) || (n + 1) * C::kBlockN > sk)
-                                     : mask.tile_needs_mask(r0, r1, n, C::kBlockN);
+      const bool masked = fwd_tile_masked<C>(sched, mask, it, n, r0, r1);
 
       // S = Q K^T
       float acc_s[C::kMT][C::kNT][4];
@@ -240,16 +217,9 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
         scale_rows(acc_o[mt], alpha);
       }
 
-      if (C::kDropout) {
-        dropout_frag<C::kMT, C::kNT>(
-            rng, r0 + warp_row0, n * C::kBlockN, lane,
-            [&](int mt, int nt, int e, bool keep, int64_t i, int64_t j) {
-              if (C::kKeepMaskOut && i < sq && j < sk)
-                store_keep(p.keep_mask + ((b * p.heads + h) * p.seqlen_q + i) * p.seqlen_k + j,
-                           keep, io);
-              acc_s[mt][nt][e] = keep ? acc_s[mt][nt][e] : 0.f;  // 1/(1-p): at the end
-            });
-      }
+      if (C::kDropout)
+        fwd_dropout_frag<C>(acc_s, drop.rng, p, b, h, sq, sk, r0 + warp_row0, n * C::kBlockN,
+                            lane, io);
 
       // acc_o += P V, P re-packed from the S accumulators
       warp_pv<Elem, C::kMT, C::kNT, C::kDT, C::kStride>(acc_o, acc_s, v_slot);
@@ -267,7 +237,7 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
       // Dropout's 1/(1-p) scales O once, in fp32 (FlashAttention-2 does the same): applied
       // to P before its 16-bit rounding it would cost up to 2x the baseline's error
       // (a row max p = 1 is exact in bf16, 1/(1-p) is not).
-      if (C::kDropout) inv_l *= drop_scale;
+      if (C::kDropout) inv_l *= drop.scale;
       const int row = warp_row0 + mt * 16 + g + r * 8;
       if (row < valid_rows) {
 #pragma unroll

@@ -12,6 +12,11 @@
 //   slot       ring position of a K/V tile (it % stages); full[slot] completes when its TMA
 //              bytes land, empty[slot] when every warp has finished reading it
 //   parity     the phase of a slot's barriers for tile it: (it / stages) & 1
+//   schedule   the K/V tiles the CTA visits (fwd_cta.cuh: the forward's dense range or its
+//              block-sparse row); producer and consumers walk the same one, so slot and
+//              parity of tile it agree on both sides. Sparse: the producer reads each tile's
+//              index and hands it to the consumers in s_tile[slot], written before its
+//              full[slot] arrive (release) and read after the wait (acquire)
 //
 // Per CTA: a producer warpgroup (24 registers) whose one thread loads Q and streams the K/V
 // tiles by TMA into the ring; every consumer group (the rest of the registers) then, per
@@ -21,6 +26,20 @@
 // one are issued together and the groups take turns (ping-pong), FlashAttention-3's schedule.
 // O = acc / l and LSE are stored from registers. Rows without a visible key give O = 0 and
 // LSE = -inf, as everywhere.
+//
+// Varlen: the maps span the packed tensors (one batch entry, total_q / total_k rows), and a
+// sequence's tiles start at its packed row (cu_seqlens). A tile running past the sequence's
+// end loads rows of the next sequence (zeros past total): the mask never lets a score see
+// them (col_end), their P is exactly 0, and O and LSE are stored for the sequence's rows only.
+// Those V rows are multiplied by P = 0, so they must be finite (they are the next sequence's
+// values, or rows of the packed tensor below total_k).
+//
+// instrument_io: the producer thread counts, per TMA box, the bytes it requests inside the
+// sequence (rows below Sq or Sk, columns below head_dim): TMA zero-fills rows past the map's
+// extent and the padded columns without reading them, which makes that count exact for dense
+// calls; a varlen box's rows past its sequence are read from the next sequence but not
+// counted (verify/io_model.py). META, O, LSE and the keep-mask are counted as the mma.sync
+// forward counts them (tile_io.cuh).
 #pragma once
 
 #include <cuda.h>
@@ -29,6 +48,7 @@
 #include "arch.cuh"
 #include "block_info.cuh"
 #include "frag.cuh"
+#include "fwd_cta.cuh"
 #include "mask.cuh"
 #include "params.h"
 #include "philox.cuh"
@@ -81,8 +101,6 @@ struct FwdSm90Config : S {
   static_assert(kBlockN == 64 || kBlockN == 128, "block_n: 64 or 128");
   static_assert(kHeadDim % 16 == 0 && kHeadDim >= 16 && kHeadDim <= 256, "head_dim");
   static_assert(kStages >= 1 && kStages <= 4, "stages");
-  static_assert(!S::kVarlen && !S::kSparse && !S::kInstrumentIo,
-                "varlen, sparsity and instrument_io are not on the sm_90a path yet");
   static_assert(!S::kKeepMaskOut || S::kDropout, "the keep-mask output needs dropout");
 };
 
@@ -98,22 +116,24 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
   Elem* sK = sQ + C::kBlockM * C::kHeadDimPad;
   Elem* sV = sK + C::kStages * C::kBlockN * C::kHeadDimPad;
   __shared__ uint64_t bar_q, full[C::kStages], empty[C::kStages];
+  __shared__ int32_t s_tile[C::kSparse ? C::kStages : 1];  // sparse: K/V tile of each slot
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = warp / 4, g = lane >> 2, t = lane & 3;
-  Io<false, FwdIo> io;
+  Io<C::kInstrumentIo, FwdIo> io_setup;  // the setup's META reads (cu_seqlens, layout counts)
 
-  // ---- which (query tile, head, batch) this CTA is (the forward's order) ------------------
-  const int64_t num_qt = (p.seqlen_q + C::kBlockM - 1) / C::kBlockM;
-  int64_t bid = blockIdx.x;
-  const int64_t qt_raw = bid % num_qt;
-  bid /= num_qt;
-  const int64_t h = bid % p.heads, b = bid / p.heads;
-  if (b >= p.batch) return;
-  const int64_t qt = C::kCausal != Causal::kNone ? num_qt - 1 - qt_raw : qt_raw;
-  const SeqInfo<false> seq(b, p.seqlen_q, p.seqlen_k, nullptr, nullptr, io, false);
+  // ---- which (query tile, head, batch) this CTA is (fwd_cta.cuh), and where its sequence lies
+  const FwdTileId id = fwd_tile_id<C>(p);
+  if (id.b >= p.batch) return;  // a grid larger than the problem's (the launcher never makes one)
+  const int64_t qt = id.qt, h = id.h, b = id.b;
+  const SeqInfo<C::kVarlen> seq(b, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k,
+                                io_setup, tid == 0);
   const int64_t sq = seq.sq, sk = seq.sk;
   const int64_t r0 = qt * C::kBlockM;
+  if (r0 >= sq) {  // a shorter sequence of a varlen batch: the whole CTA leaves, before any barrier
+    io_setup.flush(p.io_counters);
+    return;
+  }
   const int64_t valid_rows = min(static_cast<int64_t>(C::kBlockM), sq - r0);
   const int64_t r1 = r0 + valid_rows - 1;
   const int64_t hk = C::kGqa ? h / (p.heads / p.kv_heads) : h;
@@ -122,10 +142,7 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
   float* gLse = p.lse + seq.lse_off(p.lse_batch_stride, p.lse_head_stride, h, r0);
 
   const MaskPolicy<C::kCausal, C::kWindow> mask(sq, sk, p.window_left, p.window_right);
-  using Schedule = TileSchedule<false, /*descending=*/true>;
-  int64_t n_lo, n_hi;
-  mask.tile_range(r0, r1, C::kBlockN, n_lo, n_hi);
-  const Schedule sched = Schedule::dense(n_lo, n_hi);
+  const FwdSchedule<C> sched = fwd_schedule<C>(p, id, mask, r0, r1, io_setup, tid == 0);
   const int n_iter = sched.count;
 
   if (tid == 0) {
@@ -138,20 +155,33 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
     mbar_init_fence();
   }
   __syncthreads();
+  // instrument_io: the setup's counters are flushed before the roles split, so no 64-bit
+  // counter of theirs stays live through a loop (the producer has 24 registers); each role
+  // counts into a fresh one from here on.
+  io_setup.flush(p.io_counters);
+  Io<C::kInstrumentIo, FwdIo> io;
 
-  // TMA coordinates (column, row, head, batch) in the maps' dimension order.
+  // TMA coordinates (column, row, head, batch) in the maps' dimension order. Rows are the
+  // sequence's own (dense: batch coordinate b) or packed rows (varlen: the maps' one batch
+  // entry, rows from the sequence's start q0 / k0, which are 0 for dense calls).
+  const int tma_b = C::kVarlen ? 0 : static_cast<int>(b);
   auto tma = [&](Elem* dst, const CUtensorMap& map, bool heads_inner, uint64_t* bar, int col,
                  int64_t row, int64_t head) {
     if (heads_inner)
-      tma_load_4d(dst, &map, bar, col, static_cast<int>(head), static_cast<int>(row),
-                  static_cast<int>(b));
+      tma_load_4d(dst, &map, bar, col, static_cast<int>(head), static_cast<int>(row), tma_b);
     else
-      tma_load_4d(dst, &map, bar, col, static_cast<int>(row), static_cast<int>(head),
-                  static_cast<int>(b));
+      tma_load_4d(dst, &map, bar, col, static_cast<int>(row), static_cast<int>(head), tma_b);
   };
-  auto load_kv = [&](int it) {  // the producer thread
+  // instrument_io: box j of a tile (columns 64 j .. 64 j + 63) reads its rows inside the
+  // sequence times its min(64, head_dim - 64 j) columns (see the top); summed over the boxes,
+  // a tile's K (or V) bytes are rows * head_dim * elt.
+  auto tile_bytes = [](uint64_t rows) { return rows * C::kHeadDim * C::kElem; };
+  // Loads K/V tile it into its slot (the producer thread); returns its rows inside the sequence.
+  auto load_kv = [&](int it) -> uint32_t {
     const int slot = it % C::kStages;
-    const int64_t row = sched.tile(it, io, false) * C::kBlockN;
+    const int64_t n = sched.tile(it, io, false);  // sparse: META counted by the caller
+    if constexpr (C::kSparse) s_tile[slot] = static_cast<int32_t>(n);  // before the arrive
+    const int64_t row = seq.k0 + n * C::kBlockN;
     mbar_arrive_expect_tx(&full[slot], 2 * C::kKvBytes);
 #pragma unroll
     for (int j = 0; j < C::kBoxes; ++j) {
@@ -159,6 +189,9 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
       tma(sK + off, maps.k, maps.kv_heads_inner, &full[slot], j * 64, row, hk);
       tma(sV + off, maps.v, maps.kv_heads_inner, &full[slot], j * 64, row, hk);
     }
+    // (a sparse layout may name a tile past a shorter sequence: none of its rows count)
+    return static_cast<uint32_t>(
+        max(int64_t{0}, min(static_cast<int64_t>(C::kBlockN), sk - n * C::kBlockN)));
   };
   // ---- producer warpgroup: one thread issues every TMA load; slot s is refilled once every
   // consumer thread has released it (empty[s]) ----------------------------------------------
@@ -168,13 +201,22 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
       mbar_arrive_expect_tx(&bar_q, C::kQBytes);
 #pragma unroll
       for (int j = 0; j < C::kBoxes; ++j)
-        tma(sQ + j * C::kQBox, maps.q, maps.q_heads_inner, &bar_q, j * 64, r0, h);
+        tma(sQ + j * C::kQBox, maps.q, maps.q_heads_inner, &bar_q, j * 64, seq.q0 + r0, h);
+      // instrument_io: the rows of the K/V tiles are summed in 32 bits and counted once after
+      // the loop, which keeps the producer within its 24 registers (64-bit counters updated
+      // per tile spilled); likewise the n_iter layout indices a sparse schedule read.
+      uint32_t kv_rows = 0;
       for (int it = 0; it < n_iter; ++it) {
         if (it >= C::kStages)
           mbar_wait(&empty[it % C::kStages], ((it / C::kStages) - 1) & 1);
-        load_kv(it);
+        kv_rows += load_kv(it);
       }
+      io.add(FwdIo::kQ, tile_bytes(valid_rows));
+      io.add(FwdIo::kK, tile_bytes(kv_rows));
+      io.add(FwdIo::kV, tile_bytes(kv_rows));
+      if (C::kSparse) io.add(FwdIo::kMeta, 4 * static_cast<uint64_t>(n_iter));
     }
+    io.flush(p.io_counters);  // the whole warp, converged again
     return;
   }
   regs_alloc<C::kConsumerRegs>();
@@ -190,12 +232,7 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
 
   const int row0 = warp * 16;  // the warp's first row of the tile (group * 64 + 16 * w)
   const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
-  DropoutRng rng{};
-  float drop_scale = 1.f;
-  if (C::kDropout) {
-    rng = make_dropout_rng(p.seed, p.offset, b * p.heads + h, p.dropout_p);
-    drop_scale = static_cast<float>(1.0 / (1.0 - p.dropout_p));
-  }
+  const FwdDropout drop = fwd_dropout<C>(p, b, h);
 
   // ---- the steps of one K/V tile, shared by both loop orders below ------------------------
   auto slot_k = [&](int it) { return sK + (it % C::kStages) * C::kBlockN * C::kHeadDimPad; };
@@ -216,21 +253,15 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
   };
   // Mask, online softmax (alpha: the rescale of acc_o, applied by the caller) and dropout,
   // in place: acc_s becomes P.
+  // (Sparse: tile it's index comes from s_tile, read after its full[slot] wait in issue_s and
+  // before its release.)
   auto softmax = [&](float (&acc_s)[1][C::kNT][4], int it, float (&alpha)[2]) {
-    const int64_t n = sched.tile(it, io, false);
-    if (mask.tile_needs_mask(r0, r1, n, C::kBlockN))
+    const int64_t n = C::kSparse ? s_tile[it % C::kStages] : sched.tile(it, io, false);
+    if (fwd_tile_masked<C>(sched, mask, it, n, r0, r1))
       mask_frag(acc_s, mask.tile(r0 + row0, n * C::kBlockN), lane);
     online_softmax_update(st, acc_s[0], scale_log2, alpha);
-    if (C::kDropout) {
-      dropout_frag<1, C::kNT>(
-          rng, r0 + row0, n * C::kBlockN, lane,
-          [&](int mt, int nt, int e, bool keep, int64_t i, int64_t j) {
-            if (C::kKeepMaskOut && i < sq && j < sk)
-              store_keep(p.keep_mask + ((b * p.heads + h) * p.seqlen_q + i) * p.seqlen_k + j,
-                         keep, io);
-            acc_s[mt][nt][e] = keep ? acc_s[mt][nt][e] : 0.f;  // 1/(1-p): at the end
-          });
-    }
+    if (C::kDropout)
+      fwd_dropout_frag<C>(acc_s, drop.rng, p, b, h, sq, sk, r0 + row0, n * C::kBlockN, lane, io);
   };
   // P packed as RS-wgmma A operands (S's n8 tiles 2 kk2 and 2 kk2 + 1 are P's k16 slice kk2).
   auto pack_p = [&](const float (&acc_s)[1][C::kNT][4], uint32_t (&pf)[C::kBlockN / 16][4]) {
@@ -352,7 +383,7 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
     // Dropout's 1/(1-p) scales O once, in fp32 (FlashAttention-2 does the same): applied
     // to P before its 16-bit rounding it would cost up to 2x the baseline's error
     // (a row max p = 1 is exact in bf16, 1/(1-p) is not).
-    if (C::kDropout) inv_l *= drop_scale;
+    if (C::kDropout) inv_l *= drop.scale;
     const int row = row0 + g + r * 8;
     if (row < valid_rows) {
 #pragma unroll
@@ -368,6 +399,7 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
       if (t == 0) store_f32(gLse + row, lse, io, FwdIo::kLse);
     }
   }
+  io.flush(p.io_counters);
 }
 
 }  // namespace fg

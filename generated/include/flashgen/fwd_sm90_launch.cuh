@@ -3,10 +3,14 @@
 //
 // Glossary
 //   MapKey   what a call's maps depend on: the q, k, v addresses, sizes and strides
+//   varlen   the maps span the packed (total, heads, d) tensors as one batch entry of total_q
+//            (q) or total_k (k, v) rows: fg_fwd_params carries those totals because the
+//            cu_seqlens are on the device; the batch stride is unused (the check ignores it)
 //   cache    the last kSlots calls' maps of one kernel (a mutex guards it): a training loop or
 //            a decode server repeats its shapes and buffers, and an encode costs microseconds
 #pragma once
 
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -18,18 +22,51 @@
 
 namespace fg {
 
-// TMA's rules on q, k, v (fg_fwd_params' strides are in elements): nullptr or the problem.
+// The batch stride a map gets (the check and the map share it): the tensor's own, or, varlen
+// (one batch entry, never stepped over), the packed tensor's extent, its outer stride times
+// that dimension's size, so the map's dimensions do not overlap. Saturates instead of
+// overflowing (TMA's 2^40-byte stride rule then refuses it).
+template <class C>
+int64_t fwd_sm90_batch_stride(int64_t batch_stride, int64_t row_stride, int64_t head_stride,
+                              int64_t total, int64_t heads) {
+  if (!C::kVarlen) return batch_stride;
+  const int64_t outer = row_stride > head_stride ? row_stride : head_stride;
+  const int64_t size = row_stride > head_stride ? (total > 1 ? total : 1) : heads;
+  const int64_t too_large = int64_t{1} << 40;  // elements: over TMA's limit, no overflow in * 2
+  return outer > 0 && size > too_large / outer ? too_large : outer * size;
+}
+
+// TMA's rules on q, k, v (fg_fwd_params' strides are in elements), and varlen's packed totals:
+// nullptr or the problem. Whether total_q >= cu_seqlens_q[batch] (and total_k) holds can only
+// be checked on the device; the host checks what it can: a total at least the longest
+// sequence (seqlen_q, seqlen_k) and below 2^31 (the int32 cu_seqlens and TMA coordinates).
 template <class C>
 const char* check_fwd_sm90_params(const fg_fwd_params& p) {
   if (p.batch == 0 || p.seqlen_q == 0) return nullptr;  // nothing is loaded
-  if (const char* m = sm90::tmap_bshd_problem(p.q, p.q_batch_stride, p.q_row_stride,
-                                              p.q_head_stride, C::kBlockM))
+  if (C::kVarlen) {
+    if (p.total_q < p.seqlen_q)
+      return "varlen needs total_q, the rows of the packed q tensor (>= cu_seqlens_q[batch], "
+             "so >= seqlen_q): the sm_90a forward's tensor maps span them";
+    if (p.total_k < p.seqlen_k)
+      return "varlen needs total_k, the rows of the packed k and v tensors (>= "
+             "cu_seqlens_k[batch], so >= seqlen_k): the sm_90a forward's tensor maps span them";
+    if (p.total_q > INT32_MAX || p.total_k > INT32_MAX)
+      return "total_q and total_k must be below 2^31 (cu_seqlens and TMA coordinates are int32)";
+  }
+  if (const char* m = sm90::tmap_bshd_problem(
+          p.q, fwd_sm90_batch_stride<C>(p.q_batch_stride, p.q_row_stride, p.q_head_stride,
+                                   p.total_q, p.heads),
+          p.q_row_stride, p.q_head_stride, C::kBlockM))
     return m;
-  if (const char* m = sm90::tmap_bshd_problem(p.k, p.k_batch_stride, p.k_row_stride,
-                                              p.k_head_stride, C::kBlockN))
+  if (const char* m = sm90::tmap_bshd_problem(
+          p.k, fwd_sm90_batch_stride<C>(p.k_batch_stride, p.k_row_stride, p.k_head_stride,
+                                   p.total_k, p.kv_heads),
+          p.k_row_stride, p.k_head_stride, C::kBlockN))
     return m;
-  if (const char* m = sm90::tmap_bshd_problem(p.v, p.v_batch_stride, p.v_row_stride,
-                                              p.v_head_stride, C::kBlockN))
+  if (const char* m = sm90::tmap_bshd_problem(
+          p.v, fwd_sm90_batch_stride<C>(p.v_batch_stride, p.v_row_stride, p.v_head_stride,
+                                   p.total_k, p.kv_heads),
+          p.v_row_stride, p.v_head_stride, C::kBlockN))
     return m;
   if ((p.k_head_stride < p.k_row_stride) != (p.v_head_stride < p.v_row_stride))
     return "k and v must order their strides alike (head stride below or above row stride)";
@@ -38,7 +75,7 @@ const char* check_fwd_sm90_params(const fg_fwd_params& p) {
 
 struct FwdSm90MapKey {
   const void *q, *k, *v;
-  int64_t batch, seqlen_q, seqlen_k, heads, kv_heads, strides[9];
+  int64_t batch, seqlen_q, seqlen_k, total_q, total_k, heads, kv_heads, strides[9];
 };
 
 // The call's maps (from the kernel's cache when this shape and these buffers were seen).
@@ -49,10 +86,13 @@ const char* fwd_sm90_maps(const fg_fwd_params& p, FwdSm90Maps* maps) {
   static FwdSm90MapKey keys[kSlots];
   static FwdSm90Maps cached[kSlots];
   static int used = 0, next = 0;
-  const FwdSm90MapKey key{p.q, p.k, p.v, p.batch, p.seqlen_q, p.seqlen_k, p.heads, p.kv_heads,
-                      {p.q_batch_stride, p.q_row_stride, p.q_head_stride, p.k_batch_stride,
-                       p.k_row_stride, p.k_head_stride, p.v_batch_stride, p.v_row_stride,
-                       p.v_head_stride}};  // no padding: compared bytewise
+  // Varlen maps are one batch entry of the packed totals (the key keeps every size anyway).
+  const int64_t total_q = C::kVarlen ? p.total_q : 0, total_k = C::kVarlen ? p.total_k : 0;
+  const FwdSm90MapKey key{p.q, p.k, p.v, p.batch, p.seqlen_q, p.seqlen_k, total_q, total_k,
+                          p.heads, p.kv_heads,
+                          {p.q_batch_stride, p.q_row_stride, p.q_head_stride, p.k_batch_stride,
+                           p.k_row_stride, p.k_head_stride, p.v_batch_stride, p.v_row_stride,
+                           p.v_head_stride}};  // no padding: compared bytewise
   {
     std::lock_guard<std::mutex> lock(mu);
     for (int i = 0; i < used; ++i)
@@ -62,17 +102,26 @@ const char* fwd_sm90_maps(const fg_fwd_params& p, FwdSm90Maps* maps) {
       }
   }
   bool q_inner = false, k_inner = false, v_inner = false;
-  if (const char* msg = sm90::make_tmap_bshd(&maps->q, &q_inner, p.q, kBf16, p.batch, p.seqlen_q,
-                                             p.heads, C::kHeadDim, p.q_batch_stride,
-                                             p.q_row_stride, p.q_head_stride, C::kBlockM))
+  const int64_t batch = C::kVarlen ? 1 : p.batch;
+  const int64_t rows_q = C::kVarlen ? p.total_q : p.seqlen_q;
+  const int64_t rows_k = C::kVarlen ? p.total_k : p.seqlen_k;
+  if (const char* msg = sm90::make_tmap_bshd(
+          &maps->q, &q_inner, p.q, kBf16, batch, rows_q, p.heads, C::kHeadDim,
+          fwd_sm90_batch_stride<C>(p.q_batch_stride, p.q_row_stride, p.q_head_stride,
+                                   p.total_q, p.heads),
+          p.q_row_stride, p.q_head_stride, C::kBlockM))
     return msg;
-  if (const char* msg = sm90::make_tmap_bshd(&maps->k, &k_inner, p.k, kBf16, p.batch, p.seqlen_k,
-                                             p.kv_heads, C::kHeadDim, p.k_batch_stride,
-                                             p.k_row_stride, p.k_head_stride, C::kBlockN))
+  if (const char* msg = sm90::make_tmap_bshd(
+          &maps->k, &k_inner, p.k, kBf16, batch, rows_k, p.kv_heads, C::kHeadDim,
+          fwd_sm90_batch_stride<C>(p.k_batch_stride, p.k_row_stride, p.k_head_stride,
+                                   p.total_k, p.kv_heads),
+          p.k_row_stride, p.k_head_stride, C::kBlockN))
     return msg;
-  if (const char* msg = sm90::make_tmap_bshd(&maps->v, &v_inner, p.v, kBf16, p.batch, p.seqlen_k,
-                                             p.kv_heads, C::kHeadDim, p.v_batch_stride,
-                                             p.v_row_stride, p.v_head_stride, C::kBlockN))
+  if (const char* msg = sm90::make_tmap_bshd(
+          &maps->v, &v_inner, p.v, kBf16, batch, rows_k, p.kv_heads, C::kHeadDim,
+          fwd_sm90_batch_stride<C>(p.v_batch_stride, p.v_row_stride, p.v_head_stride,
+                                   p.total_k, p.kv_heads),
+          p.v_row_stride, p.v_head_stride, C::kBlockN))
     return msg;
   if (k_inner != v_inner)
     return "k and v must order their strides alike (head stride below or above row stride)";

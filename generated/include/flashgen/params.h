@@ -35,6 +35,9 @@ typedef struct fg_fwd_params {
   /* varlen: int32 cumulative lengths, batch + 1 entries each */
   const int32_t* cu_seqlens_q;
   const int32_t* cu_seqlens_k;
+  /* varlen: rows of the packed q and k/v tensors (>= cu_seqlens_q[batch], cu_seqlens_k[batch]);
+     the TMA kernels (sm_90a) build their tensor maps over these rows, the others ignore them */
+  int64_t total_q, total_k;
 
   double softmax_scale;
   int64_t window_left, window_right; /* -1: unbounded on that side */
