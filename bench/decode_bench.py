@@ -16,7 +16,7 @@ median of 7 replays (quick: 3 and 3). Rows: {batch, heads, kv_heads, context, pa
 kernel, num_splits, gbps: {"flashgen": x, "copy": y, BACKEND: z, "old": w}}.
 
 `--baseline DIR` adds an "old" column: DIR is another version's `generated/` folder (e.g.
-`git archive <commit> generated | tar -x -C /tmp/old`); its decode kernels with the same
+`git archive <commit> generated | tar -x -C <empty folder>`); its decode kernels with the same
 readable names as this version's (the name without the hash) are compiled here with the
 same nvcc flags and launched through their own C launchers with the same `fg_decode_params`
 (the struct is unchanged since the first decode version), on the same tensors, in the same
