@@ -12,7 +12,8 @@
 //              P^T = exp(scale S^T - LSE): the wgmma accumulator of 64 keys is the m16n8 C
 //              layout per warp with rows = keys and columns = queries, so P^T packs into the
 //              A registers of dV += P^T dO as P does into P V in the forward
-//   dP^T, dS^T V dO^T and dS^T = P^T * (dP^T - D), D = rowsum(dO * O) (the preprocess)
+//   dP^T, dS^T V dO^T and dS^T = P^T * (dP^T - D), D = rowsum(dO * O) (the preprocess), the
+//              wgmma accumulating dP^T from -D
 //   dQ piece   dQ of a step = dS K (block_m x Dp, K = every key of the CTA) is cut into one
 //              64-row x kDqN piece per group; dS^T goes through shared memory for it (the A
 //              operand read MN-major) and each piece is added to dq_accum with red.v2.f32
@@ -235,11 +236,20 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
     Elem* ds_s = sdS + (s & 1) * C::kBlockN * C::kBlockM;
     mbar_wait(&full[slot], static_cast<uint32_t>((s / C::kStages) & 1));
 
-    // S^T = K Q^T, then dP^T = V dO^T, two wgmma groups (k16 slice kk: box kk / 4, 32 bytes
-    // * (kk % 4) into the rows).
+    // S^T = K Q^T, then dP^T - D = V dO^T - D, two wgmma groups (k16 slice kk: box kk / 4, 32
+    // bytes * (kk % 4) into the rows). D enters as dP^T's initial accumulator (column q holds
+    // -D[q]), so no register holds it beside the scores at the step's register peak.
+    const float* lse_s = sLse + slot * C::kBlockM;
+    const float* d_s = sD + slot * C::kBlockM;
     float acc_s[1][C::kMT][4], acc_dp[1][C::kMT][4];
     auto& s_flat = reinterpret_cast<float(&)[C::kMT * 4]>(acc_s);
     auto& dp_flat = reinterpret_cast<float(&)[C::kMT * 4]>(acc_dp);
+#pragma unroll
+    for (int j = 0; j < C::kMT; ++j) {
+      const float2 dsum = *reinterpret_cast<const float2*>(d_s + j * 8 + 2 * t);
+      acc_dp[0][j][0] = acc_dp[0][j][2] = -dsum.x;
+      acc_dp[0][j][1] = acc_dp[0][j][3] = -dsum.y;
+    }
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < C::kHeadDimPad / 16; ++kk) {
@@ -254,7 +264,7 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
       const int off_kv = (kk / 4) * C::kKvBox + (kk % 4) * 16;
       const int off_q = (kk / 4) * C::kQBox + (kk % 4) * 16;
       Wgmma<Elem, C::kBlockM>::template ss<0>(dp_flat, desc_at(v_base, off_kv),
-                                              desc_at(do_base, off_q), kk > 0);
+                                              desc_at(do_base, off_q), 1);
     }
     wgmma_commit();
 
@@ -266,8 +276,6 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
     const bool masked = mask.tile_needs_mask(r0, min(r0 + C::kBlockM, sq) - 1, nt, C::kBlockN);
     TileMask tm = mask.tile(r0, c0);
     tm.col_end = 1 << 30;  // keys past the sequence: key_ok above
-    const float* lse_s = sLse + slot * C::kBlockM;
-    const float* d_s = sD + slot * C::kBlockM;
     uint32_t pf[C::kBlockM / 16][4], dsf[C::kBlockM / 16][4];
     wgmma_wait<0>();
     reg_fence(s_flat);
@@ -276,14 +284,13 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
     for (int j = 0; j < C::kMT; ++j) {
       const int ql = j * 8 + 2 * t;
       const float2 lse2 = *reinterpret_cast<const float2*>(lse_s + ql);
-      const float2 dsum = *reinterpret_cast<const float2*>(d_s + ql);
       float pe[4], ds[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         pe[e] = exp2_approx(
             __fsub_rn(__fmul_rn(acc_s[0][j][e], scale_log2), (e & 1) ? lse2.y : lse2.x));
         if (masked && !tm.visible(ql + (e & 1), key0 + wk * 16 + g + (e >> 1) * 8)) pe[e] = 0.f;
-        ds[e] = pe[e] * (acc_dp[0][j][e] - ((e & 1) ? dsum.y : dsum.x));
+        ds[e] = pe[e] * acc_dp[0][j][e];
       }
       // n8 tile j is registers 2 (j % 2) (row g) and 2 (j % 2) + 1 (row g + 8) of slice j / 2
 #pragma unroll
@@ -331,7 +338,8 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
     reg_fence(acc_dv);
     uint64_t dsa_base = desc_mn_major(ds_s + (dq_row / 64) * C::kBlockN * 64,
                                       C::kBlockN * 64 * C::kElem);
-    uint64_t kv_base = desc_mn_major(sK + (dq_col / 64) * C::kKvBox, C::kKvBox * C::kElem);
+    uint64_t kv_base = desc_mn_major(sK + (dq_col / 64) * C::kKvBox + dq_col % 64,
+                                     C::kKvBox * C::kElem);  // a 32-wide piece: 64 bytes in
     asm volatile("" : "+l"(dsa_base), "+l"(kv_base));
     float acc_dq[C::kDqN / 2];
     wgmma_fence();
