@@ -244,12 +244,6 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
     float acc_s[1][C::kMT][4], acc_dp[1][C::kMT][4];
     auto& s_flat = reinterpret_cast<float(&)[C::kMT * 4]>(acc_s);
     auto& dp_flat = reinterpret_cast<float(&)[C::kMT * 4]>(acc_dp);
-#pragma unroll
-    for (int j = 0; j < C::kMT; ++j) {
-      const float2 dsum = *reinterpret_cast<const float2*>(d_s + j * 8 + 2 * t);
-      acc_dp[0][j][0] = acc_dp[0][j][2] = -dsum.x;
-      acc_dp[0][j][1] = acc_dp[0][j][3] = -dsum.y;
-    }
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < C::kHeadDimPad / 16; ++kk) {
@@ -259,6 +253,13 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
                                               desc_at(q_base, off_q), kk > 0);
     }
     wgmma_commit();
+#pragma unroll
+    for (int j = 0; j < C::kMT; ++j) {  // while S^T is on the tensor cores
+      const float2 dsum = *reinterpret_cast<const float2*>(d_s + j * 8 + 2 * t);
+      acc_dp[0][j][0] = acc_dp[0][j][2] = -dsum.x;
+      acc_dp[0][j][1] = acc_dp[0][j][3] = -dsum.y;
+    }
+    wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < C::kHeadDimPad / 16; ++kk) {
       const int off_kv = (kk / 4) * C::kKvBox + (kk % 4) * 16;
