@@ -618,9 +618,28 @@ def test_hopper_forward_serves_varlen_sparsity_and_instrument_io(text):
     assert family(spec).templates == "forward_sm90" and spec.tile_auto
 
 
-def test_backward_and_decode_refuse_sm90a():
+def test_decode_refuses_sm90a():
     with pytest.raises(SpecError, match="sm_90a"):
-        load("kernel: backward\ndtype: bf16\nhead_dim: 64\ntarget: sm_90a\n")
+        load("kernel: decode\ndtype: bf16\nhead_dim: 128\ntarget: sm_90a\n")
+
+
+def test_the_sm90a_backward_names_what_it_does_not_take_and_where_it_is():
+    base = "kernel: backward\ndtype: bf16\ntarget: sm_90a\n"
+    spec = one(base + "head_dim: 64\n")
+    assert spec.tile.block_n == 128 and spec.threads == 384  # two consumer + one producer WG
+    for extra, field in (
+        ("head_dim: 64\ndropout: true\n", "dropout"),
+        ("head_dim: 64\nmask: {varlen: true}\n", "mask.varlen"),
+        ("head_dim: 64\ndeterministic: true\n", "deterministic"),
+        ("head_dim: 64\nsparsity: block\n", "sparsity"),
+        ("head_dim: 64\ninstrument_io: true\n", "instrument_io"),
+    ):
+        with pytest.raises(SpecError, match=rf"{field}: not on the sm_90a .*target: sm_90"):
+            load(base + extra)
+    with pytest.raises(SpecError, match=r"head_dim: 192 is not allowed on the sm_90a backward"):
+        load(base + "head_dim: 192\n")
+    with pytest.raises(SpecError, match=r"tile.warps: 4 is not allowed on the sm_90a backward"):
+        load(base + "head_dim: 64\ntile: {block_m: 64, block_n: 128, warps: 4, stages: 2}\n")
 
 
 def test_a_field_of_another_family_is_rejected_naming_where_it_applies():

@@ -268,8 +268,8 @@ class Decode(Family):
             out.append(
                 (
                     "target",
-                    f"{spec.target.yaml} serves the Hopper forward only; the mma.sync decode "
-                    "serves sm_80, sm_86, sm_89, sm_90",
+                    f"{spec.target.yaml} has no decode (its wgmma families serve the forward and "
+                    "the backward); the mma.sync decode serves sm_80, sm_86, sm_89, sm_90",
                 )
             )
         if not self.head_dim_ok(spec.head_dim):
