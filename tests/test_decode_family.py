@@ -32,7 +32,7 @@ def test_decode_spec_resolves_the_auto_tile_and_names_paged_kernels():
         ("dtype: bf16\nhead_dim: 64\nmask: {causal: top_left}\n", "mask.causal", "bottom_right"),
         ("dtype: bf16\nhead_dim: 64\nmask: {varlen: true}\n", "mask.varlen", "cache_seqlens"),
         ("dtype: bf16\nhead_dim: 64\ndropout: true\n", "dropout", "not supported"),
-        ("dtype: bf16\nhead_dim: 64\ntarget: sm_90a\n", "target", "serves the Hopper forward only"),
+        ("dtype: bf16\nhead_dim: 64\ntarget: sm_90a\n", "target", "has no decode"),
         (
             "dtype: bf16\nhead_dim: 64\ntile: {block_m: 48, block_n: 64, warps: 4, stages: 2}\n",
             "tile.block_m",
