@@ -17,7 +17,8 @@
 #     fwd       forward vs SDPA's backends and FlexAttention   -> fwd_h200.json
 #     fwd90a    the sm_90a (wgmma) forward vs SDPA's backends   -> fwd_sm90a_h200.json
 #     ab        this forward vs BASELINE (an earlier generated/) -> fwd_ab.json
-#     bwd       backward and forward+backward vs SDPA          -> bwd_h200.json
+#     bwd       sm_90a backward and fwd+bwd (wgmma) vs SDPA    -> bwd_h200.json
+#     bwd90     mma.sync (sm_90) backward and fwd+bwd vs SDPA   -> bwd_sm90_h200.json
 #     det       deterministic backward                         -> bwd_det_h200.json
 #     decode    decode / paged KV cache vs copy and SDPA        -> decode_h200.json
 #     train     examples/train_gpt.py, flashgen vs SDPA         -> train_h200.json
@@ -75,9 +76,14 @@ stage_ab() {
     > "$out/bench_ab.txt" 2>&1
 }
 stage_bwd() {
-  t 200 python3 -m flashgen.bench.bwd_bench --specs specs/bwd_dense.yaml --fwd-specs \
-    specs/fwd_dense.yaml --seqlens 4096 8192 16384 --check --out "$out/bwd_h200.json" \
+  t 200 python3 -m flashgen.bench.bwd_bench --specs specs/bwd_sm90a.yaml --fwd-specs \
+    specs/fwd_sm90a.yaml --seqlens 4096 8192 16384 --check --out "$out/bwd_h200.json" \
     > "$out/bench_bwd.txt" 2>&1
+}
+stage_bwd90() {
+  t 200 python3 -m flashgen.bench.bwd_bench --specs specs/bwd_dense.yaml --fwd-specs \
+    specs/fwd_dense.yaml --seqlens 4096 8192 16384 --out "$out/bwd_sm90_h200.json" \
+    > "$out/bench_bwd90.txt" 2>&1
 }
 stage_det() {
   t 90 python3 -m flashgen.bench.bwd_bench --specs specs/bwd_det.yaml --deterministic \
