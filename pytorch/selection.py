@@ -252,10 +252,13 @@ def target_for(capability: Sequence[int]) -> Target:
 
 
 # Kinds with a faster architecture-specific family on some capability: tried first there,
-# and used when that family serves the call (generator/families/forward_sm90.py: no varlen
-# yet); otherwise the portable family of `target_for` serves it.
+# and used when that family serves the call (generator/families/forward_sm90.py and
+# backward_sm90.py name what they do not take, e.g. the backward's varlen, dropout,
+# deterministic mode and head dims above 128); otherwise the portable family of `target_for`
+# serves it.
 PREFERRED: dict[tuple[KernelKind, tuple[int, int]], Target] = {
     (KernelKind.FORWARD, (9, 0)): Target.SM90A,
+    (KernelKind.BACKWARD, (9, 0)): Target.SM90A,
 }
 
 
@@ -289,7 +292,7 @@ def _spec(kind: KernelKind, call: AttentionCall) -> KernelSpec:
         try:
             return _spec_for(kind, call, preferred)
         except UnsupportedCall:
-            pass  # e.g. varlen on sm_90a: the portable family of this GPU serves it
+            pass  # e.g. a dropout backward on sm_90a: the portable family of this GPU serves it
     return _spec_for(kind, call, target_for(call.capability))
 
 

@@ -113,7 +113,15 @@ def test_hopper_prefers_the_wgmma_forward_where_it_serves_the_call():
         Target.SM90A
     )
     assert forward_spec(call(varlen=True)).target is Target.SM90A
-    assert backward_spec(call()).target is Target.SM90
+
+
+def test_hopper_prefers_the_wgmma_backward_where_it_serves_the_call():
+    assert backward_spec(call()).target is Target.SM90A
+    assert backward_spec(call(causal=Causal.BOTTOM_RIGHT, gqa=True)).target is Target.SM90A
+    assert backward_spec(call(head_dim=128, window=True)).target is Target.SM90A
+    # what the sm_90a backward does not take falls back to the portable family
+    for kw in ({"dropout": True}, {"varlen": True}, {"deterministic": True}, {"head_dim": 192}):
+        assert backward_spec(call(**kw)).target is Target.SM90, kw
 
 
 def test_backward_head_dims_without_a_kernel_name_the_supported_ones():
