@@ -1,0 +1,404 @@
+// flashgen: the backward FlashAttention kernel on Hopper (sm_90a): TMA loads into an mbarrier
+// ring, wgmma for the five products, the scores computed transposed so that P and dS feed
+// dV and dK straight from registers.
+//
+// Glossary
+//   CTA        one K/V tile of block_n = 64 * groups keys [c0, c0 + kr) of one (batch b, KV
+//              head hk); it walks every query head h of hk's GQA group and, per head, the
+//              query tiles of block_m rows its keys can see (a step = one (h, tile m) pair)
+//   group      a consumer warpgroup (128 threads) owning 64 of the CTA's keys: its dK and dV
+//              rows stay in its registers over the whole walk
+//   S^T, P^T   scores transposed, K Q^T (keys x queries, wgmma M = keys, N = block_m), and
+//              P^T = exp(scale S^T - LSE): the wgmma accumulator of 64 keys is the m16n8 C
+//              layout per warp with rows = keys and columns = queries, so P^T packs into the
+//              A registers of dV += P^T dO as P does into P V in the forward
+//   dP^T, dS^T V dO^T and dS^T = P^T * (dP^T - D), D = rowsum(dO * O) (the preprocess), the
+//              wgmma accumulating dP^T from -D
+//   dQ piece   dQ of a step = dS K (block_m x Dp, K = every key of the CTA) is cut into one
+//              64-row x kDqN piece per group; dS^T goes through shared memory for it (the A
+//              operand read MN-major) and each piece is added to dq_accum with red.v2.f32
+//   Dp         head_dim rounded up to 64 (TMA box width); columns d..Dp-1 read as 0 and are
+//              neither stored nor added
+//   slot       ring position of a step's Q, dO, LSE and D (step % stages); full[slot]
+//              completes when its TMA bytes land and the producer warp has written LSE and D,
+//              empty[slot] when every consumer thread is done with it
+//
+// Per CTA: a producer warpgroup (24 registers): its first warp loads K, V once and then Q, dO
+// by TMA and LSE, D by plain loads, step by step, into the ring. Each consumer group per step:
+// S^T = K Q^T and dP^T = V dO^T (SS-wgmma), mask (mask.cuh, transposed), P^T and dS^T in fp32
+// registers, dV += P^T dO and dK += dS^T Q (RS-wgmma), dS^T to shared memory, a barrier of the
+// consumers, its dQ piece (SS-wgmma), the adds, and the slot's release. dK = scale * dK and dV
+// are stored from registers at the end (zeros when no step saw the keys).
+#pragma once
+
+#include <cuda.h>
+#include <stdint.h>
+
+#include "arch.cuh"
+#include "block_info.cuh"
+#include "bwd_kernel.cuh"
+#include "bwd_params.h"
+#include "mask.cuh"
+#include "sm90.cuh"
+#include "tile_io.cuh"
+#include "warp_mma.cuh"
+
+namespace fg {
+
+// The TMA tensor maps of one call (built by the launcher, bwd_sm90_launch.cuh).
+struct BwdSm90Maps {
+  CUtensorMap q, k, v, dout;
+  int q_heads_inner, kv_heads_inner, do_heads_inner;  // coordinate order (make_tmap_bshd)
+};
+
+template <class S>
+struct BwdSm90Config : S {
+  using S::kBlockM, S::kBlockN, S::kHeadDim, S::kWarps, S::kStages;
+  using Elem = typename S::Elem;
+  static constexpr bool kDeterministic = false;  // the workspace helpers of bwd_kernel.cuh
+  static constexpr int kConsumerThreads = kWarps * 32;
+  static constexpr int kThreads = kConsumerThreads + 128;
+  static constexpr int kGroups = kWarps / 4;
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static constexpr int kHeadDimPad = (kHeadDim + 63) / 64 * 64;
+  static constexpr int kBoxes = kHeadDimPad / 64;
+  static constexpr int kMT = kBlockM / 8;  // n8 tiles of S^T's columns (queries)
+  // dQ pieces: (block_m / 64) row blocks x (Dp / kDqN) column blocks, one per group.
+  static constexpr int kDqRowBlocks = kBlockM / 64;
+  static constexpr int kDqN = kDqRowBlocks * kHeadDimPad / kGroups;
+  static constexpr int kDqColBlocks = kHeadDimPad / kDqN;
+  static constexpr int kElem = static_cast<int>(sizeof(Elem));
+  static constexpr int kQBox = kBlockM * 64, kKvBox = kBlockN * 64;  // elements per box
+  static constexpr int kQBytes = kBlockM * kHeadDimPad * kElem;     // one Q (or dO) tile
+  static constexpr int kKvBytes = kBlockN * kHeadDimPad * kElem;    // one K (or V) tile
+  static constexpr int kDsBytes = kBlockN * kBlockM * kElem;        // one dS^T buffer
+  static constexpr int kSmemBytes =
+      2 * kKvBytes + 2 * kStages * kQBytes + 2 * kDsBytes + 2 * kStages * kBlockM * 4 + 1024;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536, "registers");
+  static_assert(kWarps == 8, "two consumer warpgroups (block_n = 128)");
+  static_assert(kBlockN == 64 * kGroups, "block_n = 64 keys per consumer warpgroup");
+  static_assert(kBlockM == 64 || kBlockM == 128, "block_m: 64 or 128");
+  static_assert(kHeadDimPad == 64 || kHeadDimPad == 128, "head_dim: 16..128");
+  static_assert(kDqN == 32 || kDqN == 64 || kDqN == 128, "dQ piece width");
+  static_assert(kDqRowBlocks * kDqColBlocks == kGroups, "one dQ piece per warpgroup");
+  static_assert(kStages >= 1 && kStages <= 4, "stages");
+  static_assert(!S::kVarlen && !S::kSparse && !S::kInstrumentIo && !S::kDropout,
+                "varlen, sparsity, dropout and instrument_io are not on the sm_90a backward");
+};
+
+// dS^T element (key row r, query column c) of a [block_n keys][64 queries] SW128 box: the
+// 16-byte chunk c / 8 of row r sits at chunk (c / 8) ^ (r % 8) (what TMA would write).
+__device__ __forceinline__ int sw128_offset(int r, int c) {
+  return r * 64 + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7);
+}
+
+template <class C>
+__device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
+                                                     const BwdSm90Maps& maps) {
+  using Elem = typename C::Elem;
+  using MmaT = Mma<Elem>;
+  using namespace sm90;
+  extern __shared__ unsigned char smem_raw[];  // SW128 tiles need 1024-byte alignment
+  Elem* sK = reinterpret_cast<Elem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                     ~uintptr_t{1023});
+  Elem* sV = sK + C::kBlockN * C::kHeadDimPad;
+  Elem* sQ = sV + C::kBlockN * C::kHeadDimPad;
+  Elem* sdO = sQ + C::kStages * C::kBlockM * C::kHeadDimPad;
+  Elem* sdS = sdO + C::kStages * C::kBlockM * C::kHeadDimPad;
+  float* sLse = reinterpret_cast<float*>(sdS + 2 * C::kBlockN * C::kBlockM);
+  float* sD = sLse + C::kStages * C::kBlockM;
+  __shared__ uint64_t bar_kv, full[C::kStages], empty[C::kStages];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int group = warp / 4, g = lane >> 2, t = lane & 3;
+  Io<false, BwdIo> io;
+
+  // ---- which (K/V tile, KV head, batch) this CTA is (the backward's order) ---------------
+  const int64_t num_nt = (p.seqlen_k + C::kBlockN - 1) / C::kBlockN;
+  int64_t bid = blockIdx.x;
+  const int64_t nt = bid % num_nt;
+  bid /= num_nt;
+  const int64_t hk = bid % p.kv_heads, b = bid / p.kv_heads;
+  if (b >= p.batch) return;
+  const SeqInfo<false> seq(b, p.seqlen_q, p.seqlen_k, nullptr, nullptr, io, false);
+  const int64_t sq = seq.sq, sk = seq.sk, c0 = nt * C::kBlockN;
+  const int64_t kr = min(static_cast<int64_t>(C::kBlockN), sk - c0);
+  const int heads_per_kv = C::kGqa ? static_cast<int>(p.heads / p.kv_heads) : 1;
+  const int64_t h0 = hk * heads_per_kv;
+  const MaskPolicy<C::kCausal, C::kWindow> mask(sq, sk, p.window_left, p.window_right);
+  int64_t m_lo, m_hi;
+  mask.q_tile_range(c0, c0 + kr - 1, C::kBlockM, m_lo, m_hi);
+  // The walk: heads h0 .. h0 + heads_per_kv - 1, each over query tiles [m_lo, m_hi).
+  const int n_steps = static_cast<int>(max(int64_t{0}, m_hi - m_lo)) * heads_per_kv;
+
+  if (tid == 0) {
+    mbar_init(&bar_kv, 1);
+#pragma unroll
+    for (int s = 0; s < C::kStages; ++s) {
+      mbar_init(&full[s], 1 + 32);  // the TMA transaction + the producer warp's LSE/D writes
+      mbar_init(&empty[s], C::kConsumerThreads);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  // TMA coordinates (column, row, head, batch) in the maps' dimension order.
+  auto tma = [&](Elem* dst, const CUtensorMap& map, bool heads_inner, uint64_t* bar, int col,
+                 int64_t row, int64_t head) {
+    if (heads_inner)
+      tma_load_4d(dst, &map, bar, col, static_cast<int>(head), static_cast<int>(row),
+                  static_cast<int>(b));
+    else
+      tma_load_4d(dst, &map, bar, col, static_cast<int>(row), static_cast<int>(head),
+                  static_cast<int>(b));
+  };
+
+  // ---- producer warpgroup: its first warp fills the ring; the rest retire ----------------
+  if (warp >= C::kWarps) {
+    regs_dealloc<C::kProducerRegs>();
+    if (warp != C::kWarps || n_steps == 0) return;
+    if (lane == 0) {
+      mbar_arrive_expect_tx(&bar_kv, 2 * C::kKvBytes);
+#pragma unroll
+      for (int j = 0; j < C::kBoxes; ++j) {
+        tma(sK + j * C::kKvBox, maps.k, maps.kv_heads_inner, &bar_kv, j * 64, c0, hk);
+        tma(sV + j * C::kKvBox, maps.v, maps.kv_heads_inner, &bar_kv, j * 64, c0, hk);
+      }
+    }
+    int h_off = 0, m = static_cast<int>(m_lo);  // the step's head offset and query tile
+    for (int s = 0; s < n_steps; ++s) {
+      const int slot = s % C::kStages;
+      if (s >= C::kStages) mbar_wait(&empty[slot], static_cast<uint32_t>((s / C::kStages - 1) & 1));
+      const int64_t h = h0 + h_off, r0 = static_cast<int64_t>(m) * C::kBlockM;
+      if (lane == 0) {
+        mbar_arrive_expect_tx(&full[slot], 2 * C::kQBytes);
+        const int off = slot * C::kBlockM * C::kHeadDimPad;
+#pragma unroll
+        for (int j = 0; j < C::kBoxes; ++j) {
+          tma(sQ + off + j * C::kQBox, maps.q, maps.q_heads_inner, &full[slot], j * 64, r0, h);
+          tma(sdO + off + j * C::kQBox, maps.dout, maps.do_heads_inner, &full[slot], j * 64, r0,
+              h);
+        }
+      }
+      // LSE in log2 units (+inf where no key is visible or past the sequence: P = 0) and D.
+      for (int r = lane; r < C::kBlockM; r += 32) {
+        const int64_t row = r0 + r;
+        float lse2 = INFINITY, dsum = 0.f;
+        if (row < sq) {
+          const float lse = p.lse[seq.lse_off(p.lse_batch_stride, p.lse_head_stride, h, row)];
+          lse2 = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
+          dsum = p.dsum[seq.grow(row) * p.heads + h];
+        }
+        sLse[slot * C::kBlockM + r] = lse2;
+        sD[slot * C::kBlockM + r] = dsum;
+      }
+      mbar_arrive(&full[slot]);  // release: the writes above precede the phase's completion
+      if (++m == m_hi) m = static_cast<int>(m_lo), ++h_off;
+    }
+    return;
+  }
+  regs_alloc<C::kConsumerRegs>();
+
+  // ---- consumers ---------------------------------------------------------------------------
+  constexpr int kDvN = C::kHeadDimPad;  // wgmma N of dV/dK: one instruction per k16 slice
+  float acc_dk[kDvN / 2], acc_dv[kDvN / 2];
+#pragma unroll
+  for (int i = 0; i < kDvN / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+  const int wk = warp % 4;            // warp within the group
+  const int key0 = group * 64;        // the group's first key row of the tile
+  const int dq_row = (group / C::kDqColBlocks) * 64;          // its dQ piece: query rows
+  const int dq_col = (group % C::kDqColBlocks) * C::kDqN;     // and head-dim columns
+  const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
+
+  // Descriptors are a base plus byte offsets (desc_at): the bases are re-derived every step
+  // (opaque to the compiler), so the per-slice descriptors are not hoisted out of the loop
+  // into live registers beside the accumulators.
+  auto desc_at = [](uint64_t base, int elems) {
+    return base + static_cast<uint64_t>((elems * C::kElem) >> 4);
+  };
+  // This thread's two key rows (g, g + 8 of its warp's 16) exist. TMA reads the rows past the
+  // sequence as 0 and the mask leaves them in (col_end is not tested, which keeps the scores'
+  // loop within the registers): their P^T and dS^T only reach dK and dV rows that are never
+  // stored, and dQ through dS^T in shared memory, where they are written as 0 (times K's zero
+  // rows they would vanish, but P^T = exp(-LSE) may overflow to inf, and inf * 0 = NaN).
+  const bool key_ok[2] = {key0 + wk * 16 + g < kr, key0 + wk * 16 + g + 8 < kr};
+  const int64_t q_row_base = b * p.seqlen_q;  // seq.grow(0): dq_accum's rows of this batch
+  if (n_steps > 0) mbar_wait(&bar_kv, 0);
+  int h_off = 0, m = static_cast<int>(m_lo);  // the step's head offset and query tile
+  for (int s = 0; s < n_steps; ++s) {
+    const int slot = s % C::kStages;
+    const int64_t h = h0 + h_off, r0 = static_cast<int64_t>(m) * C::kBlockM;
+    uint64_t k_base = desc_k_major(sK + key0 * 64), v_base = desc_k_major(sV + key0 * 64);
+    uint64_t q_base = desc_k_major(sQ + slot * C::kBlockM * C::kHeadDimPad);
+    uint64_t do_base = desc_k_major(sdO + slot * C::kBlockM * C::kHeadDimPad);
+    asm volatile("" : "+l"(k_base), "+l"(v_base), "+l"(q_base), "+l"(do_base));
+    Elem* ds_s = sdS + (s & 1) * C::kBlockN * C::kBlockM;
+    mbar_wait(&full[slot], static_cast<uint32_t>((s / C::kStages) & 1));
+
+    // S^T = K Q^T, then dP^T - D = V dO^T - D, two wgmma groups (k16 slice kk: box kk / 4, 32
+    // bytes * (kk % 4) into the rows). D enters as dP^T's initial accumulator (column q holds
+    // -D[q]), so no register holds it beside the scores at the step's register peak.
+    const float* lse_s = sLse + slot * C::kBlockM;
+    const float* d_s = sD + slot * C::kBlockM;
+    float acc_s[1][C::kMT][4], acc_dp[1][C::kMT][4];
+    auto& s_flat = reinterpret_cast<float(&)[C::kMT * 4]>(acc_s);
+    auto& dp_flat = reinterpret_cast<float(&)[C::kMT * 4]>(acc_dp);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < C::kHeadDimPad / 16; ++kk) {
+      const int off_kv = (kk / 4) * C::kKvBox + (kk % 4) * 16;
+      const int off_q = (kk / 4) * C::kQBox + (kk % 4) * 16;
+      Wgmma<Elem, C::kBlockM>::template ss<0>(s_flat, desc_at(k_base, off_kv),
+                                              desc_at(q_base, off_q), kk > 0);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int j = 0; j < C::kMT; ++j) {  // while S^T is on the tensor cores
+      const float2 dsum = *reinterpret_cast<const float2*>(d_s + j * 8 + 2 * t);
+      acc_dp[0][j][0] = acc_dp[0][j][2] = -dsum.x;
+      acc_dp[0][j][1] = acc_dp[0][j][3] = -dsum.y;
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < C::kHeadDimPad / 16; ++kk) {
+      const int off_kv = (kk / 4) * C::kKvBox + (kk % 4) * 16;
+      const int off_q = (kk / 4) * C::kQBox + (kk % 4) * 16;
+      Wgmma<Elem, C::kBlockM>::template ss<0>(dp_flat, desc_at(v_base, off_kv),
+                                              desc_at(do_base, off_q), 1);
+    }
+    wgmma_commit();
+
+    // Per k16 slice kk2 (S^T's n8 tiles 2 kk2 and 2 kk2 + 1): mask (transposed: element (key
+    // kl, query ql) is visible iff the tile mask says (ql, kl)), P^T = exp2(S^T scale log2 e -
+    // LSE log2 e) and dS^T = P^T (dP^T - D) in fp32, packed at once as RS-wgmma A operands,
+    // so the fp32 scores die slice by slice (the step's register peak is its start: dK, dV,
+    // S^T and dP^T).
+    const bool masked = mask.tile_needs_mask(r0, min(r0 + C::kBlockM, sq) - 1, nt, C::kBlockN);
+    TileMask tm = mask.tile(r0, c0);
+    tm.col_end = 1 << 30;  // keys past the sequence: key_ok above
+    uint32_t pf[C::kBlockM / 16][4], dsf[C::kBlockM / 16][4];
+    wgmma_wait<0>();
+    reg_fence(s_flat);
+    reg_fence(dp_flat);
+#pragma unroll
+    for (int j = 0; j < C::kMT; ++j) {
+      const int ql = j * 8 + 2 * t;
+      const float2 lse2 = *reinterpret_cast<const float2*>(lse_s + ql);
+      float pe[4], ds[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        pe[e] = exp2_approx(
+            __fsub_rn(__fmul_rn(acc_s[0][j][e], scale_log2), (e & 1) ? lse2.y : lse2.x));
+        if (masked && !tm.visible(ql + (e & 1), key0 + wk * 16 + g + (e >> 1) * 8)) pe[e] = 0.f;
+        ds[e] = pe[e] * acc_dp[0][j][e];
+      }
+      // n8 tile j is registers 2 (j % 2) (row g) and 2 (j % 2) + 1 (row g + 8) of slice j / 2
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        pf[j / 2][2 * (j % 2) + r] = MmaT::pack(pe[2 * r], pe[2 * r + 1]);
+        dsf[j / 2][2 * (j % 2) + r] = MmaT::pack(ds[2 * r], ds[2 * r + 1]);
+      }
+    }
+    // dV += P^T dO and dK += dS^T Q (dO, Q read MN-major: rows 16 kk2.. of every box, the
+    // boxes of the Dp columns kQBox apart).
+    uint64_t dov_base = desc_mn_major(sdO + slot * C::kBlockM * C::kHeadDimPad,
+                                      C::kQBox * C::kElem);
+    uint64_t qv_base = desc_mn_major(sQ + slot * C::kBlockM * C::kHeadDimPad,
+                                     C::kQBox * C::kElem);
+    asm volatile("" : "+l"(dov_base), "+l"(qv_base));
+    wgmma_fence();
+#pragma unroll
+    for (int kk2 = 0; kk2 < C::kBlockM / 16; ++kk2)
+      Wgmma<Elem, kDvN>::template rs<1>(acc_dv, pf[kk2], desc_at(dov_base, kk2 * 16 * 64), 1);
+#pragma unroll
+    for (int kk2 = 0; kk2 < C::kBlockM / 16; ++kk2)
+      Wgmma<Elem, kDvN>::template rs<1>(acc_dk, dsf[kk2], desc_at(qv_base, kk2 * 16 * 64), 1);
+    wgmma_commit();
+
+    // dS^T to shared memory ([block_n keys][64 queries] SW128 boxes, block_m / 64 of them,
+    // from the packed A registers: dsf[j / 2][2 (j % 2) + r] holds n8 tile j's row g + 8 r),
+    // then every group's rows are in place for the dQ pieces.
+#pragma unroll
+    for (int j = 0; j < C::kMT; ++j)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int kl = key0 + wk * 16 + g + r * 8, ql = j * 8 + 2 * t;
+        *reinterpret_cast<uint32_t*>(ds_s + (ql / 64) * C::kBlockN * 64 +
+                                     sw128_offset(kl, ql % 64)) =
+            key_ok[r] ? dsf[j / 2][2 * (j % 2) + r] : 0u;
+      }
+    fence_proxy_async_smem();
+    named_bar_sync(1, C::kConsumerThreads);
+
+    // dQ piece = dS[dq_row.., keys] K[keys, dq_col..]: A = dS^T read MN-major (box dq_row / 64,
+    // k16 slice = 16 key rows), B = K read MN-major (its boxes kKvBox apart). dV and dK retire
+    // first, so P^T and dS^T (their A registers) die before dQ's accumulators are born.
+    wgmma_wait<0>();
+    reg_fence(acc_dk);
+    reg_fence(acc_dv);
+    uint64_t dsa_base = desc_mn_major(ds_s + (dq_row / 64) * C::kBlockN * 64,
+                                      C::kBlockN * 64 * C::kElem);
+    uint64_t kv_base = desc_mn_major(sK + (dq_col / 64) * C::kKvBox + dq_col % 64,
+                                     C::kKvBox * C::kElem);  // a 32-wide piece: 64 bytes in
+    asm volatile("" : "+l"(dsa_base), "+l"(kv_base));
+    float acc_dq[C::kDqN / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < C::kBlockN / 16; ++kk)
+      Wgmma<Elem, C::kDqN>::template ss<1, 1>(acc_dq, desc_at(dsa_base, kk * 16 * 64),
+                                              desc_at(kv_base, kk * 16 * 64), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(acc_dq);
+    mbar_arrive(&empty[slot]);  // Q, dO, LSE, D of this slot are no longer read
+
+    // The piece's adds: element 4 j + 2 r + e is (row 16 wk + g + 8 r, column 8 j + 2 t + e).
+    const int64_t qr = min(static_cast<int64_t>(C::kBlockM), sq - r0);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = dq_row + wk * 16 + g + r * 8;
+      if (row < qr) {
+        float* dst = p.dq_accum + ((q_row_base + r0 + row) * p.heads + h) * C::kHeadDim +
+                     dq_col + 2 * t;
+#pragma unroll
+        for (int j = 0; j < C::kDqN / 8; ++j)
+          if (dq_col + j * 8 + 2 * t < C::kHeadDim)
+            red_add_v2(dst + j * 8, acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
+      }
+    }
+    if (++m == m_hi) m = static_cast<int>(m_lo), ++h_off;
+  }
+
+  // ---- epilogue: dK = scale * dS^T Q and dV, rows of the group's keys --------------------
+  // (the CTA's coordinates are derived again from blockIdx: nothing of the prologue but the
+  // accumulators stays live through the walk)
+  const int64_t e_nt = blockIdx.x % num_nt, e_hk = blockIdx.x / num_nt % p.kv_heads;
+  const int64_t e_b = blockIdx.x / num_nt / p.kv_heads, e_c0 = e_nt * C::kBlockN;
+  const int64_t e_kr = min(static_cast<int64_t>(C::kBlockN), p.seqlen_k - e_c0);
+  const float scale = static_cast<float>(p.softmax_scale);
+  Elem* gdK = static_cast<Elem*>(p.dk) + e_b * p.dk_batch_stride + e_c0 * p.dk_row_stride +
+              e_hk * p.dk_head_stride;
+  Elem* gdV = static_cast<Elem*>(p.dv) + e_b * p.dv_batch_stride + e_c0 * p.dv_row_stride +
+              e_hk * p.dv_head_stride;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = key0 + wk * 16 + g + r * 8;
+    if (row < e_kr) {
+#pragma unroll
+      for (int j = 0; j < kDvN / 8; ++j) {
+        const int col = j * 8 + 2 * t;
+        if (col < C::kHeadDim) {
+          store_pair(gdK + row * p.dk_row_stride + col,
+                     MmaT::pack(acc_dk[4 * j + 2 * r] * scale, acc_dk[4 * j + 2 * r + 1] * scale),
+                     io, BwdIo::kDk);
+          store_pair(gdV + row * p.dv_row_stride + col,
+                     MmaT::pack(acc_dv[4 * j + 2 * r], acc_dv[4 * j + 2 * r + 1]), io,
+                     BwdIo::kDv);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace fg

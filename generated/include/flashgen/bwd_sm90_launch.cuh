@@ -1,0 +1,80 @@
+// flashgen: host side of the Hopper backward's launcher: TMA's rules as argument checks, and
+// the call's tensor maps (q, k, v, dout), cached per kernel by call shape (sm90_cache.h).
+#pragma once
+
+#include <stdint.h>
+
+#include "bwd_params.h"
+#include "bwd_sm90_kernel.cuh"
+#include "sm90_cache.h"
+#include "sm90_host.h"
+
+namespace fg {
+
+// TMA's rules on the four tensors it loads (strides in elements): nullptr or the problem.
+template <class C>
+const char* check_bwd_sm90_params(const fg_bwd_params& p) {
+  if (p.batch == 0 || p.seqlen_q == 0 || p.seqlen_k == 0) return nullptr;  // nothing is loaded
+  struct Tensor {
+    const void* base;
+    int64_t batch_stride, row_stride, head_stride;
+    int box_rows;
+    const char* name;
+  };
+  const Tensor tensors[] = {
+      {p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride, C::kBlockM, "q"},
+      {p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, C::kBlockN, "k"},
+      {p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride, C::kBlockN, "v"},
+      {p.dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride, C::kBlockM, "dout"}};
+  for (const Tensor& t : tensors)
+    if (const char* m = sm90::tmap_bshd_problem(t.base, t.batch_stride, t.row_stride,
+                                                t.head_stride, t.box_rows))
+      return m;
+  if ((p.k_head_stride < p.k_row_stride) != (p.v_head_stride < p.v_row_stride))
+    return "k and v must order their strides alike (head stride below or above row stride)";
+  return nullptr;
+}
+
+struct BwdSm90MapKey {
+  const void *q, *k, *v, *dout;
+  int64_t batch, seqlen_q, seqlen_k, heads, kv_heads, strides[12];
+};
+
+// The call's maps (from the kernel's cache when this shape and these buffers were seen).
+template <class C, bool kBf16>
+const char* bwd_sm90_maps(const fg_bwd_params& p, BwdSm90Maps* maps) {
+  static sm90::MapCache<BwdSm90MapKey, BwdSm90Maps> cache;
+  const BwdSm90MapKey key{p.q, p.k, p.v, p.dout, p.batch, p.seqlen_q, p.seqlen_k, p.heads,
+                          p.kv_heads,
+                          {p.q_batch_stride, p.q_row_stride, p.q_head_stride, p.k_batch_stride,
+                           p.k_row_stride, p.k_head_stride, p.v_batch_stride, p.v_row_stride,
+                           p.v_head_stride, p.do_batch_stride, p.do_row_stride,
+                           p.do_head_stride}};  // no padding: compared bytewise
+  if (cache.find(key, maps)) return nullptr;
+  bool q_inner = false, k_inner = false, v_inner = false, do_inner = false;
+  if (const char* m = sm90::make_tmap_bshd(&maps->q, &q_inner, p.q, kBf16, p.batch, p.seqlen_q,
+                                           p.heads, C::kHeadDim, p.q_batch_stride,
+                                           p.q_row_stride, p.q_head_stride, C::kBlockM))
+    return m;
+  if (const char* m = sm90::make_tmap_bshd(&maps->k, &k_inner, p.k, kBf16, p.batch, p.seqlen_k,
+                                           p.kv_heads, C::kHeadDim, p.k_batch_stride,
+                                           p.k_row_stride, p.k_head_stride, C::kBlockN))
+    return m;
+  if (const char* m = sm90::make_tmap_bshd(&maps->v, &v_inner, p.v, kBf16, p.batch, p.seqlen_k,
+                                           p.kv_heads, C::kHeadDim, p.v_batch_stride,
+                                           p.v_row_stride, p.v_head_stride, C::kBlockN))
+    return m;
+  if (const char* m = sm90::make_tmap_bshd(&maps->dout, &do_inner, p.dout, kBf16, p.batch,
+                                           p.seqlen_q, p.heads, C::kHeadDim, p.do_batch_stride,
+                                           p.do_row_stride, p.do_head_stride, C::kBlockM))
+    return m;
+  if (k_inner != v_inner)
+    return "k and v must order their strides alike (head stride below or above row stride)";
+  maps->q_heads_inner = q_inner;
+  maps->kv_heads_inner = k_inner;
+  maps->do_heads_inner = do_inner;
+  cache.put(key, *maps);
+  return nullptr;
+}
+
+}  // namespace fg
