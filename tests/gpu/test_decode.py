@@ -336,7 +336,11 @@ def test_counted_io_equals_the_model_to_the_byte(spec):
 
 
 def _hostile_spec():
-    paged = [s for s in SPECS if s.paged]
+    # every shard runs the hostile-input tests, so they take a paged kernel from all shipped
+    # decode specs, not only this shard's
+    paged = [s for s in shipped_specs(sharded=False) if s.kernel.yaml == "decode" and s.paged]
+    if not paged:
+        pytest.skip("no paged decode kernel among the shipped specs")
     return paged[0]
 
 
