@@ -102,25 +102,10 @@ def test_split_tiles_cover_the_schedule_once():
         assert covered == list(range(lo, hi))
 
 
-def test_used_splits_count_the_runs_that_hold_a_tile():
-    assert decode.used_splits(0, 10, 3) == 3  # runs of 4: 4, 4, 2
-    assert decode.used_splits(0, 4, 3) == 2  # runs of 2: the third is empty
-    assert decode.used_splits(0, 5, 128) == 5
-    assert decode.used_splits(3, 4, 7) == 1 and decode.used_splits(2, 2, 7) == 0
-    for lo, hi, splits in ((0, 10, 3), (5, 6, 4), (0, 129, 128), (0, 64, 29)):
-        used = decode.used_splits(lo, hi, splits)
-        runs = [decode.split_tiles(lo, hi, splits, s) for s in range(splits)]
-        assert [b > a for a, b in runs] == [s < used for s in range(splits)]
-
-
-def test_workspace_holds_the_error_word_the_counters_and_the_parts():
-    assert decode.workspace_bytes(4, 32, 8, 1, 128, 16, 1) == 256
-    got = decode.workspace_bytes(4, 32, 8, 1, 128, 16, 3)
-    counters = 256  # 4 sequences x 8 KV heads x 1 row tile, 4 bytes each, rounded up
-    assert decode.counter_bytes(4, 32, 8, 1, 16, 3) == counters
-    assert got == 256 + counters + 3 * 4 * 32 * 128 * 4 + ((3 * 4 * 32 * 4 + 255) // 256) * 256
-    # 64 sequences x 8 KV heads x 2 row tiles (16 queries of 4 heads = 64 rows of 32)
-    assert decode.counter_bytes(64, 32, 8, 16, 32, 2) == 64 * 8 * 2 * 4
+def test_workspace_holds_the_error_word_and_the_parts():
+    assert decode.workspace_bytes(4, 32, 1, 128, 1) == 256
+    got = decode.workspace_bytes(4, 32, 1, 128, 3)
+    assert got == 256 + 3 * 4 * 32 * 128 * 4 + ((3 * 4 * 32 * 4 + 255) // 256) * 256
 
 
 # -- IO model ----------------------------------------------------------------------------------
@@ -149,26 +134,8 @@ def test_io_model_counts_pages_per_tile_and_the_combine():
     assert large["BLOCK_TABLE"] == 4 * 3  # one page per tile, 3 tiles
     split = io_model_decode.decode_bytes(s, page_size=16, num_splits=3, **kw)
     assert split["K"] == small["K"] and split["O"] == small["O"]
-    # 3 tiles in 3 splits: each CTA writes its 4 rows, the last one reads all 3 x 4 back
-    assert split["LSE_PARTS"] == 3 * 4 * 4 + 3 * 4 * 4
-    assert split["O_PARTS"] == 2 * 3 * 4 * 128 * 4
-    assert split["COUNTER"] == 3 * 8 and small["COUNTER"] == 0
-
-
-def test_io_model_of_empty_and_single_tile_splits():
-    """Splits past the used ones read their length only; one used split writes O itself."""
-    s = one("dtype: bf16\nhead_dim: 128\ngqa: true\n")  # tile 16 x 64
-    kw = dict(batch=1, heads=4, kv_heads=1, seqlen_q=1, seqlen_k=0)
-    one_tile = io_model_decode.decode_bytes(s, cache_seqlens=[50], num_splits=5, **kw)
-    unsplit = io_model_decode.decode_bytes(s, cache_seqlens=[50], num_splits=1, **kw)
-    assert one_tile["SEQLENS"] == 5 * 4
-    assert {k: v for k, v in one_tile.items() if k not in ("SEQLENS", "total")} == {
-        k: v for k, v in unsplit.items() if k not in ("SEQLENS", "total")
-    }
-    # 3 tiles in 5 splits: runs of 1, so 3 used CTAs and 2 that exit
-    three = io_model_decode.decode_bytes(s, cache_seqlens=[129], num_splits=5, **kw)
-    assert three["Q"] == 3 * 4 * 128 * 2 and three["COUNTER"] == 3 * 8
-    assert three["O_PARTS"] == 2 * 3 * 4 * 128 * 4 and three["O"] == 4 * 128 * 2
+    assert split["LSE_PARTS"] == 3 * 4 * 4 + 3 * 4 * 4  # written by 3 CTAs, read by 4 rows
+    assert split["O_PARTS"] == 2 * 3 * 4 * 128 * 4  # every split sees a key: all read
 
 
 def test_io_model_keys_follow_the_family_table():

@@ -9,20 +9,16 @@ Main kernel, per CTA (row tile mt, split s, KV head, sequence b) of the grid
 - rows of the CTA: `valid = min(bm, rows - mt*bm)`, queries `q_lo = mt*bm // group` ..
   `q_hi = (mt*bm + valid - 1) // group`; `sk` = cache_seqlens[b] (clamped to the capacity).
 - key tiles: the mask's range for queries [q_lo, q_hi] (docs/conventions.md, "Tile
-  schedule", with `shift = sk - seqlen_q`), cut into `splits` runs of `per = ceil(count /
-  splits)`; the CTA takes run s, tiles [a, b); `used = ceil(count / per)` runs hold a tile.
-- a CTA with s >= max(used, 1) reads its SEQLENS entry and nothing else.
+  schedule", with `shift = sk - seqlen_q`), cut into `splits` runs of `ceil(count / splits)`;
+  the CTA takes run s, tiles [a, b).
 - when it has a tile: Q `valid * d * elt`; K and V `(min(b*bn, sk) - a*bn) * d * elt` each;
   paged: BLOCK_TABLE 4 bytes per page of each tile that holds a key below sk.
-- used <= 1 (split 0 holds every tile, or there is none): O `valid * d * elt` and, when an
-  LSE is asked for, LSE `valid * 4`.
-- used > 1, each of the used CTAs: O_PARTS `valid * d * 4` and LSE_PARTS `valid * 4`
-  written, COUNTER 8 (its arrival: an atomic, 4 bytes read and 4 written); the last to arrive
-  then reads every used split's parts, LSE_PARTS `used * valid * 4` and O_PARTS
-  `used * valid * d * 4` (the fused combine), and writes O `valid * d * elt` and LSE
-  `valid * 4` when asked for.
+- always: splits == 1: O `valid * d * elt` and, when an LSE is asked for, LSE `valid * 4`;
+  splits > 1: O_PARTS `valid * d * 4` and LSE_PARTS `valid * 4`.
 
-There is no combine kernel in a decode call (merge_states is its own op).
+Combine (splits > 1), per output row (b, query i, head h): LSE_PARTS `splits * 4` read;
+O_PARTS `d * 4` read per part whose LSE is finite (a split holding a key that query i sees);
+O `d * elt`; LSE 4 when asked for.
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from flashgen.generator.families.decode import IO_KEYS, split_tiles, used_splits
+from flashgen.generator.families.decode import IO_KEYS, split_tiles
 from flashgen.verify.io_model import standard_attention_bytes
 
 __all__ = ["IO_KEYS", "decode_bytes", "key_tile_range", "standard_attention_bytes"]
@@ -59,6 +55,19 @@ def key_tile_range(
     if left >= 0:
         n_lo = max(n_lo, (r0 + shift - left) // bn)
     return n_lo, n_hi
+
+
+def _visible_keys(causal: str, window: Sequence[int], sq: int, sk: int, i: int) -> tuple[int, int]:
+    """[lo, hi] of the keys query i sees (hi < lo: none)."""
+    shift, left, right = _mask_bounds(causal, window, sq, sk)
+    lo, hi = 0, sk - 1
+    if causal != "none":
+        hi = min(hi, i + shift)
+    if right >= 0:
+        hi = min(hi, i + shift + right)
+    if left >= 0:
+        lo = max(lo, i + shift - left)
+    return lo, hi
 
 
 def decode_bytes(
@@ -101,36 +110,51 @@ def decode_bytes(
             valid = min(bm, rows - m0)
             q_lo, q_hi = m0 // group, (m0 + valid - 1) // group
             n_lo, n_hi = key_tile_range(causal, window, seqlen_q, sk, q_lo, q_hi, bn)
-            used = used_splits(n_lo, n_hi, splits)
-            per_head = dict.fromkeys(IO_KEYS, 0)
             for s in range(splits):
-                per_head["SEQLENS"] += 4
-                if s >= max(used, 1):
-                    continue  # no tile: the CTA exits after reading its length
                 a, e = split_tiles(n_lo, n_hi, splits, s)
+                per_head = {"SEQLENS": 4}
                 if e > a:
                     keys = min(e * bn, sk) - a * bn
-                    per_head["Q"] += valid * d * elt
-                    per_head["K"] += keys * d * elt
-                    per_head["V"] += keys * d * elt
+                    per_head["Q"] = valid * d * elt
+                    per_head["K"] = per_head["V"] = keys * d * elt
                     if spec.paged:
                         if ps >= bn:
-                            per_head["BLOCK_TABLE"] += 4 * (e - a)
+                            per_head["BLOCK_TABLE"] = 4 * (e - a)
                         else:
                             ppt = bn // ps
-                            pages = min(e * ppt, -(-sk // ps)) - a * ppt
-                            per_head["BLOCK_TABLE"] += 4 * max(pages, 0)
-                if used > 1:
-                    per_head["O_PARTS"] += valid * d * 4
-                    per_head["LSE_PARTS"] += valid * 4
-                    per_head["COUNTER"] += 8
-            if used > 1:  # the fused combine of the last CTA to arrive
-                per_head["O_PARTS"] += used * valid * d * 4
-                per_head["LSE_PARTS"] += used * valid * 4
-            per_head["O"] += valid * d * elt
-            per_head["LSE"] += valid * 4 if lse else 0
-            for key, n in per_head.items():
-                out[key] += n * kv_heads
+                            used = min(e * ppt, -(-sk // ps)) - a * ppt
+                            per_head["BLOCK_TABLE"] = 4 * max(used, 0)
+                if splits == 1:
+                    per_head["O"] = valid * d * elt
+                    per_head["LSE"] = valid * 4 if lse else 0
+                else:
+                    per_head["O_PARTS"] = valid * d * 4
+                    per_head["LSE_PARTS"] = valid * 4
+                for key, n in per_head.items():
+                    out[key] += n * kv_heads
+        if splits > 1:
+            # combine: per (query i, head h) row; the part of split s is finite iff the
+            # split's keys meet the keys query i sees (same for every head of the row tile)
+            for r in range(rows):
+                i = r // group
+                mt = r // bm
+                m0 = mt * bm
+                valid = min(bm, rows - m0)
+                n_lo, n_hi = key_tile_range(
+                    causal, window, seqlen_q, sk, m0 // group, (m0 + valid - 1) // group, bn
+                )
+                lo, hi = _visible_keys(causal, window, seqlen_q, sk, i)
+                finite = 0
+                for s in range(splits):
+                    a, e = split_tiles(n_lo, n_hi, splits, s)
+                    k0, k1 = a * bn, min(e * bn, sk) - 1
+                    if e > a and max(k0, lo) <= min(k1, hi):
+                        finite += 1
+                n = kv_heads  # every KV head's rows alike
+                out["LSE_PARTS"] += n * splits * 4
+                out["O_PARTS"] += n * finite * d * 4
+                out["O"] += n * d * elt
+                out["LSE"] += n * 4 if lse else 0
     out = {k: int(v) for k, v in out.items()}
     out["total"] = int(np.sum(list(out.values())))
     return out

@@ -4,10 +4,9 @@ Each of `batch` sequences brings `seqlen_q` (runtime, 1..16) new queries and a K
 `cache_seqlens[b]` keys that already includes them. A CTA packs the queries of every query
 head of one KV head's GQA group into the rows of the MMA (`block_m` rows: 16 per warp row),
 so each K/V byte is read once per KV head; the key tiles are split across CTAs (split-KV),
-whose normalised fp32 outputs and LSEs the last CTA of each row tile to finish merges (an
-arrival counter in the workspace; one launch per call). The standalone combine kernel is
-exported as `<name>_merge_states`. docs/decode.md has the layouts, the split heuristic and
-the bad-input policy.
+whose normalised fp32 outputs and LSEs a combine kernel merges (also exported as
+`<name>_merge_states`). docs/decode.md has the layouts, the split heuristic and the bad-input
+policy.
 
 Tile rules: `block_m` = 16 * (warps along the rows), a power of two dividing `warps`;
 the other warps split each K/V tile's `block_n` keys, 16 or more each; `stages` (2..4) K/V
@@ -91,8 +90,8 @@ PARAMS = params_table(
     ptr io_counters
     """
 )
-IO_KEYS = ("Q", "K", "V", "O", "LSE", "O_PARTS", "LSE_PARTS", "SEQLENS", "BLOCK_TABLE", "COUNTER")
-GRID_FORMULA = "ceil(seqlen_q*heads/kv_heads/block_m) * splits * kv_heads * batch"
+IO_KEYS = ("Q", "K", "V", "O", "LSE", "O_PARTS", "LSE_PARTS", "SEQLENS", "BLOCK_TABLE")
+GRID_FORMULA = "ceil(seqlen_q*heads/kv_heads/block_m) * splits * kv_heads * batch (+ combine)"
 
 
 def warp_layout(tile: Tile) -> tuple[int, int]:
@@ -202,49 +201,19 @@ def split_tiles(lo: int, hi: int, splits: int, split: int) -> tuple[int, int]:
     return a, max(a, min(a + per, hi))
 
 
-def used_splits(lo: int, hi: int, splits: int) -> int:
-    """How many of `splits` runs of a schedule [lo, hi) hold a tile (the kernel's `used`):
-    the others exit at once; with 0 or 1 the CTA of split 0 writes O itself, else the last of
-    the `used` CTAs to finish merges their parts."""
-    tiles = max(hi - lo, 0)
-    per = -(-tiles // splits)
-    return -(-tiles // per) if per else 0
-
-
-def _r256(n: int) -> int:
-    return -(-n // 256) * 256
-
-
-def counter_bytes(
-    batch: int, heads: int, kv_heads: int, seqlen_q: int, block_m: int, splits: int
-) -> int:
-    """Mirror of `fg::decode_counter_bytes`: one uint32 arrival counter per (sequence, KV
-    head, row tile) when splits > 1, rounded up to 256 bytes. They follow the error word and
-    must be zero before a call (every call leaves them zero)."""
-    if splits <= 1:
-        return 0
-    row_tiles = -(-seqlen_q * (heads // kv_heads) // block_m)
-    return _r256(row_tiles * kv_heads * batch * 4)
-
-
-def workspace_bytes(
-    batch: int,
-    heads: int,
-    kv_heads: int,
-    seqlen_q: int,
-    head_dim: int,
-    block_m: int,
-    splits: int,
-) -> int:
+def workspace_bytes(batch: int, heads: int, seqlen_q: int, head_dim: int, splits: int) -> int:
     """Mirror of `fg::decode_workspace_bytes`: the error word's 256 bytes, then (splits > 1)
-    the arrival counters and the fp32 O and LSE parts, each rounded up to 256 bytes."""
+    the fp32 O and LSE parts, each rounded up to 256 bytes."""
+
+    def r256(n: int) -> int:
+        return -(-n // 256) * 256
+
     if splits <= 1:
         return WORKSPACE_HEADER
     return (
         WORKSPACE_HEADER
-        + counter_bytes(batch, heads, kv_heads, seqlen_q, block_m, splits)
-        + _r256(splits * batch * seqlen_q * heads * head_dim * 4)
-        + _r256(splits * batch * heads * seqlen_q * 4)
+        + r256(splits * batch * seqlen_q * heads * head_dim * 4)
+        + r256(splits * batch * heads * seqlen_q * 4)
     )
 
 

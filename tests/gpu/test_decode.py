@@ -117,7 +117,6 @@ def check_reference(spec, case, res, recorder, test):
     assert res.stats["margins_intact"], f"{kernel_name(spec)}: a write outside a buffer ({case})"
     assert res.stats["row_pad_intact"], f"{kernel_name(spec)}: a write into row padding ({case})"
     assert res.errors == 0, f"{kernel_name(spec)}: error word {res.errors} on valid input ({case})"
-    assert res.stats["counters_zero"], f"{kernel_name(spec)}: split counters left set ({case})"
     for out, v in found.items():
         assert v.passed, f"{kernel_name(spec)} {out}: {v.message}; splits {res.num_splits}; {case}"
 
@@ -148,38 +147,6 @@ def test_shipped_decode_matches_reference(spec, specs, recorder):  # noqa: ARG00
     except BaseException:
         recorder.fail(spec, "reference")
         raise
-
-
-@pytest.mark.parametrize("spec", SPECS, ids=kernel_name)
-def test_fused_combine_over_many_splits_matches_reference(spec, recorder):
-    """Split counts whose parts take the last CTA several passes of shared memory to merge
-    (used splits x rows > the stage's rows), with empty splits past the used ones, against the
-    reference by the pass rule; the counters end at zero (checked with every case)."""
-    kernel = _kernel(spec)
-    for seed, sq, group, lens, splits in (
-        (21, 1, 16, [3000, 1500], 64),
-        (22, 3, 8, [2500, 0], 128),
-        (23, 16, 1, [4000, 17], 100),
-        (24, 1, 4, [1025], 128),
-    ):
-        case = {
-            "seed": seed,
-            "lens": lens,
-            "sq": sq,
-            "heads": 2 * group,
-            "kv_heads": 2,
-            "page": 64 if spec.paged else None,
-            "capacity": max(lens) + 5,
-            "splits": splits,
-            "values": "normal",
-            "row_pad": 0,
-            "window": (300, 0) if spec.mask.window else (-1, -1),
-        }
-        res, q, k, v = run_case(kernel, spec, case)
-        assert res.num_splits == splits
-        check_reference(
-            spec, case, _reference_inputs(spec, case, res, q, k, v), recorder, "many_splits"
-        )
 
 
 def _pairs():

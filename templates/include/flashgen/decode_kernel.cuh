@@ -12,12 +12,9 @@
 //              tile: warps along the keys keep their own softmax state and accumulator and are
 //              merged once, at the end, through shared memory
 //   sk         cache_seqlens[b], the sequence's keys (new queries included)
-//   split      the key tiles [n_lo, n_hi) the mask leaves are cut into `splits` equal runs
-//              of `per` tiles; `used` = ceil(tiles / per) of them hold a tile (the others
-//              exit at once). used <= 1: that CTA writes O and LSE itself. Otherwise each
-//              used CTA writes its normalised O and its LSE in fp32 to the workspace and
-//              arrives at its (sequence, KV head, row tile) counter; the last to arrive
-//              merges the parts (fused combine: no second kernel, no launch gap)
+//   split      the key tiles [n_lo, n_hi) the mask leaves are cut into `splits` equal runs;
+//              with splits > 1 each CTA writes its normalised O and its LSE in fp32 to the
+//              workspace and the combine kernel merges them
 //   page ids   paged caches: lane l of every warp holds the block-table entry of page l of a
 //              K/V tile, fetched one tile ahead (one lookup per page per tile, overlapping
 //              the loads in flight); each row's source is a shuffle away
@@ -43,8 +40,7 @@ namespace fg {
 // The decode family's IO counters, in the order of its Python table (families/decode.py).
 struct DecIo {
   enum IoTensor {
-    kQ = 0, kK, kV, kO, kLse, kOParts, kLseParts, kSeqlens, kBlockTable, kCounter,
-    kNumIoTensors
+    kQ = 0, kK, kV, kO, kLse, kOParts, kLseParts, kSeqlens, kBlockTable, kNumIoTensors
   };
   static constexpr int kCount = kNumIoTensors;
   // TileSchedule's sparse path names kMeta; the dense schedule decode uses never reads any.
@@ -54,10 +50,6 @@ struct DecIo {
 constexpr int kDecodeMaxQueries = 16;   // seqlen_q per sequence
 constexpr int kDecodeMaxSplits = 128;   // num_splits
 constexpr int kCombineThreads = 128;    // threads of a combine CTA
-// The workspace opens with the error word (padded to 256 bytes), then, with splits > 1, one
-// uint32 arrival counter per (sequence, KV head, row tile), then the fp32 parts
-// (decode_launch.cuh has the layout).
-constexpr int64_t kDecodeErrorBytes = 256;
 
 // S: the spec as named constants (templates/common/spec_struct.j2, plus kPaged).
 template <class S>
@@ -82,13 +74,6 @@ struct DecConfig : S {
   static constexpr int kMergeStride = kHeadDim + 4;
   static constexpr int kMergeBytes = kWarpsN * kBlockM * (kMergeStride + 2) * 4;
   static constexpr int kSmemBytes = kTileBytes > kMergeBytes ? kTileBytes : kMergeBytes;
-  // The fused combine stages (split, row) parts of kHeadDim fp32 and their LSEs in the
-  // tiles' memory, at most 256 rows a pass (a multiple of 16; always >= kBlockM: the key
-  // warps' merge buffer alone holds kBlockM such rows); 8-column items, kMergeItems a thread.
-  static constexpr int kPartRowBytes = kHeadDim * 4;
-  static constexpr int kStageFit = kSmemBytes / (kPartRowBytes + 4) / 16 * 16;
-  static constexpr int kStageRows = kStageFit < 256 ? kStageFit : 256;
-  static constexpr int kMergeItems = (kBlockM * (kHeadDim / 8) + kThreads - 1) / kThreads;
   // combine: kHeadDim / 8 threads per output row, 8 columns each
   static constexpr int kCombineRowThreads = kHeadDim / 8;
   static constexpr int kCombineRows = kCombineThreads / kCombineRowThreads;
@@ -101,147 +86,12 @@ struct DecConfig : S {
                 "whole K/V tiles per load pass (the page shuffle needs converged warps)");
   static_assert(kBlockN / 16 <= 32, "page ids of a tile fit a warp");
   static_assert(S::kCausal != Causal::kTopLeft, "decode aligns causal masks bottom_right");
-  static_assert(kStageRows >= kBlockM, "a pass of the fused combine holds one split's rows");
 };
-
-// Row (b, query i, head h), columns [col, col + 8) of O: o * inv_l in the kernel's dtype, and
-// its LSE (natural log) from the row's first thread when the caller asked for LSEs.
-template <class C, class IoT>
-__device__ __forceinline__ void store_o_row(const fg_decode_params& p, int64_t b, int64_t i,
-                                            int64_t h, int col, const float (&o)[8],
-                                            float inv_l, float lse, IoT& io) {
-  using MmaT = Mma<typename C::Elem>;
-  const uint4 packed = make_uint4(
-      MmaT::pack(o[0] * inv_l, o[1] * inv_l), MmaT::pack(o[2] * inv_l, o[3] * inv_l),
-      MmaT::pack(o[4] * inv_l, o[5] * inv_l), MmaT::pack(o[6] * inv_l, o[7] * inv_l));
-  store_16(static_cast<typename C::Elem*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride +
-               h * p.o_head_stride + col,
-           packed, io, DecIo::kO);
-  if (col == 0 && p.lse)
-    store_f32(p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + i, lse, io, DecIo::kLse);
-}
-
-// A split's arrival at its counter; returns how many had arrived before it. atomicInc wraps
-// to 0 at the `used`-th arrival, so the last CTA leaves the counter zero for the next call
-// (CUDA graph replays need no reset). Counted as an atomic add: 4 bytes read, 4 written.
-// (tile_io.cuh has no counter atomic yet; this is the family's one global access outside it.)
-template <class IoT>
-__device__ __forceinline__ unsigned int arrive_split(unsigned int* counter, unsigned int used,
-                                                     IoT& io) {
-  io.add(DecIo::kCounter, 8);
-  return atomicInc(counter, used - 1);
-}
-
-// The fused combine, run by the last split CTA of (sequence b, KV head hk, row tile at m0):
-// O = sum_s exp(LSE_s - LSE) O_s, LSE = log sum_s exp(LSE_s) over the `used` splits, in split
-// order (so the result does not depend on which CTA came last). Passes of whole splits: the
-// LSEs (plain loads: written in this launch, seen through the counter's fences, so not the
-// read-only path) and the parts (cp.async, L2) of up to kStageRows (split, row) pairs land
-// in shared memory together, one round trip per pass; each thread then folds its 8-column
-// items over the pass's splits with an online max, as the softmax does.
-template <class C, class IoT>
-__device__ __forceinline__ void merge_split_parts(const fg_decode_params& p, IoT& io,
-                                                  int64_t used, int64_t b, int64_t hk,
-                                                  int64_t m0, int valid, int64_t group,
-                                                  unsigned char* smem) {
-  using Elem = typename C::Elem;
-  constexpr int kCols8 = C::kHeadDim / 8;  // 8-column items per row
-  float* stage = reinterpret_cast<float*>(smem);
-  float* s_lse = stage + C::kStageRows * C::kHeadDim;
-  const float* o_parts = static_cast<const float*>(p.o_parts);
-  const int tid = threadIdx.x;
-  const int per_pass = C::kStageRows / valid;  // >= 1: valid <= kBlockM <= kStageRows
-  auto part_row = [&](int64_t s, int r, int64_t& i, int64_t& h) -> int64_t {
-    const int64_t gr = m0 + r;
-    i = gr / group;
-    h = hk * group + (gr - i * group);
-    return s * p.o_parts_part_stride + b * p.o_parts_batch_stride + i * p.o_parts_row_stride +
-           h * p.o_parts_head_stride;
-  };
-
-  float m[C::kMergeItems], l[C::kMergeItems], acc[C::kMergeItems][8];
-#pragma unroll
-  for (int j = 0; j < C::kMergeItems; ++j) {
-    m[j] = -INFINITY;
-    l[j] = 0.f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[j][e] = 0.f;
-  }
-  for (int64_t s0 = 0; s0 < used; s0 += per_pass) {
-    const int n_s = static_cast<int>(min(static_cast<int64_t>(per_pass), used - s0));
-    const int n_rows = n_s * valid;
-    for (int q = tid; q < n_rows; q += C::kThreads) {
-      const int s = q / valid, r = q - s * valid;
-      int64_t i, h;
-      part_row(0, r, i, h);
-      s_lse[q] = load_f32(p.lse_parts + (s0 + s) * p.lse_parts_part_stride +
-                              b * p.lse_parts_batch_stride + h * p.lse_parts_head_stride + i,
-                          io, DecIo::kLseParts);
-    }
-    // fp32 rows moved as 2 * kHeadDim 16-bit elements (16-byte chunks; counted as O_PARTS)
-    load_rows_async<C::kStageRows, 2 * C::kHeadDim, C::kThreads, 2 * C::kHeadDim>(
-        reinterpret_cast<Elem*>(stage),
-        [&](int q) -> const Elem* {
-          if (q >= n_rows) return nullptr;
-          const int s = q / valid;
-          int64_t i, h;
-          return reinterpret_cast<const Elem*>(o_parts + part_row(s0 + s, q - s * valid, i, h));
-        },
-        reinterpret_cast<const Elem*>(o_parts), io, DecIo::kOParts);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < C::kMergeItems; ++j) {
-      const int c = tid + j * C::kThreads;
-      if (c >= valid * kCols8) break;
-      const int r = c / kCols8, col = (c % kCols8) * 8;
-      float mx = m[j];
-#pragma unroll 4
-      for (int s = 0; s < n_s; ++s) mx = fmaxf(mx, s_lse[s * valid + r]);
-      const float base = mx == -INFINITY ? 0.f : mx;
-      const float rescale = expf(m[j] - base);  // 0 while nothing was seen (m = -inf)
-      l[j] *= rescale;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[j][e] *= rescale;
-      // No branch, so the unrolled loads overlap: a split whose keys this row does not see
-      // has LSE -inf, weight exp(-inf) = 0 and a finite (zero) part.
-#pragma unroll 4
-      for (int s = 0; s < n_s; ++s) {
-        const float w = expf(s_lse[s * valid + r] - base);
-        const float4* src = reinterpret_cast<const float4*>(
-            stage + static_cast<int64_t>(s * valid + r) * C::kHeadDim + col);
-        const float4 lo4 = src[0], hi4 = src[1];
-        l[j] += w;
-        acc[j][0] += w * lo4.x;
-        acc[j][1] += w * lo4.y;
-        acc[j][2] += w * lo4.z;
-        acc[j][3] += w * lo4.w;
-        acc[j][4] += w * hi4.x;
-        acc[j][5] += w * hi4.y;
-        acc[j][6] += w * hi4.z;
-        acc[j][7] += w * hi4.w;
-      }
-      m[j] = mx;
-    }
-    __syncthreads();  // the next pass overwrites the stage
-  }
-#pragma unroll
-  for (int j = 0; j < C::kMergeItems; ++j) {
-    const int c = tid + j * C::kThreads;
-    if (c >= valid * kCols8) break;
-    const int r = c / kCols8, col = (c % kCols8) * 8;
-    const bool empty = !(l[j] > 0.f);
-    int64_t i, h;
-    part_row(0, r, i, h);
-    store_o_row<C>(p, b, i, h, col, acc[j], empty ? 0.f : 1.f / l[j],
-                   empty ? -INFINITY : m[j] + logf(l[j]), io);
-  }
-}
 
 template <class C>
 __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
   using Elem = typename C::Elem;
+  using MmaT = Mma<Elem>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
   Elem* sK = sQ + C::kBlockM * C::kStride;
@@ -281,15 +131,7 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
   const MaskPolicy<C::kCausal, C::kWindow> mask(p.seqlen_q, sk, p.window_left, p.window_right);
   int64_t n_lo, n_hi;
   mask.tile_range(q_lo, q_hi, C::kBlockN, n_lo, n_hi);
-  const int64_t tiles = n_hi > n_lo ? n_hi - n_lo : 0;
-  const int64_t per = (tiles + splits - 1) / splits;
-  const int64_t used = per > 0 ? (tiles + per - 1) / per : 0;  // splits that hold a tile
-  if (split > 0 && split >= used) {  // no tile: no part, no arrival (split 0 always runs)
-    io.flush(p.io_counters);
-    return;
-  }
-  // One CTA holds every tile (or there is none): it writes O and LSE itself.
-  const bool direct = used <= 1;
+  const int64_t per = ((n_hi > n_lo ? n_hi - n_lo : 0) + splits - 1) / splits;
   const int64_t s_lo = n_lo + split * per;
   const auto sched = TileSchedule<false, false>::dense(s_lo, min(s_lo + per, n_hi));
   const int n_iter = sched.count;
@@ -380,16 +222,13 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
     load_rows_async<C::kBlockM, C::kHeadDim, C::kThreads, C::kStride>(sQ, q_row, q_base, io,
                                                                        DecIo::kQ);
     cp_async_commit();
-    // The page ids of the first kStages tiles in one round trip (not one per prologue tile).
-    int32_t ids_first[C::kStages];
-#pragma unroll
-    for (int s = 0; s < C::kStages; ++s) ids_first[s] = fetch_page_id(s);
+    int32_t ids_next = fetch_page_id(0);
 #pragma unroll
     for (int s = 0; s < C::kStages - 1; ++s) {
-      if (s < n_iter) load_kv(s, checked_page_id(s, ids_first[s]));
+      if (s < n_iter) load_kv(s, checked_page_id(s, ids_next));
       cp_async_commit();
+      ids_next = fetch_page_id(s + 1);
     }
-    int32_t ids_next = ids_first[C::kStages - 1];
     cp_async_wait<C::kStages - 1>();  // the Q group
     __syncthreads();
 
@@ -479,8 +318,16 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
     const float inv_l = empty ? 0.f : 1.f / l;
     const float lse = empty ? -INFINITY : (mx + log2f(l)) * 0.69314718055994530942f;
     const int64_t gr = m0 + row, i = gr / group, h = hk * group + (gr - i * group);
-    if (direct) {
-      store_o_row<C>(p, b, i, h, col, o, inv_l, lse, io);
+    if (splits == 1) {
+      const uint4 packed = make_uint4(
+          MmaT::pack(o[0] * inv_l, o[1] * inv_l), MmaT::pack(o[2] * inv_l, o[3] * inv_l),
+          MmaT::pack(o[4] * inv_l, o[5] * inv_l), MmaT::pack(o[6] * inv_l, o[7] * inv_l));
+      store_16(static_cast<Elem*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride +
+                   h * p.o_head_stride + col,
+               packed, io, DecIo::kO);
+      if (col == 0 && p.lse)
+        store_f32(p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + i, lse, io,
+                  DecIo::kLse);
     } else {
       float* part = const_cast<float*>(static_cast<const float*>(p.o_parts)) +
                     split * p.o_parts_part_stride + b * p.o_parts_batch_stride +
@@ -497,25 +344,6 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
         store_f32(const_cast<float*>(p.lse_parts) + split * p.lse_parts_part_stride +
                       b * p.lse_parts_batch_stride + h * p.lse_parts_head_stride + i,
                   lse, io, DecIo::kLseParts);
-    }
-  }
-  if (!direct) {
-    // Release this CTA's part (every thread fences its own stores), then arrive; the last of
-    // the `used` splits to arrive acquires the others' parts and merges them all.
-    __shared__ unsigned int s_arrived_before;
-    __threadfence();
-    __syncthreads();  // also: every thread is done with sO / sM / sL (the merge reuses them)
-    if (tid == 0) {
-      unsigned int* counters = reinterpret_cast<unsigned int*>(
-          static_cast<unsigned char*>(p.workspace) + kDecodeErrorBytes);
-      s_arrived_before = arrive_split(counters + (b * p.kv_heads + hk) * num_mt + mt,
-                                      static_cast<unsigned int>(used), io);
-    }
-    __syncthreads();
-    if (s_arrived_before == static_cast<unsigned int>(used) - 1) {
-      __threadfence();
-      merge_split_parts<C>(p, io, used, b, hk, m0, static_cast<int>(valid_rows), group,
-                           smem_raw);
     }
   }
   io.flush(p.io_counters);

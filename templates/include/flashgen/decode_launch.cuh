@@ -6,12 +6,9 @@
 //   row tiles  ceil(seqlen_q * heads / kv_heads / block_m): CTAs along the packed rows
 //   key tiles  ceil(bound / block_n), bound = max_seqlen_k (or the cache's capacity)
 //   slots      CTAs of the main kernel the device holds at once (SMs x CTAs per SM)
-//   workspace  [error word, 256 bytes][counters: uint32 per (sequence, KV head, row tile)]
-//              [o_parts: splits x batch x seqlen_q x heads x d fp32]
-//              [lse_parts: splits x batch x heads x seqlen_q fp32], each 256-byte aligned;
-//              counters and parts exist only when splits > 1. The counters must be zero
-//              before the first call (zero the workspace once after allocating); every call
-//              leaves them zero again
+//   workspace  [error word, 256 bytes][o_parts: splits x batch x seqlen_q x heads x d fp32]
+//              [lse_parts: splits x batch x heads x seqlen_q fp32], each part 256-byte aligned;
+//              the parts exist only when splits > 1
 #pragma once
 
 #include <math.h>
@@ -25,6 +22,7 @@ inline bool dec_aligned(const void* ptr, uintptr_t n) {
   return reinterpret_cast<uintptr_t>(ptr) % n == 0;
 }
 inline int64_t dec_round256(int64_t n) { return (n + 255) / 256 * 256; }
+constexpr int64_t kDecodeErrorBytes = 256;
 
 // FlashAttention's split heuristic (flash_api.cpp, num_splits_heuristic), with the device's
 // resident CTAs as the wave size: no split when the CTAs already fill 80% of the SMs;
@@ -72,12 +70,6 @@ int64_t decode_splits(const fg_decode_params& p, int64_t sms, int64_t slots) {
   return decode_num_splits(decode_row_tiles<C>(p) * p.kv_heads * p.batch, key_tiles, sms, slots);
 }
 
-// The split arrival counters: one uint32 per (sequence, KV head, row tile), in that order.
-template <class C>
-int64_t decode_counter_bytes(const fg_decode_params& p, int64_t splits) {
-  return splits > 1 ? dec_round256(decode_row_tiles<C>(p) * p.kv_heads * p.batch * 4) : 0;
-}
-
 template <class C>
 int64_t decode_o_parts_bytes(const fg_decode_params& p, int64_t splits) {
   return splits > 1 ? dec_round256(splits * p.batch * p.seqlen_q * p.heads * C::kHeadDim * 4) : 0;
@@ -86,18 +78,17 @@ int64_t decode_o_parts_bytes(const fg_decode_params& p, int64_t splits) {
 template <class C>
 int64_t decode_workspace_bytes(const fg_decode_params& p, int64_t splits) {
   const int64_t lse = splits > 1 ? dec_round256(splits * p.batch * p.heads * p.seqlen_q * 4) : 0;
-  return kDecodeErrorBytes + decode_counter_bytes<C>(p, splits) +
-         decode_o_parts_bytes<C>(p, splits) + lse;
+  return kDecodeErrorBytes + decode_o_parts_bytes<C>(p, splits) + lse;
 }
 
 // Points the merge fields at the workspace's parts (contiguous layouts above).
 template <class C>
 void decode_use_workspace_parts(fg_decode_params& q, int64_t splits) {
-  char* ws = static_cast<char*>(q.workspace) + kDecodeErrorBytes +
-             decode_counter_bytes<C>(q, splits);
+  char* ws = static_cast<char*>(q.workspace);
   q.num_splits = splits;
-  q.o_parts = ws;
-  q.lse_parts = reinterpret_cast<const float*>(ws + decode_o_parts_bytes<C>(q, splits));
+  q.o_parts = ws + kDecodeErrorBytes;
+  q.lse_parts = reinterpret_cast<const float*>(ws + kDecodeErrorBytes +
+                                               decode_o_parts_bytes<C>(q, splits));
   q.num_parts = splits;
   q.parts_dtype = 0;
   q.o_parts_head_stride = C::kHeadDim;
@@ -120,7 +111,7 @@ const char* check_decode_output(const fg_decode_params& p) {
   if (p.batch < 0) return "batch must be >= 0";
   if (p.heads < 1 || p.kv_heads < 1) return "heads and kv_heads must be >= 1";
   if (C::kInstrumentIo && (!p.io_counters || !dec_aligned(p.io_counters, 8)))
-    return "instrument_io needs 10 8-byte aligned uint64 io_counters";
+    return "instrument_io needs 9 8-byte aligned uint64 io_counters";
   return nullptr;
 }
 

@@ -14,11 +14,9 @@
 //             block_table (batch, max_pages) int32 page ids: key j of sequence b is row
 //             j % page_size of page block_table[b][j / page_size]
 //   LSE       optional (NULL: not written), float32 (batch, heads, seqlen_q), natural log
-//   workspace <name>_workspace_bytes(&p) bytes, 16-byte aligned, caller-allocated: zero it
-//             once after allocating. Its first 4 bytes are a sticky error word (see
-//             FG_DECODE_ERR_*) that the kernels OR into and never clear: read it when you want
-//             to know. With splits > 1 it also holds the split CTAs' arrival counters (every
-//             call leaves them zero again) and their fp32 parts
+//   workspace <name>_workspace_bytes(&p) bytes, 16-byte aligned, caller-allocated; its first
+//             4 bytes are a sticky error word (see FG_DECODE_ERR_*) that the kernels OR into and
+//             never clear: zero it once after allocating, read it when you want to know
 //
 // merge_states (<name>_merge_states) reads o_parts (num_parts, batch, seqlen_q, heads, d)
 // (float32, or the kernel's dtype when parts_dtype = 1) and lse_parts (num_parts, batch,
@@ -79,7 +77,7 @@ typedef struct fg_decode_params {
   int64_t o_parts_part_stride, o_parts_batch_stride, o_parts_row_stride, o_parts_head_stride;
   int64_t lse_parts_part_stride, lse_parts_batch_stride, lse_parts_head_stride;
 
-  /* instrument_io: 10 uint64 counters (bytes), in the order of DecIo (decode_kernel.cuh) */
+  /* instrument_io: 9 uint64 counters (bytes), in the order of DecIo (decode_kernel.cuh) */
   unsigned long long* io_counters;
 } fg_decode_params;
 
