@@ -1,7 +1,12 @@
-"""`tile: auto` of the Hopper forward (sm_90a) compiles without spills for every head dim and
-feature class (ptxas through `flashgen compile`; no GPU needed). The rule's register limits
-(three consumer warpgroups at 160 registers, the pipelined loop beside dropout) were found by
-exactly this sweep, so it guards them."""
+"""`tile: auto` of the Hopper (sm_90a) forward and backward compiles without spills for every
+head dim and feature class each serves (ptxas through `flashgen compile`; no GPU needed).
+
+Forward: the rule's register limits (three consumer warpgroups at 160 registers, the pipelined
+loop beside dropout) were found by exactly this sweep, so it guards them. Backward: the
+consumer warpgroups' 240 registers are nearly all accumulators (dK and dV of 64 keys, S^T and
+dP^T), and ptxas is not monotone near that limit (a single extra predicate once spilled 100
+bytes), so the sweep guards the rule and the kernel's register economies
+(include/flashgen/bwd_sm90_kernel.cuh)."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import shutil
 
 import pytest
 from flashgen.generator.compile import compile_specs
+from flashgen.generator.families.backward_sm90 import HEAD_DIMS as BWD_HEAD_DIMS
 from flashgen.generator.load import load_spec_text
 
 pytestmark = [
@@ -33,13 +39,31 @@ FEATURES = {
 }
 
 
-@pytest.mark.parametrize("head_dim", range(16, 257, 16))
-def test_hopper_auto_tiles_do_not_spill(head_dim, tmp_path):
+BWD_FEATURES = {
+    "dense": "",
+    "causal": "mask: {causal: bottom_right}\n",
+    "window_gqa": "mask: {causal: top_left, window: true}\ngqa: true\n",
+}
+
+
+def _assert_auto_tiles_do_not_spill(kind, features, head_dim, tmp_path):
     specs = [
-        load_spec_text(f"dtype: bf16\nhead_dim: {head_dim}\ntarget: sm_90a\n{extra}")[0]
-        for extra in FEATURES.values()
+        load_spec_text(
+            f"kernel: {kind}\ndtype: bf16\nhead_dim: {head_dim}\ntarget: sm_90a\n{extra}"
+        )[0]
+        for extra in features.values()
     ]
     results = compile_specs(specs, tmp_path, jobs=2, progress=False)
-    for feature, r in zip(FEATURES, results):
-        assert r.ok, f"d={head_dim} {feature}: {r.error}"
-        assert not r.spills, f"d={head_dim} {feature} ({r.kernel}) spills"
+    for feature, r in zip(features, results):
+        assert r.ok, f"{kind} d={head_dim} {feature}: {r.error}"
+        assert not r.spills, f"{kind} d={head_dim} {feature} ({r.kernel}) spills"
+
+
+@pytest.mark.parametrize("head_dim", range(16, 257, 16))
+def test_hopper_auto_tiles_do_not_spill(head_dim, tmp_path):
+    _assert_auto_tiles_do_not_spill("forward", FEATURES, head_dim, tmp_path)
+
+
+@pytest.mark.parametrize("head_dim", BWD_HEAD_DIMS)
+def test_hopper_backward_auto_tiles_do_not_spill(head_dim, tmp_path):
+    _assert_auto_tiles_do_not_spill("backward", BWD_FEATURES, head_dim, tmp_path)

@@ -167,10 +167,7 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
   const int tma_b = C::kVarlen ? 0 : static_cast<int>(b);
   auto tma = [&](Elem* dst, const CUtensorMap& map, bool heads_inner, uint64_t* bar, int col,
                  int64_t row, int64_t head) {
-    if (heads_inner)
-      tma_load_4d(dst, &map, bar, col, static_cast<int>(head), static_cast<int>(row), tma_b);
-    else
-      tma_load_4d(dst, &map, bar, col, static_cast<int>(row), static_cast<int>(head), tma_b);
+    tma_load_bshd(dst, &map, heads_inner, bar, col, row, head, tma_b);
   };
   // instrument_io: box j of a tile (columns 64 j .. 64 j + 63) reads its rows inside the
   // sequence times its min(64, head_dim - 64 j) columns (see the top); summed over the boxes,

@@ -82,6 +82,17 @@ __device__ __forceinline__ void tma_load_4d(void* smem, const void* tmap, uint64
       "l"(tmap), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
+// One SW128 box of a (batch, rows, heads, cols) tensor's map (sm90_host.h make_tmap_bshd):
+// the coordinates in the map's dimension order, (col, head, row, batch) when `heads_inner`,
+// else (col, row, head, batch).
+__device__ __forceinline__ void tma_load_bshd(void* smem, const void* tmap, bool heads_inner,
+                                              uint64_t* bar, int col, int64_t row, int64_t head,
+                                              int batch) {
+  if (heads_inner)
+    tma_load_4d(smem, tmap, bar, col, static_cast<int>(head), static_cast<int>(row), batch);
+  else
+    tma_load_4d(smem, tmap, bar, col, static_cast<int>(row), static_cast<int>(head), batch);
+}
 __device__ __forceinline__ void tma_prefetch_desc(const void* tmap) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(tmap) : "memory");
 }

@@ -143,15 +143,9 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
   }
   __syncthreads();
 
-  // TMA coordinates (column, row, head, batch) in the maps' dimension order.
   auto tma = [&](Elem* dst, const CUtensorMap& map, bool heads_inner, uint64_t* bar, int col,
                  int64_t row, int64_t head) {
-    if (heads_inner)
-      tma_load_4d(dst, &map, bar, col, static_cast<int>(head), static_cast<int>(row),
-                  static_cast<int>(b));
-    else
-      tma_load_4d(dst, &map, bar, col, static_cast<int>(row), static_cast<int>(head),
-                  static_cast<int>(b));
+    tma_load_bshd(dst, &map, heads_inner, bar, col, row, head, static_cast<int>(b));
   };
 
   // ---- producer warpgroup: its first warp fills the ring; the rest retire ----------------

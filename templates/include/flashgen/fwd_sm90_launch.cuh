@@ -6,18 +6,15 @@
 //   varlen   the maps span the packed (total, heads, d) tensors as one batch entry of total_q
 //            (q) or total_k (k, v) rows: fg_fwd_params carries those totals because the
 //            cu_seqlens are on the device; the batch stride is unused (the check ignores it)
-//   cache    the last kSlots calls' maps of one kernel (a mutex guards it): a training loop or
-//            a decode server repeats its shapes and buffers, and an encode costs microseconds
+//   cache    the last calls' maps of one kernel (sm90_cache.h, shared with the backward)
 #pragma once
 
 #include <limits.h>
 #include <stdint.h>
-#include <string.h>
-
-#include <mutex>
 
 #include "fwd_sm90_kernel.cuh"
 #include "params.h"
+#include "sm90_cache.h"
 #include "sm90_host.h"
 
 namespace fg {
@@ -81,11 +78,7 @@ struct FwdSm90MapKey {
 // The call's maps (from the kernel's cache when this shape and these buffers were seen).
 template <class C, bool kBf16>
 const char* fwd_sm90_maps(const fg_fwd_params& p, FwdSm90Maps* maps) {
-  constexpr int kSlots = 8;
-  static std::mutex mu;
-  static FwdSm90MapKey keys[kSlots];
-  static FwdSm90Maps cached[kSlots];
-  static int used = 0, next = 0;
+  static sm90::MapCache<FwdSm90MapKey, FwdSm90Maps> cache;
   // Varlen maps are one batch entry of the packed totals (the key keeps every size anyway).
   const int64_t total_q = C::kVarlen ? p.total_q : 0, total_k = C::kVarlen ? p.total_k : 0;
   const FwdSm90MapKey key{p.q, p.k, p.v, p.batch, p.seqlen_q, p.seqlen_k, total_q, total_k,
@@ -93,14 +86,7 @@ const char* fwd_sm90_maps(const fg_fwd_params& p, FwdSm90Maps* maps) {
                           {p.q_batch_stride, p.q_row_stride, p.q_head_stride, p.k_batch_stride,
                            p.k_row_stride, p.k_head_stride, p.v_batch_stride, p.v_row_stride,
                            p.v_head_stride}};  // no padding: compared bytewise
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    for (int i = 0; i < used; ++i)
-      if (memcmp(&keys[i], &key, sizeof key) == 0) {
-        *maps = cached[i];
-        return nullptr;
-      }
-  }
+  if (cache.find(key, maps)) return nullptr;
   bool q_inner = false, k_inner = false, v_inner = false;
   const int64_t batch = C::kVarlen ? 1 : p.batch;
   const int64_t rows_q = C::kVarlen ? p.total_q : p.seqlen_q;
@@ -127,11 +113,7 @@ const char* fwd_sm90_maps(const fg_fwd_params& p, FwdSm90Maps* maps) {
     return "k and v must order their strides alike (head stride below or above row stride)";
   maps->q_heads_inner = q_inner;
   maps->kv_heads_inner = k_inner;
-  std::lock_guard<std::mutex> lock(mu);
-  keys[next] = key;
-  cached[next] = *maps;
-  next = (next + 1) % kSlots;
-  if (used < kSlots) ++used;
+  cache.put(key, *maps);
   return nullptr;
 }
 
