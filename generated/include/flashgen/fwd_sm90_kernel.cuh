@@ -58,6 +58,28 @@
 #include "tile_io.cuh"
 #include "warp_mma.cuh"
 
+// Ablation switches, for bench/ablation_bench.py only (FlashAttention-3's Table 2: each
+// feature's share of the speed, measured side by side). Shipped builds never define them
+// (generator/compile.py passes no -D), so the defaults below are the shipped kernel. Defined
+// to 1 on the nvcc command line:
+//   FG_SM90_ABLATE_NO_PINGPONG    the consumer warpgroups do not take turns (kPingPong false)
+//   FG_SM90_ABLATE_NO_OVERLAP     the plain loop at any stage count (kOverlap false; no
+//                                 ping-pong either, which only the overlapped loop has)
+//   FG_SM90_ABLATE_NO_SETMAXNREG  no register reallocation: the producer warpgroup stays and
+//                                 every warp keeps the launch's registers (not "no warp
+//                                 specialisation": the TMA producer warpgroup still exists)
+// The K/V stages need no switch: the tile's `stages` is 1..4 (1 and 2 run the plain loop; one
+// slot is a correct ring, its refill waiting for the release of the tile before).
+#ifndef FG_SM90_ABLATE_NO_PINGPONG
+#define FG_SM90_ABLATE_NO_PINGPONG 0
+#endif
+#ifndef FG_SM90_ABLATE_NO_OVERLAP
+#define FG_SM90_ABLATE_NO_OVERLAP 0
+#endif
+#ifndef FG_SM90_ABLATE_NO_SETMAXNREG
+#define FG_SM90_ABLATE_NO_SETMAXNREG 0
+#endif
+
 namespace fg {
 
 // The TMA tensor maps of one call (built by the launcher, sm90_host.h).
@@ -90,10 +112,11 @@ struct FwdSm90Config : S {
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKvBytes + 1024;  // + alignment
   // Softmax overlapped with the neighbouring tiles' wgmma (with two stages the next tile's
   // load would wait for the slot released at the end of this one, exposing its latency).
-  static constexpr bool kOverlap = kStages >= 3;
+  static constexpr bool kOverlap = kStages >= 3 && !FG_SM90_ABLATE_NO_OVERLAP;
   // ... and the consumer warpgroups take turns issuing their wgmma (ping-pong), so one's
   // softmax runs while another's GEMMs occupy the tensor cores.
-  static constexpr bool kPingPong = kOverlap && kGroups >= 2;
+  static constexpr bool kPingPong = kOverlap && kGroups >= 2 && !FG_SM90_ABLATE_NO_PINGPONG;
+  static constexpr bool kRegRealloc = !FG_SM90_ABLATE_NO_SETMAXNREG;
   static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536, "registers");
 
   static_assert(kWarps % 4 == 0 && kGroups >= 1 && kGroups <= 3, "1 to 3 warpgroups");
@@ -193,7 +216,7 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
   // ---- producer warpgroup: one thread issues every TMA load; slot s is refilled once every
   // consumer thread has released it (empty[s]) ----------------------------------------------
   if (warp >= C::kWarps) {
-    regs_dealloc<C::kProducerRegs>();
+    if constexpr (C::kRegRealloc) regs_dealloc<C::kProducerRegs>();
     if (warp == C::kWarps && lane == 0 && n_iter > 0) {
       mbar_arrive_expect_tx(&bar_q, C::kQBytes);
 #pragma unroll
@@ -216,7 +239,7 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
     io.flush(p.io_counters);  // the whole warp, converged again
     return;
   }
-  regs_alloc<C::kConsumerRegs>();
+  if constexpr (C::kRegRealloc) regs_alloc<C::kConsumerRegs>();
 
   RowState st[2] = {RowState{-INFINITY, 0.f}, RowState{-INFINITY, 0.f}};
   float acc_o[C::kOChunks][C::kOChunk / 8][4];
