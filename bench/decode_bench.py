@@ -9,11 +9,14 @@ to 128k (combinations whose caches exceed 60% of the device's memory are skipped
 per sequence; caches contiguous (page_size 0) and paged with pages of 16 and 256 (block
 tables in a random page order). Bandwidth = K/V bytes / time. The copy row is
 `2 * bytes / time` (it reads and writes them; CUDA's bandwidthTest convention), so it is the
-HBM bandwidth a plain stream achieves. SDPA gets q `(batch, heads, 1, d)` and the cache as a
-`(batch, kv_heads, context, d)` view (enable_gqa), per backend: FLASH, EFFICIENT, CUDNN; a
-backend that refuses the shape is left out of the row. Timing: CUDA graphs of 20 calls,
-median of 7 replays (quick: 3 and 3). Rows: {batch, heads, kv_heads, context, page_size,
-kernel, num_splits, gbps: {"flashgen": x, "copy": y, BACKEND: z, "old": w}}.
+HBM bandwidth a plain stream achieves; on the H200 a copy's mix of reads and writes reaches
+about 2.8 TB/s from 1 GB up, well below a read-only stream, so a "read" column (`bytes / time`
+of torch's sum over the same bytes, read-only) stands next to it for reference. SDPA gets q
+`(batch, heads, 1, d)` and the cache as a `(batch, kv_heads, context, d)` view (enable_gqa),
+per backend: FLASH, EFFICIENT, CUDNN; a backend that refuses the shape is left out of the
+row. Timing: CUDA graphs of 20 calls, median of 7 replays (quick: 3 and 3). Rows: {batch,
+heads, kv_heads, context, page_size, kernel, num_splits, gbps: {"flashgen": x, "copy": y,
+"read": r, BACKEND: z, "old": w}}.
 
 `--baseline DIR` adds an "old" column: DIR is another version's `generated/` folder (e.g.
 `git archive <commit> generated | tar -x -C <empty folder>`); its decode kernels with the same
@@ -302,6 +305,7 @@ def main(argv=None) -> int:
             dst = torch.empty(2 * k.numel(), device=dev, dtype=torch.bfloat16)
             src = torch.cat([k.view(-1), v.view(-1)])
             copy = _time(lambda dst=dst, src=src: dst.copy_(src), calls, reps)
+            read = _time(lambda src=src: src.sum(dtype=torch.float32), calls, reps)
             del src
             lens = torch.full((batch,), context, device=dev, dtype=torch.int32)
             for heads in heads_set:
@@ -340,6 +344,7 @@ def main(argv=None) -> int:
                         "gbps": {
                             "flashgen": kv_bytes / t / 1e9,
                             "copy": 2 * kv_bytes / copy / 1e9,
+                            "read": kv_bytes / read / 1e9,
                             **sdpa_gbps,
                             **extra,
                         },

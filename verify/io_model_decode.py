@@ -12,7 +12,8 @@ Main kernel, per CTA (row tile mt, split s, KV head, sequence b) of the grid
   schedule", with `shift = sk - seqlen_q`), cut into `splits` runs of `ceil(count / splits)`;
   the CTA takes run s, tiles [a, b).
 - when it has a tile: Q `valid * d * elt`; K and V `(min(b*bn, sk) - a*bn) * d * elt` each;
-  paged: BLOCK_TABLE 4 bytes per page of each tile that holds a key below sk.
+  paged: BLOCK_TABLE 4 bytes per page holding one of the run's keys below sk (each entry is
+  read once per CTA, through 32-page windows).
 - always: splits == 1: O `valid * d * elt` and, when an LSE is asked for, LSE `valid * 4`;
   splits > 1: O_PARTS `valid * d * 4` and LSE_PARTS `valid * 4`.
 
@@ -117,13 +118,9 @@ def decode_bytes(
                     keys = min(e * bn, sk) - a * bn
                     per_head["Q"] = valid * d * elt
                     per_head["K"] = per_head["V"] = keys * d * elt
-                    if spec.paged:
-                        if ps >= bn:
-                            per_head["BLOCK_TABLE"] = 4 * (e - a)
-                        else:
-                            ppt = bn // ps
-                            used = min(e * ppt, -(-sk // ps)) - a * ppt
-                            per_head["BLOCK_TABLE"] = 4 * max(used, 0)
+                    if spec.paged:  # each page of the run's keys below sk, once
+                        first, last = (a * bn) // ps, (min(e * bn, sk) - 1) // ps
+                        per_head["BLOCK_TABLE"] = 4 * (last - first + 1)
                 if splits == 1:
                     per_head["O"] = valid * d * elt
                     per_head["LSE"] = valid * 4 if lse else 0

@@ -18,7 +18,6 @@ end-of-loop merge buffer of the key warps when that is larger.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from flashgen.generator.families import Family, params_table
@@ -168,30 +167,21 @@ def fit(tile: Tile, target: Target, dtype: Dtype, head_dim: int) -> Tile:
     return Tile(tile.block_m, tile.block_n, tile.warps, 2)
 
 
-def num_splits(ctas: int, key_tiles: int, sms: int, slots: int) -> int:
+def num_splits(ctas: int, key_tiles: int, sms: int, slots: int, fill_slots: bool = False) -> int:
     """The split heuristic (mirror of `fg::decode_num_splits`, decode_launch.cuh).
 
     `ctas` = row tiles x kv_heads x batch, `key_tiles` = ceil(max cache length / block_n),
-    `sms` the device's SMs, `slots` the CTAs of the kernel it holds at once. No split when the
-    CTAs already fill 80% of the SMs; else the fewest splits whose wave efficiency reaches 85%
-    of the best up to min(128, key_tiles, slots), among split counts that change the tiles per
-    split (FlashAttention's num_splits_heuristic)."""
+    `sms` the device's SMs, `slots` the CTAs of the kernel it holds at once, `fill_slots`
+    true for paged caches. No split when the CTAs already fill 80% of the SMs; else as many
+    splits as give each SM one CTA (contiguous: cp.async chunks stream best so) or fill every
+    slot (paged: bulk row copies want two CTAs per SM), at most 128 and the key tiles
+    (docs/benchmarks.md, Decode v3)."""
     if ctas <= 0 or key_tiles <= 1 or sms <= 0 or slots <= 0:
         return 1
     if ctas * 5 >= sms * 4:
         return 1
-    max_s = min(MAX_SPLITS, key_tiles, slots)
-
-    def eligible(s: int) -> bool:
-        return s == 1 or -(-key_tiles // s) != -(-key_tiles // (s - 1))
-
-    def efficiency(s: int) -> float:
-        waves = ctas * s / slots
-        return waves / math.ceil(waves)
-
-    effs = {s: efficiency(s) for s in range(1, max_s + 1) if eligible(s)}
-    best = max(effs.values())
-    return min(s for s, e in effs.items() if e >= 0.85 * best)
+    target = slots if fill_slots or slots < sms else sms
+    return max(1, min(target // ctas, key_tiles, MAX_SPLITS))
 
 
 def split_tiles(lo: int, hi: int, splits: int, split: int) -> tuple[int, int]:

@@ -31,6 +31,7 @@
 #include "frag.cuh"
 #include "mask.cuh"
 #include "schedule.cuh"
+#include "sm90.cuh"
 #include "softmax.cuh"
 #include "tile_io.cuh"
 #include "warp_mma.cuh"
@@ -50,6 +51,35 @@ struct DecIo {
 constexpr int kDecodeMaxQueries = 16;   // seqlen_q per sequence
 constexpr int kDecodeMaxSplits = 128;   // num_splits
 constexpr int kCombineThreads = 128;    // threads of a combine CTA
+
+// Paged K/V rows on sm_90 and later go by bulk copy (cp.async.bulk: one instruction per
+// 16-byte aligned row, completion counted in bytes on the slot's mbarrier); contiguous caches
+// and sm_80 builds use 16-byte cp.async chunks. Measured on the H200 (docs/benchmarks.md,
+// "Decode v3"): paged, the chunks (a block-table shuffle and checks per 16 bytes) streamed
+// 1.8-3.2 TB/s, the bulk rows 3.7-4.1 with two CTAs per SM; contiguous, the chunks with one
+// CTA per SM led (3.9-4.2 TB/s, and 1.2-1.4x at 4k-32k at batch 1), while bulk rows stall
+// near 2.4 TB/s with one CTA per SM (about 19 GB/s per CTA, whatever the stages).
+template <class C>
+__host__ __device__ constexpr bool decode_bulk_loads() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return C::kPaged;
+#else
+  return false;
+#endif
+}
+
+// `bytes` (a multiple of 16, both ends 16-byte aligned) from global to shared memory, counted
+// on `bar`'s transaction bytes (sm_90).
+__device__ __forceinline__ void bulk_load_row(void* smem, const void* gmem, uint32_t bytes,
+                                              uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(smem_addr(smem)),
+      "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+#endif
+}
 
 // S: the spec as named constants (templates/common/spec_struct.j2, plus kPaged).
 template <class S>
@@ -85,6 +115,7 @@ struct DecConfig : S {
   static_assert((kBlockN * kHeadDim / 8) % kThreads == 0,
                 "whole K/V tiles per load pass (the page shuffle needs converged warps)");
   static_assert(kBlockN / 16 <= 32, "page ids of a tile fit a warp");
+  static_assert((2 * kBlockN) % kThreads == 0, "bulk loads: whole K/V rows per thread");
   static_assert(S::kCausal != Causal::kTopLeft, "decode aligns causal masks bottom_right");
 };
 
@@ -96,6 +127,7 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
   Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
   Elem* sK = sQ + C::kBlockM * C::kStride;
   Elem* sV = sK + C::kStages * C::kBlockN * C::kStride;
+  __shared__ uint64_t full[C::kStages];  // bulk loads: K/V tile of each slot landed
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -149,51 +181,102 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
   const Elem* v_base = static_cast<const Elem*>(p.v) + hk * p.v_head_stride +
                        (C::kPaged ? 0 : b * p.v_batch_stride);
   const int page_shift = C::kPaged ? __ffsll(p.page_size) - 1 : 0;
-  const int64_t pages_per_tile = C::kPaged ? max(static_cast<int64_t>(C::kBlockN) >> page_shift,
-                                                 static_cast<int64_t>(1))
-                                           : 0;
   const int32_t* bt = C::kPaged ? p.block_table + b * p.block_table_stride : nullptr;
-  // Paged: the page of the tile `it` whose id this lane holds, and whether it holds one (the
-  // page has a key below sk; entries past the sequence's pages are never read).
-  auto lane_page = [&](int it, int64_t& page) -> bool {
-    page = ((sched.tile(it, io, false) * C::kBlockN) >> page_shift) + lane;
-    return it < n_iter && lane < pages_per_tile && (page << page_shift) < sk;
-  };
-  auto fetch_page_id = [&](int it) -> int32_t {  // issued a tile ahead; checked at use
-    int64_t page;
-    if (!C::kPaged || !lane_page(it, page)) return -1;
+  // Paged: the block-table entries of the split's pages [first_page, last_page] (those
+  // holding a key below sk) go through windows of 32 pages: lane l of every warp holds the
+  // entry of page first_page + 32 win + l in `ids_cur` and the next window's in `ids_nxt`,
+  // fetched when `win` is entered, so each entry is read once per CTA, 32 pages (8 tiles at
+  // page 16 and block_n 64, 32 or more at page >= block_n) before a load needs it. (Fetched
+  // one tile ahead instead, a dependent block-table read stood in front of every tile's
+  // loads and one CTA per SM streamed at 0.5-0.7x of a contiguous cache.) A tile's pages never
+  // straddle two windows: first_page is a multiple of the tile's pages (block_n / page_size,
+  // a power of two <= 32) when that is above 1.
+  const int64_t first_page = n_iter > 0 ? (sched.tile(0, io, false) * C::kBlockN) >> page_shift : 0;
+  const int64_t last_key =
+      n_iter > 0 ? min((sched.tile(n_iter - 1, io, false) + 1) * C::kBlockN, sk) - 1 : -1;
+  const int64_t last_page = C::kPaged && last_key >= 0 ? last_key >> page_shift : -1;
+  auto fetch_window = [&](int64_t w) -> int32_t {
+    const int64_t page = first_page + 32 * w + lane;
+    if (!C::kPaged || page > last_page) return -1;
     return load_index(bt + page, io, DecIo::kBlockTable, warp == 0);
   };
-  auto checked_page_id = [&](int it, int32_t id) -> int32_t {
-    int64_t page;
-    if (!C::kPaged || !lane_page(it, page)) return -1;
-    if (id < 0 || id >= p.num_pages) {  // never read out of bounds: zero rows, and say so
-      raise_error_flag(err, FG_DECODE_ERR_PAGE_ID);
-      return -1;
-    }
-    return id;
-  };
+  int64_t win = 0;
+  int32_t ids_cur = -1, ids_nxt = -1;
 
-  auto load_kv = [&](int it, int32_t ids) {
+  auto load_kv = [&](int it) {
     const int slot = it % C::kStages;
     const int64_t key0 = sched.tile(it, io, false) * C::kBlockN;
+    int64_t win_page0 = 0;  // the first page of the window holding this tile's pages
+    if (C::kPaged) {
+      const int64_t w = ((key0 >> page_shift) - first_page) >> 5;
+      if (w > win) {  // tiles go in order, at most one window further each
+        win = w;
+        ids_cur = ids_nxt;
+        ids_nxt = fetch_window(w + 1);
+      }
+      win_page0 = first_page + 32 * win;
+    }
     auto rows_of = [&](const Elem* base, int64_t row_stride, int64_t page_stride) {
       return [&, base, row_stride, page_stride](int r) -> const Elem* {
         if (C::kPaged) {
-          const int64_t in_page = (key0 & (p.page_size - 1)) + r;  // key0's page holds page 0
-          const int32_t id = __shfl_sync(0xffffffffu, ids, static_cast<int>(in_page >> page_shift));
-          if (key0 + r >= sk || id < 0) return nullptr;
-          return base + id * page_stride + (in_page & (p.page_size - 1)) * row_stride;
+          const int64_t key = key0 + r;
+          const int32_t id = __shfl_sync(0xffffffffu, ids_cur,
+                                         static_cast<int>((key >> page_shift) - win_page0));
+          if (key >= sk) return nullptr;
+          if (id < 0 || id >= p.num_pages) {  // never read out of bounds: zero rows, and say so
+            raise_error_flag(err, FG_DECODE_ERR_PAGE_ID);
+            return nullptr;
+          }
+          return base + id * page_stride + (key & (p.page_size - 1)) * row_stride;
         }
         return key0 + r < sk ? base + (key0 + r) * row_stride : nullptr;
       };
     };
-    load_rows_async<C::kBlockN, C::kHeadDim, C::kThreads, C::kStride>(
-        sK + slot * C::kBlockN * C::kStride, rows_of(k_base, p.k_row_stride, p.k_batch_stride),
-        k_base, io, DecIo::kK);
-    load_rows_async<C::kBlockN, C::kHeadDim, C::kThreads, C::kStride>(
-        sV + slot * C::kBlockN * C::kStride, rows_of(v_base, p.v_row_stride, p.v_batch_stride),
-        v_base, io, DecIo::kV);
+    if constexpr (decode_bulk_loads<C>()) {
+      // Thread i copies rows i, i + kThreads, ... of the 2 block_n rows (K's, then V's); each
+      // thread arrives on the slot's barrier (count kThreads) announcing its own bytes first,
+      // so the phase cannot end before every copy is announced. Rows past sk (or of a bad
+      // page) are zeroed by plain stores instead, which the per-tile __syncthreads publishes.
+      constexpr uint32_t kRowBytes = C::kHeadDim * sizeof(Elem);
+      constexpr int kPerThread = 2 * C::kBlockN / C::kThreads;
+      auto k_rows = rows_of(k_base, p.k_row_stride, p.k_batch_stride);
+      auto v_rows = rows_of(v_base, p.v_row_stride, p.v_batch_stride);
+      const Elem* src[kPerThread];
+      Elem* dst[kPerThread];
+      uint32_t bytes = 0;
+#pragma unroll
+      for (int j = 0; j < kPerThread; ++j) {
+        const int row = j * C::kThreads + tid;  // uniform per warp: K rows or V rows
+        const bool is_k = row < C::kBlockN;
+        const int r = is_k ? row : row - C::kBlockN;
+        src[j] = is_k ? k_rows(r) : v_rows(r);
+        dst[j] = (is_k ? sK : sV) + slot * C::kBlockN * C::kStride + r * C::kStride;
+        bytes += src[j] ? kRowBytes : 0;
+      }
+      sm90::mbar_arrive_expect_tx(&full[slot], bytes);
+#pragma unroll
+      for (int j = 0; j < kPerThread; ++j) {
+        const bool is_k = j * C::kThreads + tid < C::kBlockN;
+        if (src[j]) {
+          bulk_load_row(dst[j], src[j], kRowBytes, &full[slot]);
+          if (is_k)  // (a constant counter index each: a computed one puts the counters on the stack)
+            io.add(DecIo::kK, kRowBytes);
+          else
+            io.add(DecIo::kV, kRowBytes);
+        } else {
+#pragma unroll
+          for (int c = 0; c < C::kHeadDim; c += 8)
+            *reinterpret_cast<uint4*>(dst[j] + c) = make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+    } else {
+      load_rows_async<C::kBlockN, C::kHeadDim, C::kThreads, C::kStride>(
+          sK + slot * C::kBlockN * C::kStride, rows_of(k_base, p.k_row_stride, p.k_batch_stride),
+          k_base, io, DecIo::kK);
+      load_rows_async<C::kBlockN, C::kHeadDim, C::kThreads, C::kStride>(
+          sV + slot * C::kBlockN * C::kStride, rows_of(v_base, p.v_row_stride, p.v_batch_stride),
+          v_base, io, DecIo::kV);
+    }
   };
 
   // ---- per-warp state: the thread's two rows (g, g + 8) of the warp's m16 tile --------------
@@ -219,15 +302,25 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
   const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
 
   if (n_iter > 0) {
+    if constexpr (decode_bulk_loads<C>()) {
+      if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < C::kStages; ++s) sm90::mbar_init(&full[s], C::kThreads);
+        sm90::mbar_init_fence();
+      }
+      __syncthreads();
+    }
     load_rows_async<C::kBlockM, C::kHeadDim, C::kThreads, C::kStride>(sQ, q_row, q_base, io,
                                                                        DecIo::kQ);
     cp_async_commit();
-    int32_t ids_next = fetch_page_id(0);
+    if (C::kPaged) {
+      ids_cur = fetch_window(0);
+      ids_nxt = fetch_window(1);
+    }
 #pragma unroll
     for (int s = 0; s < C::kStages - 1; ++s) {
-      if (s < n_iter) load_kv(s, checked_page_id(s, ids_next));
+      if (s < n_iter) load_kv(s);
       cp_async_commit();
-      ids_next = fetch_page_id(s + 1);
     }
     cp_async_wait<C::kStages - 1>();  // the Q group
     __syncthreads();
@@ -242,12 +335,15 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
     for (int it = 0; it < n_iter; ++it) {
       // One barrier per tile (as the forward): tile `it` has landed and every warp is done
       // with tile it - 1, whose slot now takes tile it + kStages - 1.
-      cp_async_wait<C::kStages - 2>();
+      if constexpr (decode_bulk_loads<C>()) {
+        sm90::mbar_wait(&full[it % C::kStages], (it / C::kStages) & 1);
+      } else {
+        cp_async_wait<C::kStages - 2>();
+      }
       __syncthreads();
       const int next = it + C::kStages - 1;
-      if (next < n_iter) load_kv(next, checked_page_id(next, ids_next));
+      if (next < n_iter) load_kv(next);
       cp_async_commit();
-      ids_next = fetch_page_id(next + 1);
 
       const int slot = it % C::kStages;
       const int64_t n = sched.tile(it, io, false);
@@ -371,13 +467,19 @@ __device__ __forceinline__ void load_part8(const PartT* src, float (&v)[8], IoT&
 
 // merge_states: row (b, i, h) of O is sum_s exp(LSE_s - LSE) O_s with LSE = log sum_s
 // exp(LSE_s), parts with LSE_s = -inf skipped (their O is not read); no part: O = 0, LSE =
-// -inf. kCombineRowThreads threads share a row, 8 columns each, and walk the parts in chunks
-// of that many, each thread reading one LSE per chunk (an online max, as the softmax's).
+// -inf. kCombineRowThreads threads share a row, 8 columns each. The parts go in blocks of
+// 8 * kCombineRowThreads: each thread first reads 8 of the block's LSEs (independent loads),
+// the row's threads agree on the block's max by shuffles, then every thread walks the block's
+// parts 8 at a time, issuing the 8 parts' loads before using any of them. (The first version
+// walked the parts one at a time behind a data-dependent branch: one L2 round trip per part,
+// 10-19 us for 32 parts at batch 1 on the H200, longer than the split kernel itself.)
 template <class C, typename PartT>
 __device__ __forceinline__ void decode_combine_body(const fg_decode_params& p) {
   using Elem = typename C::Elem;
   using MmaT = Mma<Elem>;
   constexpr int kTpr = C::kCombineRowThreads;
+  constexpr int kBlock = 8 * kTpr;  // parts per block: 8 LSEs per thread
+  constexpr int kSub = kTpr < 8 ? kTpr : 8;  // parts whose loads go out together
   Io<C::kInstrumentIo, DecIo> io;
   const int tid = threadIdx.x, t = tid % kTpr, col = t * 8;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * C::kCombineRows + tid / kTpr;
@@ -392,32 +494,61 @@ __device__ __forceinline__ void decode_combine_body(const fg_decode_params& p) {
 
   float m = -INFINITY, l = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   float base = 0.f;
-  for (int64_t c0 = 0; c0 < p.num_parts; c0 += kTpr) {
-    const int64_t s = c0 + t;
-    float lse_s = -INFINITY;
-    if (active && s < p.num_parts)
-      lse_s = load_f32(lse_row + s * p.lse_parts_part_stride, io, DecIo::kLseParts);
-    float cmax = lse_s;
+  for (int64_t c0 = 0; c0 < p.num_parts; c0 += kBlock) {
+    // this thread holds the LSEs of the block's parts c0 + k kTpr + t, k = 0..7
+    float lse_r[8];
+    float bmax = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int64_t s = c0 + k * kTpr + t;
+      lse_r[k] = active && s < p.num_parts
+                     ? load_f32(lse_row + s * p.lse_parts_part_stride, io, DecIo::kLseParts)
+                     : -INFINITY;
+      bmax = fmaxf(bmax, lse_r[k]);
+    }
 #pragma unroll
     for (int off = kTpr / 2; off > 0; off >>= 1)
-      cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, off, kTpr));
-    const float m_new = fmaxf(m, cmax);
+      bmax = fmaxf(bmax, __shfl_xor_sync(0xffffffffu, bmax, off, kTpr));
+    const float m_new = fmaxf(m, bmax);
     base = m_new == -INFINITY ? 0.f : m_new;
     const float r = expf(m - base);  // 0 while nothing was seen (m = -inf)
     l *= r;
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] *= r;
-    const int jn = static_cast<int>(min(static_cast<int64_t>(kTpr), p.num_parts - c0));
-    for (int j = 0; j < jn; ++j) {
-      const float lse_j = __shfl_sync(0xffffffffu, lse_s, j, kTpr);
-      if (active && lse_j > -INFINITY) {  // an empty part (or a NaN) contributes nothing
-        const float w = expf(lse_j - base);
-        float v[8];
-        load_part8(o_row + (c0 + j) * p.o_parts_part_stride, v, io);
-        l += w;
+    const int64_t jn = min(static_cast<int64_t>(kBlock), p.num_parts - c0);
+    // Parts j = k kTpr + q kSub + u; only u is unrolled: kSub parts' loads in flight at a time
+    // (hoisting every part's loads took 255 registers and spilled). lse_r shifts down after
+    // each k, so lse_r[0] is always k's (no register indexed at run time, no stack).
+#pragma unroll 1
+    for (int k = 0; k < 8; ++k) {
+      if (k * kTpr >= jn) break;  // uniform: every thread of the grid has the same jn
+#pragma unroll 1
+      for (int q = 0; q < kTpr / kSub; ++q) {
+        const int j0 = k * kTpr + q * kSub;
+        if (j0 >= jn) break;
+        float w[kSub], v[kSub][8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] += w * v[e];
+        for (int u = 0; u < kSub; ++u) {
+          const float lse_j = __shfl_sync(0xffffffffu, lse_r[0], q * kSub + u, kTpr);
+          // an empty part (or a NaN, or one past num_parts) contributes nothing, unread
+          const bool use = active && j0 + u < jn && lse_j > -INFINITY;
+          w[u] = use ? expf(lse_j - base) : 0.f;
+          if (use) {
+            load_part8(o_row + (c0 + j0 + u) * p.o_parts_part_stride, v[u], io);
+          } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[u][e] = 0.f;
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kSub; ++u) {
+          l += w[u];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[e] += w[u] * v[u][e];
+        }
       }
+#pragma unroll
+      for (int x = 0; x < 7; ++x) lse_r[x] = lse_r[x + 1];
     }
     m = m_new;
   }

@@ -24,29 +24,23 @@ inline bool dec_aligned(const void* ptr, uintptr_t n) {
 inline int64_t dec_round256(int64_t n) { return (n + 255) / 256 * 256; }
 constexpr int64_t kDecodeErrorBytes = 256;
 
-// FlashAttention's split heuristic (flash_api.cpp, num_splits_heuristic), with the device's
-// resident CTAs as the wave size: no split when the CTAs already fill 80% of the SMs;
-// otherwise the fewest splits whose wave efficiency (CTAs / (slots * whole waves)) reaches 85%
-// of the best one up to min(128, key tiles, slots), counting only split counts that change
-// the tiles per split. generator/families/decode.py:num_splits mirrors it (tested).
-inline int64_t decode_num_splits(int64_t ctas, int64_t key_tiles, int64_t sms, int64_t slots) {
+// The split heuristic: no split when the CTAs already fill 80% of the SMs; otherwise as many
+// splits as give each SM one CTA (contiguous caches) or fill every resident slot (paged,
+// `fill_slots`), at most 128 and the key tiles. Measured on the H200 (docs/benchmarks.md,
+// "Decode v3"), batch 1, 8 KV heads: a contiguous cache's cp.async chunks stream best with one
+// CTA per SM (16 splits: 3.9 TB/s at 128k, 1.5 TB/s at 4k; 33 splits, two per SM: 3.8 and
+// 1.2; FlashAttention's wave-efficiency rule picked 29, 1.76 per SM: 3.5), a paged cache's
+// bulk row copies with two (33 splits: 3.7 TB/s at 128k; 16: 2.3).
+// generator/families/decode.py:num_splits mirrors it (tested).
+inline int64_t decode_num_splits(int64_t ctas, int64_t key_tiles, int64_t sms, int64_t slots,
+                                 bool fill_slots) {
   if (ctas <= 0 || key_tiles <= 1 || sms <= 0 || slots <= 0) return 1;
   if (ctas * 5 >= sms * 4) return 1;
-  int64_t max_s = key_tiles < slots ? key_tiles : slots;
-  if (max_s > 128) max_s = 128;
-  auto eligible = [&](int64_t s) {
-    return s == 1 || (key_tiles + s - 1) / s != (key_tiles + s - 2) / (s - 1);
-  };
-  auto efficiency = [&](int64_t s) {
-    const double waves = static_cast<double>(ctas * s) / static_cast<double>(slots);
-    return waves / ceil(waves);
-  };
-  double best = 0.0;
-  for (int64_t s = 1; s <= max_s; ++s)
-    if (eligible(s) && efficiency(s) > best) best = efficiency(s);
-  for (int64_t s = 1; s <= max_s; ++s)
-    if (eligible(s) && efficiency(s) >= 0.85 * best) return s;
-  return 1;
+  const int64_t target = fill_slots || slots < sms ? slots : sms;
+  int64_t s = target / ctas;
+  if (s > key_tiles) s = key_tiles;
+  if (s > 128) s = 128;
+  return s < 1 ? 1 : s;
 }
 
 template <class C>
@@ -67,7 +61,8 @@ int64_t decode_splits(const fg_decode_params& p, int64_t sms, int64_t slots) {
   const int64_t cap = decode_capacity<C>(p);
   const int64_t bound = p.max_seqlen_k > 0 && p.max_seqlen_k < cap ? p.max_seqlen_k : cap;
   const int64_t key_tiles = (bound + C::kBlockN - 1) / C::kBlockN;
-  return decode_num_splits(decode_row_tiles<C>(p) * p.kv_heads * p.batch, key_tiles, sms, slots);
+  return decode_num_splits(decode_row_tiles<C>(p) * p.kv_heads * p.batch, key_tiles, sms, slots,
+                           C::kPaged);
 }
 
 template <class C>

@@ -2,9 +2,9 @@
 // regenerate with: flashgen generate specs/decode.yaml
 // kernel: decode
 // head_dim: 128
-// dtype: bf16
+// dtype: fp16
 // mask:
-//   causal: bottom_right
+//   causal: none
 //   window: false
 //   varlen: false
 // gqa: true
@@ -30,16 +30,16 @@
 
 #include <cuda_runtime.h>
 
-#include "fa_dec_d128_bf16_causalbr_gqa_paged_m16n64w4s3_sm90_2bb49068.h"
+#include "fa_dec_d128_fp16_gqa_paged_m16n64w4s3_sm90_b16cad82.h"
 #include "include/flashgen/decode_kernel.cuh"
 #include "include/flashgen/decode_launch.cuh"
 
 namespace {
 struct Spec {
-  using Elem = __nv_bfloat16;
+  using Elem = __half;
   static constexpr int kHeadDim = 128, kBlockM = 16, kBlockN = 64;
   static constexpr int kWarps = 4, kStages = 3;
-  static constexpr fg::Causal kCausal = fg::Causal::kBottomRight;
+  static constexpr fg::Causal kCausal = fg::Causal::kNone;
   static constexpr bool kWindow = false, kVarlen = false, kGqa = true;
   static constexpr bool kDropout = false, kKeepMaskOut = false;
   static constexpr bool kSparse = false, kInstrumentIo = false;
@@ -52,17 +52,17 @@ constexpr int64_t kReferenceSms = 132;  // when no device answers
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(128, 1)
-fa_dec_d128_bf16_causalbr_gqa_paged_m16n64w4s3_sm90_2bb49068_kernel(const __grid_constant__ fg_decode_params params) {
+fa_dec_d128_fp16_gqa_paged_m16n64w4s3_sm90_b16cad82_kernel(const __grid_constant__ fg_decode_params params) {
   fg::decode_kernel_body<Cfg>(params);
 }
 
 extern "C" __global__ void __launch_bounds__(fg::kCombineThreads)
-fa_dec_d128_bf16_causalbr_gqa_paged_m16n64w4s3_sm90_2bb49068_combine(const __grid_constant__ fg_decode_params params) {
+fa_dec_d128_fp16_gqa_paged_m16n64w4s3_sm90_b16cad82_combine(const __grid_constant__ fg_decode_params params) {
   fg::decode_combine_body<Cfg, float>(params);
 }
 
 extern "C" __global__ void __launch_bounds__(fg::kCombineThreads)
-fa_dec_d128_bf16_causalbr_gqa_paged_m16n64w4s3_sm90_2bb49068_combine_elem(const __grid_constant__ fg_decode_params params) {
+fa_dec_d128_fp16_gqa_paged_m16n64w4s3_sm90_b16cad82_combine_elem(const __grid_constant__ fg_decode_params params) {
   fg::decode_combine_body<Cfg, Cfg::Elem>(params);
 }
 
@@ -74,7 +74,7 @@ cudaError_t opt_in_smem(int device) {
   const unsigned long long bit = device < 64 ? 1ull << device : 0ull;
   if (bit && (done.load() & bit)) return cudaSuccess;
   const cudaError_t err = cudaFuncSetAttribute(
-      fa_dec_d128_bf16_causalbr_gqa_paged_m16n64w4s3_sm90_2bb49068_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+      fa_dec_d128_fp16_gqa_paged_m16n64w4s3_sm90_b16cad82_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err == cudaSuccess && bit) done.fetch_or(bit);
   return err;
 }
@@ -99,7 +99,7 @@ void device_slots(int64_t& sms, int64_t& slots) {
     }
   }
   if (opt_in_smem(device) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fa_dec_d128_bf16_causalbr_gqa_paged_m16n64w4s3_sm90_2bb49068_kernel, Cfg::kThreads,
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fa_dec_d128_fp16_gqa_paged_m16n64w4s3_sm90_b16cad82_kernel, Cfg::kThreads,
                                                     Cfg::kSmemBytes) != cudaSuccess) {
     (void)cudaGetLastError();
     per_sm = 1;
@@ -117,21 +117,21 @@ int64_t resolved_splits(const fg_decode_params& p) {
 }
 }  // namespace
 
-extern "C" int64_t fa_dec_d128_bf16_causalbr_gqa_paged_m16n64w4s3_sm90_2bb49068_num_splits(const fg_decode_params* params) {
+extern "C" int64_t fa_dec_d128_fp16_gqa_paged_m16n64w4s3_sm90_b16cad82_num_splits(const fg_decode_params* params) {
   if (!params || params->batch < 0 || params->heads < 1 || params->kv_heads < 1 ||
       params->seqlen_q < 0 || params->num_splits < 0)
     return 0;
   return resolved_splits(*params);
 }
 
-extern "C" size_t fa_dec_d128_bf16_causalbr_gqa_paged_m16n64w4s3_sm90_2bb49068_workspace_bytes(const fg_decode_params* params) {
+extern "C" size_t fa_dec_d128_fp16_gqa_paged_m16n64w4s3_sm90_b16cad82_workspace_bytes(const fg_decode_params* params) {
   if (!params || params->batch < 0 || params->heads < 1 || params->kv_heads < 1 ||
       params->seqlen_q < 0 || params->num_splits < 0)
     return 0;
   return static_cast<size_t>(fg::decode_workspace_bytes<Cfg>(*params, resolved_splits(*params)));
 }
 
-extern "C" const char* fa_dec_d128_bf16_causalbr_gqa_paged_m16n64w4s3_sm90_2bb49068_check(const fg_decode_params* params) {
+extern "C" const char* fa_dec_d128_fp16_gqa_paged_m16n64w4s3_sm90_b16cad82_check(const fg_decode_params* params) {
   if (!params) return "params must be non-null";
   if (params->num_splits < 0 || params->num_splits > fg::kDecodeMaxSplits)
     return "num_splits must be 0 (the heuristic) or 1..128";
@@ -140,7 +140,7 @@ extern "C" const char* fa_dec_d128_bf16_causalbr_gqa_paged_m16n64w4s3_sm90_2bb49
   return fg::check_decode_params<Cfg>(*params, resolved_splits(*params));
 }
 
-extern "C" const char* fa_dec_d128_bf16_causalbr_gqa_paged_m16n64w4s3_sm90_2bb49068_merge_check(const fg_decode_params* params) {
+extern "C" const char* fa_dec_d128_fp16_gqa_paged_m16n64w4s3_sm90_b16cad82_merge_check(const fg_decode_params* params) {
   if (!params) return "params must be non-null";
   return fg::check_merge_params<Cfg>(*params);
 }
@@ -150,21 +150,21 @@ cudaError_t launch_combine(const fg_decode_params& p, cudaStream_t stream) {
   const int64_t grid = fg::combine_grid<Cfg>(p);
   if (grid == 0) return cudaSuccess;
   if (p.parts_dtype == 0)
-    fa_dec_d128_bf16_causalbr_gqa_paged_m16n64w4s3_sm90_2bb49068_combine<<<static_cast<unsigned>(grid), fg::kCombineThreads, 0, stream>>>(p);
+    fa_dec_d128_fp16_gqa_paged_m16n64w4s3_sm90_b16cad82_combine<<<static_cast<unsigned>(grid), fg::kCombineThreads, 0, stream>>>(p);
   else
-    fa_dec_d128_bf16_causalbr_gqa_paged_m16n64w4s3_sm90_2bb49068_combine_elem<<<static_cast<unsigned>(grid), fg::kCombineThreads, 0, stream>>>(p);
+    fa_dec_d128_fp16_gqa_paged_m16n64w4s3_sm90_b16cad82_combine_elem<<<static_cast<unsigned>(grid), fg::kCombineThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 }  // namespace
 
-extern "C" cudaError_t fa_dec_d128_bf16_causalbr_gqa_paged_m16n64w4s3_sm90_2bb49068_merge_states(const fg_decode_params* params,
+extern "C" cudaError_t fa_dec_d128_fp16_gqa_paged_m16n64w4s3_sm90_b16cad82_merge_states(const fg_decode_params* params,
                                                cudaStream_t stream) {
-  if (fa_dec_d128_bf16_causalbr_gqa_paged_m16n64w4s3_sm90_2bb49068_merge_check(params) != nullptr) return cudaErrorInvalidValue;
+  if (fa_dec_d128_fp16_gqa_paged_m16n64w4s3_sm90_b16cad82_merge_check(params) != nullptr) return cudaErrorInvalidValue;
   return launch_combine(*params, stream);
 }
 
-extern "C" cudaError_t fa_dec_d128_bf16_causalbr_gqa_paged_m16n64w4s3_sm90_2bb49068_launch(const fg_decode_params* params, cudaStream_t stream) {
-  if (fa_dec_d128_bf16_causalbr_gqa_paged_m16n64w4s3_sm90_2bb49068_check(params) != nullptr) return cudaErrorInvalidValue;
+extern "C" cudaError_t fa_dec_d128_fp16_gqa_paged_m16n64w4s3_sm90_b16cad82_launch(const fg_decode_params* params, cudaStream_t stream) {
+  if (fa_dec_d128_fp16_gqa_paged_m16n64w4s3_sm90_b16cad82_check(params) != nullptr) return cudaErrorInvalidValue;
   const int64_t splits = resolved_splits(*params);
   fg_decode_params p = *params;
   p.num_splits = splits;
@@ -175,7 +175,7 @@ extern "C" cudaError_t fa_dec_d128_bf16_causalbr_gqa_paged_m16n64w4s3_sm90_2bb49
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = opt_in_smem(device);
   if (err != cudaSuccess) return err;
-  fa_dec_d128_bf16_causalbr_gqa_paged_m16n64w4s3_sm90_2bb49068_kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  fa_dec_d128_fp16_gqa_paged_m16n64w4s3_sm90_b16cad82_kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   return splits > 1 ? launch_combine(p, stream) : cudaSuccess;
 }
