@@ -14,12 +14,20 @@ an ImportError saying how to install it.
 from importlib import import_module
 from typing import Any
 
-__all__ = ["UnsupportedCall", "flash_attn_func", "flash_attn_varlen_func"]
+__all__ = [
+    "UnsupportedCall",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
+    "merge_states",
+]
 
 _FROM = {
     "flash_attn_func": "flashgen.torch.interface",
     "flash_attn_varlen_func": "flashgen.torch.interface",
     "UnsupportedCall": "flashgen.torch.selection",
+    "flash_attn_with_kvcache": "flashgen.torch.kvcache",
+    "merge_states": "flashgen.torch.kvcache",
 }
 
 
@@ -27,7 +35,7 @@ def __getattr__(name: str) -> Any:
     module = _FROM.get(name)
     if module is None:
         raise AttributeError(f"module 'flashgen.torch' has no attribute {name!r}")
-    if module.endswith(".interface"):
+    if module.endswith((".interface", ".kvcache")):
         try:
             import torch  # noqa: F401
         except ImportError as e:
