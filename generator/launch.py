@@ -16,9 +16,12 @@ Loading a library and calling `check` need no GPU.
 from __future__ import annotations
 
 import ctypes
+import struct
+from collections.abc import Callable
 from functools import lru_cache
+from itertools import repeat
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from flashgen.generator.compile import library_path
 from flashgen.generator.families import Family, family
@@ -61,6 +64,40 @@ def params_struct(fam: Family) -> type[ctypes.Structure]:
     return type(fam.params_struct, (ctypes.Structure,), {"_fields_": fields})
 
 
+_U64_MASK = 2**64 - 1
+
+
+def _to_u64(v: Any) -> int:
+    return int(v) & _U64_MASK
+
+
+# How `pack` converts a value for a field of each C type (ptr and u64 wrap two's complement),
+# and the `struct` code of its 8 bytes.
+_CONVERT = {"ptr": _to_u64, "u64": _to_u64, "i64": int, "f64": float}
+_STRUCT_CODE = {"ptr": "Q", "u64": "Q", "i64": "q", "f64": "d"}
+
+
+class _Packing(NamedTuple):
+    """What `pack` needs of a family, built once: its field names (a set and in struct
+    order), each field's converter, and the struct's bytes as a `struct.Struct` (native byte
+    order, 8 bytes a field and no padding: the layout of `params_struct`)."""
+
+    known: frozenset[str]
+    names: tuple[str, ...]
+    fields: tuple[tuple[str, Callable[[Any], Any]], ...]
+    layout: struct.Struct
+
+
+@lru_cache(maxsize=None)
+def _packing(fam: Family) -> _Packing:
+    return _Packing(
+        frozenset(p.name for p in fam.params),
+        tuple(p.name for p in fam.params),
+        tuple((p.name, _CONVERT[p.ctype]) for p in fam.params),
+        struct.Struct("=" + "".join(_STRUCT_CODE[p.ctype] for p in fam.params)),
+    )
+
+
 class KernelLibrary:
     """One compiled kernel: `check(values)` and `launch(values, stream)`."""
 
@@ -75,37 +112,41 @@ class KernelLibrary:
             )
         self._lib = ctypes.CDLL(str(self.path.resolve()))
         self.Params = params_struct(self.family)
+        self._packing = _packing(self.family)
         ptr = ctypes.POINTER(self.Params)
         self._check = getattr(self._lib, f"{self.name}_check")
         self._check.argtypes, self._check.restype = [ptr], ctypes.c_char_p
         self._launch = getattr(self._lib, f"{self.name}_launch")
         self._launch.argtypes, self._launch.restype = [ptr, ctypes.c_void_p], ctypes.c_int
+        self._workspace = getattr(self._lib, f"{self.name}_workspace_bytes", None)
+        if self._workspace is not None:
+            self._workspace.argtypes, self._workspace.restype = [ptr], ctypes.c_size_t
 
     def workspace_bytes(self, values: dict[str, Any]) -> int:
         """Bytes of workspace the kernel needs for these parameters (`<name>_workspace_bytes`;
         0 for kernels that export none, such as the forward)."""
-        fn = getattr(self._lib, f"{self.name}_workspace_bytes", None)
-        if fn is None:
+        if self._workspace is None:
             return 0
-        fn.argtypes, fn.restype = [ctypes.POINTER(self.Params)], ctypes.c_size_t
-        return int(fn(ctypes.byref(self.pack(values))))
+        return int(self._workspace(ctypes.byref(self.pack(values))))
 
     def pack(self, values: dict[str, Any]) -> ctypes.Structure:
-        """The parameter struct; missing fields are 0, unknown ones a KeyError."""
-        known = {p.name for p in self.family.params}
-        unknown = set(values) - known
-        if unknown:
+        """The parameter struct; missing fields are 0, unknown ones a KeyError.
+
+        Fields take `int(v)` (ptr and u64 wrapped to 64 bits two's complement) or `float(v)`
+        (f64). Fast path: `struct` packs the values as they are when each already is what
+        its field stores (an integer in the field's range, a number for f64), which then
+        equals that conversion; anything else (a float for an int field, a negative
+        pointer, ...) takes the field-by-field conversion."""
+        known, names, fields, layout = self._packing
+        if not values.keys() <= known:
+            unknown = set(values) - known
             raise KeyError(f"unknown {self.family.params_struct} fields: {sorted(unknown)}")
-        p = self.Params()
-        for f in self.family.params:
-            v = values.get(f.name, 0)
-            if f.ctype == "f64":
-                setattr(p, f.name, float(v))
-            elif f.ctype in ("ptr", "u64"):
-                setattr(p, f.name, int(v) & (2**64 - 1))
-            else:
-                setattr(p, f.name, int(v))
-        return p
+        try:
+            packed = layout.pack(*map(values.get, names, repeat(0)))
+        except Exception:  # noqa: BLE001 - the conversions below raise what applies
+            get = values.get
+            return self.Params(*[convert(get(name, 0)) for name, convert in fields])
+        return self.Params.from_buffer_copy(packed)
 
     def check(self, values: dict[str, Any]) -> str | None:
         """None when the launcher accepts the parameters, else its message."""

@@ -39,11 +39,17 @@ def _attention(
         and (q.requires_grad or k.requires_grad or v.requires_grad)
     ):
         # Refuse an unsupported backward before the forward runs (and perhaps compiles);
-        # under torch.compile the op's autograd set-up does the same at trace time.
-        ops.check_backward(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-            causal, window_left, window_right, deterministic,
-        )  # fmt: skip
+        # under torch.compile the op's autograd set-up does the same at trace time. A call
+        # of a kind check_backward accepted before skips it: the forward then refuses
+        # anything it would have refused, with the same message (ops._backward_known; a
+        # float softmax_scale: float() below cannot raise first).
+        rest = (dropout_p, causal, window_left, window_right, deterministic)
+        if type(softmax_scale) is not float or not ops._backward_known(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, *rest
+        ):
+            ops.check_backward(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *rest
+            )
     out, lse, _, _ = torch.ops.flashgen.fwd.default(
         q,
         k,

@@ -43,9 +43,13 @@ PHILOX_OFFSET_STEP = 4
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def _meta(t: Tensor) -> TensorMeta:
+def _meta(t: Tensor, device: Optional[torch.device] = None) -> TensorMeta:
+    """`device`: t.device, when the caller has it already."""
     return TensorMeta(
-        tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."), t.device.type
+        tuple(t.shape),
+        tuple(t.stride()),
+        str(t.dtype).removeprefix("torch."),
+        (t.device if device is None else device).type,
     )
 
 
@@ -58,6 +62,12 @@ def _device_index(t: Tensor) -> int:
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
+# Dense problems `_problem` accepted, by the layouts of their tensors: shape, strides, dtype
+# and device of each (all that check_problem and the device check read of a dense call; its
+# max_seqlen arguments are unused). Bounded like _CALLS (below).
+_PROBLEMS: dict[tuple, Problem] = {}
+
+
 def _problem(
     q: Tensor,
     k: Tensor,
@@ -68,21 +78,80 @@ def _problem(
     max_seqlen_k: int,
     extra: tuple = (),
 ) -> Problem:
+    """The checked Problem of a call (see selection.check_problem), all tensors on one
+    device. Dense calls of plain torch.Tensors are memoised (only accepted ones: a refused
+    call is refused anew each time); varlen calls, whose max_seqlen change from batch to
+    batch, and fake or other subclassed tensors take the full check every time."""
+    key = None
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        key = _layouts(q, k, v, extra)
+        pb = _PROBLEMS.get(key) if key is not None else None
+        if pb is not None:
+            return pb
+    pb = _check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, extra)
+    if key is not None:
+        if len(_PROBLEMS) >= _CACHE_LIMIT:
+            _PROBLEMS.clear()
+        _PROBLEMS[key] = pb
+    return pb
+
+
+def _layouts(q: Tensor, k: Tensor, v: Tensor, extra: tuple) -> Optional[tuple]:
+    """`_PROBLEMS`' key of a dense call; None unless every tensor is a plain torch.Tensor."""
+    T = Tensor
+    if type(q) is not T or type(k) is not T or type(v) is not T:
+        return None
+    key = (
+        q.shape, q.stride(), q.dtype, q.device,
+        k.shape, k.stride(), k.dtype, k.device,
+        v.shape, v.stride(), v.dtype, v.device,
+    )  # fmt: skip
+    for name, t, like in extra:
+        if type(t) is not T:
+            return None
+        key += (name, like, t.shape, t.stride(), t.dtype, t.device)
+    return key
+
+
+def _check_problem(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    extra: tuple = (),
+) -> Problem:
+    dev_q, dev_k, dev_v = q.device, k.device, v.device
     pb = selection.check_problem(
-        _meta(q),
-        _meta(k),
-        _meta(v),
+        _meta(q, dev_q),
+        _meta(k, dev_k),
+        _meta(v, dev_v),
         cu_seqlens_q=None if cu_seqlens_q is None else _meta(cu_seqlens_q),
         cu_seqlens_k=None if cu_seqlens_k is None else _meta(cu_seqlens_k),
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
         extra=tuple((name, _meta(t), like) for name, t, like in extra),
     )
+    if (
+        cu_seqlens_q is None
+        and cu_seqlens_k is None
+        and dev_q == dev_k == dev_v
+        and all(t.device == dev_q for _, t, _ in extra)
+    ):
+        return pb  # a dense call on one device: what the set below finds, without building it
     devices = {t.device for t in (q, k, v, cu_seqlens_q, cu_seqlens_k) if t is not None}
     devices |= {t.device for _, t, _ in extra}
     if len(devices) > 1:
         raise UnsupportedCall(f"all tensors must be on one device, got {sorted(map(str, devices))}")
     return pb
+
+
+# `_call`'s results by everything they are derived from (see `_call`); bounded: cleared when
+# full (a process sees a handful of distinct calls).
+_CALLS: dict[tuple, tuple[AttentionCall, tuple[int, int]]] = {}
+_CACHE_LIMIT = 1024
 
 
 def _call(
@@ -94,9 +163,42 @@ def _call(
     window_right: int,
     deterministic: bool,
 ) -> tuple[AttentionCall, tuple[int, int]]:
-    """The call's kernel-selecting features and its runtime window."""
+    """The call's kernel-selecting features and its runtime window.
+
+    Memoised on the raw arguments it reads (equal keys give equal results; only successes
+    are kept, so a refused call is refused anew each time with the same message). Symbolic
+    sizes (torch.compile with dynamic shapes) are unhashable and take the uncached path."""
     if not (0.0 <= dropout_p < 1.0):  # also refuses NaN
         raise UnsupportedCall(f"dropout_p must be in [0, 1), got {dropout_p}")
+    args = (q, pb, dropout_p, causal, window_left, window_right, deterministic)
+    index = q.device.index
+    # Uncached: a device without an index (the capability would be the current device's,
+    # which may change) or a symbolic dropout_p (hashing a SymFloat would specialise it).
+    if index is None or type(dropout_p) is not float:
+        return _make_call(*args)
+    key = (pb.dtype, pb.head_dim, pb.heads, pb.kv_heads, pb.varlen, index, dropout_p, causal,
+           window_left, window_right, deterministic)  # fmt: skip
+    try:
+        hit = _CALLS.get(key)
+    except TypeError:  # a SymInt size or an unhashable argument
+        return _make_call(*args)
+    if hit is None:
+        hit = _make_call(*args)
+        if len(_CALLS) >= _CACHE_LIMIT:
+            _CALLS.clear()
+        _CALLS[key] = hit
+    return hit
+
+
+def _make_call(
+    q: Tensor,
+    pb: Problem,
+    dropout_p: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    deterministic: bool,
+) -> tuple[AttentionCall, tuple[int, int]]:
     mask_causal, window, runtime_window = selection.resolve_mask(
         bool(causal), (window_left, window_right)
     )
@@ -128,16 +230,20 @@ def _check_aligned(**tensors: Tensor) -> None:
             )
 
 
+_STRIDE_NAMES = {
+    prefix: (f"{prefix}_batch_stride", f"{prefix}_row_stride", f"{prefix}_head_stride")
+    for prefix in ("q", "k", "v", "o", "do", "dq", "dk", "dv")
+}
+
+
 def _strides(prefix: str, t: Tensor, varlen: bool) -> dict[str, int]:
     """`<prefix>_batch_stride`, `_row_stride`, `_head_stride` of a (b, s, h, d) or packed
     (total, h, d) tensor (varlen rows are packed positions: no batch stride)."""
     s = t.stride()
-    batch, row, head = (0, s[0], s[1]) if varlen else (s[0], s[1], s[2])
-    return {
-        f"{prefix}_batch_stride": batch,
-        f"{prefix}_row_stride": row,
-        f"{prefix}_head_stride": head,
-    }
+    batch, row, head = _STRIDE_NAMES[prefix]
+    if varlen:
+        return {batch: 0, row: s[0], head: s[1]}
+    return {batch: s[0], row: s[1], head: s[2]}
 
 
 def _lse_shape(q: Tensor, pb: Problem) -> tuple[int, ...]:
@@ -152,9 +258,11 @@ def _lse_strides(lse: Tensor, varlen: bool) -> dict[str, int]:
 
 
 def _scalar(value: int) -> Tensor:
-    """A 0-dim int64 CPU tensor holding a uint64 (two's complement)."""
+    """A 0-dim int64 CPU tensor holding a uint64 (two's complement): a new one per call.
+    (`torch.scalar_tensor` makes what `torch.tensor(value, dtype=torch.int64)` does, on the
+    default device as well, without parsing Python data; int64 Scalars fill exactly.)"""
     value &= 2**64 - 1
-    return torch.tensor(value - 2**64 if value >= 2**63 else value, dtype=torch.int64)
+    return torch.scalar_tensor(value - 2**64 if value >= 2**63 else value, dtype=torch.int64)
 
 
 def _u64(t: Tensor) -> int:
@@ -179,6 +287,19 @@ def philox_state(device: torch.device, dropout_p: float) -> tuple[int, int]:
     seed, offset = int(gen.initial_seed()), int(gen.get_offset())
     gen.set_offset(offset + PHILOX_OFFSET_STEP)
     return seed, offset
+
+
+# The current stream's cudaStream_t of a device index, as an int, without building a
+# torch.cuda.Stream (what torch.cuda.current_stream(device).cuda_stream returns); absent
+# from torch builds without CUDA, where the public call serves.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream(device: torch.device) -> int:
+    """`torch.cuda.current_stream(device).cuda_stream`."""
+    if _raw_stream is not None and device.index is not None:
+        return _raw_stream(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 class _OnDevice:
@@ -230,20 +351,23 @@ def fwd(
     call, (win_l, win_r) = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic)
     _check_scale(softmax_scale)
     lib = cache.kernel_library(selection.forward_spec(call))
-    seed, offset = philox_state(q.device, dropout_p)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(_lse_shape(q, pb), dtype=torch.float32, device=q.device)
+    device = q.device
+    seed, offset = philox_state(device, dropout_p)
+    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    lse = torch.empty(_lse_shape(q, pb), dtype=torch.float32, device=device)
     if q.numel() == 0:
         return out, lse, _scalar(seed), _scalar(offset)
     if k.numel() == 0:  # no key anywhere: every row is empty (O = 0, LSE = -inf)
         out.zero_()
         lse.fill_(-math.inf)
         return out, lse, _scalar(seed), _scalar(offset)
-    _check_aligned(q=q, k=k, v=v)
+    q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    if (q_ptr | k_ptr | v_ptr) % 16:  # all aligned: nothing for _check_aligned to refuse
+        _check_aligned(q=q, k=k, v=v)
     params = {
-        "q": q.data_ptr(),
-        "k": k.data_ptr(),
-        "v": v.data_ptr(),
+        "q": q_ptr,
+        "k": k_ptr,
+        "v": v_ptr,
         "o": out.data_ptr(),
         "lse": lse.data_ptr(),
         **_strides("q", q, pb.varlen),
@@ -269,8 +393,8 @@ def fwd(
         "offset": offset,
         "blk_layout_heads": 1,
     }
-    with _OnDevice(q.device):
-        lib.launch(params, torch.cuda.current_stream(q.device).cuda_stream)
+    with _OnDevice(device):
+        lib.launch(params, _stream(device))
     return out, lse, _scalar(seed), _scalar(offset)
 
 
@@ -341,13 +465,15 @@ def bwd(
     dq, dk, dv = _bwd_outputs(q, k, v)
     if q.numel() == 0 or k.numel() == 0:  # nothing visible anywhere: every gradient is 0
         return dq.zero_(), dk.zero_(), dv.zero_()
-    _check_aligned(q=q, k=k, v=v, out=out, dout=dout)
+    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr = (t.data_ptr() for t in (q, k, v, out, dout))
+    if (q_ptr | k_ptr | v_ptr | o_ptr | do_ptr) % 16:  # else nothing for _check_aligned to refuse
+        _check_aligned(q=q, k=k, v=v, out=out, dout=dout)
     params = {
-        "q": q.data_ptr(),
-        "k": k.data_ptr(),
-        "v": v.data_ptr(),
-        "o": out.data_ptr(),
-        "dout": dout.data_ptr(),
+        "q": q_ptr,
+        "k": k_ptr,
+        "v": v_ptr,
+        "o": o_ptr,
+        "dout": do_ptr,
         "lse": lse.data_ptr(),
         "dq": dq.data_ptr(),
         "dk": dk.data_ptr(),
@@ -400,7 +526,7 @@ def bwd(
     if spec.deterministic:
         params["dq_sem"] = base + carve["dq_sem"]
     with _OnDevice(q.device):
-        lib.launch(params, torch.cuda.current_stream(q.device).cuda_stream)
+        lib.launch(params, _stream(q.device))
     return dq, dk, dv
 
 
@@ -424,6 +550,49 @@ def _bwd_fake(
 # --------------------------------------------------------------------------------------------
 
 
+# check_backward's accepted calls, by `_backward_key` (bounded like _CALLS).
+_BACKWARD_OK: set[tuple] = set()
+_PLAIN = (bool, int, float)
+
+
+def _backward_key(q, k, v, cu_q, cu_k, dropout_p, causal, window_left, window_right,
+                  deterministic) -> Optional[tuple]:  # fmt: skip
+    """What decides check_backward's verdict on a call whose tensors `_problem` accepts: q's
+    dtype, head_dim and heads, k's heads, which cu_seqlens are given, q's device and the
+    dropout, mask and deterministic arguments as given (with those, `_problem` derives the
+    Problem fields that `_call` reads). None unless all tensors are plain torch.Tensors (fake,
+    functional and other subclasses take the full check) and the other arguments plain bool,
+    int or float (equal values then convert and check alike). May raise TypeError."""
+    T = Tensor
+    if type(q) is not T or type(k) is not T or type(v) is not T:
+        return None
+    for x in (dropout_p, causal, window_left, window_right, deterministic):
+        if type(x) not in _PLAIN:
+            return None
+    if (cu_q is not None and type(cu_q) is not T) or (cu_k is not None and type(cu_k) is not T):
+        return None
+    sq, sk = q.shape, k.shape
+    if len(sq) < 2 or len(sk) < 2:
+        return None
+    key = (q.dtype, sq[-1], sq[-2], sk[-2], cu_q is None, cu_k is None, q.device, dropout_p,
+           causal, window_left, window_right, deterministic)  # fmt: skip
+    hash(key)
+    return key
+
+
+def _backward_known(q, k, v, cu_q, cu_k, dropout_p, causal, window_left, window_right,
+                    deterministic) -> bool:  # fmt: skip
+    """True when check_backward accepted a call of the same `_backward_key` before: then
+    check_backward on these arguments either passes or fails in `_problem` or `_call`,
+    which the forward runs first on the same arguments, with the same message."""
+    try:
+        key = _backward_key(q, k, v, cu_q, cu_k, dropout_p, causal, window_left, window_right,
+                            deterministic)  # fmt: skip
+    except TypeError:
+        return False
+    return key is not None and key in _BACKWARD_OK
+
+
 def check_backward(
     q: Tensor,
     k: Tensor,
@@ -443,12 +612,24 @@ def check_backward(
     pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     call, _ = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic)
     selection.backward_spec(call)
+    try:
+        key = _backward_key(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, causal,
+                            window_left, window_right, deterministic)  # fmt: skip
+    except TypeError:
+        return
+    if key is not None:
+        if len(_BACKWARD_OK) >= _CACHE_LIMIT:
+            _BACKWARD_OK.clear()
+        _BACKWARD_OK.add(key)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     (q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, win_l, win_r, det) = inputs
     out, lse, seed, offset = output
-    check_backward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, win_l, win_r, det)
+    # The forward accepted these tensors (_problem), so a call known to check_backward
+    # passes it: only the first call of its kind pays for the check.
+    if not _backward_known(q, k, v, cu_q, cu_k, dropout_p, causal, win_l, win_r, det):
+        check_backward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, win_l, win_r, det)
     ctx.save_for_backward(q, k, v, out, lse, seed, offset, cu_q, cu_k)
     ctx.attrs = (max_q, max_k, dropout_p, scale, causal, win_l, win_r, det)
     # The LSE is an output for inspection and merging, not a differentiable one (as in
