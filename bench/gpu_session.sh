@@ -16,12 +16,15 @@
 #   bench lane, stages BENCH (default "fwd ab bwd det"):
 #     fwd       forward vs SDPA's backends and FlexAttention   -> fwd_h200.json
 #     fwd90a    the sm_90a (wgmma) forward vs SDPA's backends   -> fwd_sm90a_h200.json
+#     ablation  the sm_90a forward without each feature (FA3 Table 2) -> fwd_sm90a_ablation_h200.json
+#     prof90a   Nsight Compute, the d128 sm_90a forward and cuDNN's, 8k -> ncu_fwd90a.txt
 #     ab        this forward vs BASELINE (an earlier generated/) -> fwd_ab.json
 #     bwd       sm_90a backward and fwd+bwd (wgmma) vs SDPA    -> bwd_h200.json
 #     bwd90     mma.sync (sm_90) backward and fwd+bwd vs SDPA   -> bwd_sm90_h200.json
 #     det       deterministic backward                         -> bwd_det_h200.json
 #     decode    decode / paged KV cache vs copy and SDPA        -> decode_h200.json
 #     train     examples/train_gpt.py, flashgen vs SDPA         -> train_h200.json
+#     torchov   host time per call of the torch op vs SDPA      -> torch_overhead_h200.json
 #     hbm       Nsight DRAM bytes, forward+backward, GPT-2-medium -> hbm_fwdbwd_h200.json
 set -u
 out=${RESULTS:-bench/results/session}
@@ -66,9 +69,29 @@ stage_fwd() {
     > "$out/bench_fwd.txt" 2>&1
 }
 stage_fwd90a() {
-  t 150 python3 -m flashgen.bench.fwd_bench --specs specs/fwd_sm90a.yaml \
+  t 200 python3 -m flashgen.bench.fwd_bench --specs specs/fwd_sm90a.yaml --head-dims 64 128 256 \
     --seqlens 1024 4096 8192 16384 --no-flex --check --out "$out/fwd_sm90a_h200.json" \
     > "$out/bench_fwd90a.txt" 2>&1
+}
+stage_ablation() {
+  t 240 python3 -m flashgen.bench.ablation_bench --out "$out/fwd_sm90a_ablation_h200.json" \
+    > "$out/bench_ablation.txt" 2>&1
+}
+stage_prof90a() {  # one launch each: flashgen's d128 auto tile (non-causal), then cuDNN's
+  local args="--specs specs/fwd_sm90a.yaml --head-dims 128 --seqlens 8192 --no-flex"
+  t 120 ncu --clock-control none --set full -k regex:fa_fwd_d128_bf16_m128 --launch-skip 3 \
+    --launch-count 1 -f -o "$out/ncu_fwd90a" python3 -m flashgen.bench.fwd_bench $args \
+    --backends > "$out/ncu_fwd90a_run.txt" 2>&1
+  t 120 ncu --clock-control none --set full -k regex:fprop --launch-skip 3 --launch-count 1 \
+    -f -o "$out/ncu_cudnn" python3 -m flashgen.bench.fwd_bench $args --backends CUDNN \
+    > "$out/ncu_cudnn_run.txt" 2>&1
+  for r in ncu_fwd90a ncu_cudnn; do
+    ncu -i "$out/$r.ncu-rep" --page details > "$out/$r.txt" 2>&1
+  done
+}
+stage_torchov() {
+  t 120 python3 -m flashgen.bench.torch_overhead --out "$out/torch_overhead_h200.json" \
+    > "$out/bench_torchov.txt" 2>&1
 }
 stage_ab() {
   [ -n "${BASELINE:-}" ] || return 0
