@@ -222,7 +222,10 @@ class KvProblem(NamedTuple):
 
 def used_strides(t: TensorMeta) -> tuple[int, ...]:
     """t's strides with those of size-1 dimensions set to 0 (never multiplied by a non-zero
-    index, so any value is as good, and 0 passes the kernels' multiple-of-8 rule)."""
+    index, so any value is as good, and 0 passes the kernels' multiple-of-8 rule); all 0 for
+    a tensor without elements (nothing is read; torch gives such views arbitrary strides)."""
+    if 0 in t.shape:
+        return (0,) * len(t.shape)
     return tuple(0 if n == 1 else s for n, s in zip(t.shape, t.stride))
 
 
@@ -231,7 +234,7 @@ def _check_layout(name: str, t: TensorMeta, layout: str) -> None:
         raise UnsupportedCall(
             f"{name} has {len(t.shape)} dimensions {tuple(t.shape)}; it must be {layout}"
         )
-    if t.stride[-1] != 1:
+    if t.stride[-1] != 1 and 0 not in t.shape:
         raise UnsupportedCall(
             f"{name}'s last dimension (head_dim) has stride {t.stride[-1]}; it must be "
             "contiguous (stride 1): pass .contiguous()"
