@@ -20,7 +20,18 @@ RES = REPO / "bench/results"
 # intra-warpgroup overlap, shipped as the dense twin of the dropout kernels); the headline
 # rows are the auto tiles (m128n128w8s3 at d = 128, m192n128w12s3 at d = 64).
 PLAIN_SM90A = "m128n128w8s2"
+ABLATION_ORDER = ("full", "no_pingpong", "no_overlap", "no_setmaxnreg", "stages2", "stages1", "sdpa_cudnn")
+ABLATION_NAMES = {
+    "full": "full (3 stages)",
+    "no_pingpong": "no ping-pong",
+    "no_overlap": "no intra-WG overlap",
+    "no_setmaxnreg": "no setmaxnreg",
+    "stages2": "2 stages",
+    "stages1": "1 stage",
+    "sdpa_cudnn": "SDPA CUDNN",
+}
 BAR_SEQLENS = (4096, 8192, 16384)  # the sm_90a bar: >= 1.0x SDPA CUDNN at these seqlens
+D256_BAR = 1.5  # ... and at d = 256: >= 1.5x SDPA FLASH
 DECODE_BAR_CONTEXT = 16384  # decode bar: >= 80% of the copy from this context up
 # (source JSON, destination, plot.py's `what`, plot.py's --exclude)
 PLOTS = (
@@ -99,13 +110,60 @@ def _fwd_table(rows, cols, ratios) -> list[str]:
     return out
 
 
+def _d256_text(bar256: list, met256: list) -> str:
+    if not bar256:
+        return ""
+    return (
+        f"\nAt d = 256 the bar is >= {D256_BAR}x SDPA FLASH (FlashAttention-2), seqlen 4k-16k, causal "
+        f"and not: **{len(met256)} of {len(bar256)} cells meet it** "
+        f"({_rng([r['ratio']['FLASH'] for r in bar256])}; against cuDNN "
+        f"{_rng([r['ratio']['CUDNN'] for r in bar256])}).\n"
+    )
+
+
+def _ablation_text() -> str:
+    """FA3's Table 2 for this kernel: bench/ablation_bench.py's JSON, when committed."""
+    path = RES / "fwd_sm90a_ablation_h200.json"
+    if not path.is_file():
+        return ""
+    data = json.loads(path.read_text())
+    rows = data["rows"] if isinstance(data, dict) else data
+    variants = [v for v in ABLATION_ORDER if any(r["variant"] == v for r in rows)]
+    cases = sorted({(r["head_dim"], r["causal"], r["seqlen"]) for r in rows})
+    by = {(r["head_dim"], r["causal"], r["seqlen"], r["variant"]): r["tflops"] for r in rows}
+    lines = [
+        "| d | causal | seqlen | " + " | ".join(ABLATION_NAMES[v] for v in variants) + " |",
+        "|---|---|---|" + "---|" * len(variants),
+    ]
+    for d, c, n in cases:
+        full = by.get((d, c, n, "full"))
+        cells = []
+        for v in variants:
+            t = by.get((d, c, n, v))
+            rel = f" ({t / full:.2f})" if t and full and v not in ("full", "sdpa_cudnn") else ""
+            cells.append(f"{_f(t)}{rel}")
+        lines.append(f"| {d} | {_yn(c)} | {n} | " + " | ".join(cells) + " |")
+    return f"""
+Ablation (FlashAttention-3's Table 2 for this kernel; TFLOP/s, in parentheses the fraction of the
+full kernel; one run, same inputs; `python -m flashgen.bench.ablation_bench`, the shipped auto
+tile built with one feature switched off at a time: `FG_SM90_ABLATE_*` in `fwd_sm90_kernel.cuh`,
+or fewer K/V stages through the tile; "no setmaxnreg" keeps the producer warpgroup but gives up
+the register reallocation, so it spills and is not a no-warp-specialisation kernel):
+
+{chr(10).join(lines)}
+"""
+
+
 def sm90a() -> tuple[str, dict]:
     data = _load("fwd_sm90a_h200.json")
     auto = [r for r in data["rows"] if PLAIN_SM90A not in r["kernel"]]
     plain = [r for r in data["rows"] if PLAIN_SM90A in r["kernel"]]
     keys = [(r["d"], r["causal"], r["seqlen"]) for r in auto]
     assert len(keys) == len(set(keys)), "one auto-tile row per (d, causal, seqlen)"
-    bar = [r for r in auto if r["seqlen"] in BAR_SEQLENS]
+    bar = [r for r in auto if r["seqlen"] in BAR_SEQLENS and r["d"] in (64, 128)]
+    # d = 256 has its own bar: >= 1.5x SDPA FLASH (FlashAttention-2) at the same seqlens
+    bar256 = [r for r in auto if r["seqlen"] in BAR_SEQLENS and r["d"] == 256]
+    met256 = [r for r in bar256 if r["ratio"]["FLASH"] >= D256_BAR]
     met = [r for r in bar if r["ratio"]["CUDNN"] >= 1.0]
     missed = [r for r in bar if r["ratio"]["CUDNN"] < 1.0]
 
@@ -131,7 +189,7 @@ batch x seqlen = 16k tokens, hidden 2048 (heads = 2048 / d), TFLOP/s = 4*b*h*n^2
 causal) / median time (`triton.testing.do_bench`), every backend side by side in one run on
 one {_env(data["environment"])}. Reproduce: {_stage("fwd90a")} {REPRO}.
 Kernels: {", ".join(f"`{k}`" for k in kernels)} (the auto tiles: m192n128, three warpgroups, at
-d = 64; m128n128 at d = 128; three stages).
+d = 64; m128n128 at d = 128; three stages; m128n64, two stages, at d = 256).
 
 ![Hopper forward TFLOP/s](docs/fwd_sm90a_h200.png)
 
@@ -144,7 +202,8 @@ At d = 128 flashgen runs at {_rng([r["ratio"]["CUDNN"] for r in d128])} of cuDNN
 {_rng([r["ratio"]["CUDNN"] for r in d64])}; against FlashAttention-2 (SDPA FLASH) it is
 {_rng([r["ratio"]["FLASH"] for r in bar])} faster over the same cells. The largest absolute
 difference of O from SDPA FLASH's is {max(r["max_abs_diff_vs_flash"] for r in auto):.4f} (`--check`).
-
+{_d256_text(bar256, met256)}
+{_ablation_text()}
 Plain loop (no overlap): the JSON also times `m128n128w8s2` at d = 128 non-causal, the same
 kernel without the intra-warpgroup pipelining and ping-pong (2 stages), shipped only as the dense twin of the
 d = 128 dropout kernels; it is not the default tile and is left out of the table and plot above.
@@ -158,6 +217,9 @@ History of this family (v1-v3, what each step gained): `docs/benchmarks.md`, "Ho
     summary = {
         "cudnn": [r["ratio"]["CUDNN"] for r in bar],
         "flash": [r["ratio"]["FLASH"] for r in bar],
+        "flash256": [r["ratio"]["FLASH"] for r in bar256],
+        "met256": len(met256),
+        "n256": len(bar256),
         "met": len(met),
         "n": len(bar),
         "met_cells": ", ".join(cell(r).split(":")[0] for r in met),
@@ -576,6 +638,7 @@ def section() -> str:
 |---|---|---|---|---|
 | forward, Hopper (sm_90a) | flashgen / SDPA CUDNN, d 64 and 128, seqlen 4k-16k, causal and not | {_rng(s90["cudnn"])} | >= 1.0x in all {s90["n"]} cells | **{"yes" if s90["met"] == s90["n"] else "no"}**: {s90["met"]} of {s90["n"]} ({s90["met_cells"] or "none"}) |
 | forward, Hopper (sm_90a) | flashgen / SDPA FLASH, same cells | {_rng(s90["flash"])} | - | - |
+| forward, Hopper (sm_90a) | flashgen / SDPA FLASH, d 256, seqlen 4k-16k, causal and not | {_rng(s90["flash256"])} | >= {D256_BAR}x in all {s90["n256"]} cells | **{"yes" if s90["n256"] and s90["met256"] == s90["n256"] else "no"}**: {s90["met256"]} of {s90["n256"]} |
 | forward, portable (mma.sync) | flashgen / SDPA FLASH, seqlen 4k-16k | d 64: {_rng(spo["d64"])}, d 128: {_rng(spo["d128"])} | - (FA2 is the reference) | - |
 | backward v3 (sm_90a) | flashgen / SDPA FLASH, seqlen 4k-16k | {", ".join(f"d {d}: {_rng(v)}" for d, v in bw.items())} | >= 1.0x | **{"yes" if sbw["met"] else "no"}** |
 | backward, deterministic | deterministic / non-deterministic flashgen | {_rng(sbw["det"])} | - | - |
