@@ -81,6 +81,20 @@ __device__ __forceinline__ void bulk_load_row(void* smem, const void* gmem, uint
 #endif
 }
 
+// Programmatic dependent launch (sm_90): the split kernel lets its combine be scheduled early
+// (`decode_allow_dependents`), and the combine waits for the split kernel's completion and
+// memory before it reads a part (`decode_wait_for_parts`; a no-op when launched plainly).
+__device__ __forceinline__ void decode_allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void decode_wait_for_parts() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // S: the spec as named constants (templates/common/spec_struct.j2, plus kPaged).
 template <class S>
 struct DecConfig : S {
@@ -148,6 +162,7 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
   bid /= splits;
   const int64_t hk = bid % p.kv_heads, b = bid / p.kv_heads;
   if (b >= p.batch) return;  // a grid larger than the problem's (the launcher never makes one)
+  decode_allow_dependents();  // the combine may be scheduled now; it waits for our parts
 
   // The sequence's length, clamped to the cache (and flagged) when the caller's is impossible.
   const int64_t capacity = C::kPaged ? p.max_pages * p.page_size : p.seqlen_k;
@@ -475,6 +490,7 @@ __device__ __forceinline__ void load_part8(const PartT* src, float (&v)[8], IoT&
 // 10-19 us for 32 parts at batch 1 on the H200, longer than the split kernel itself.)
 template <class C, typename PartT>
 __device__ __forceinline__ void decode_combine_body(const fg_decode_params& p) {
+  decode_wait_for_parts();
   using Elem = typename C::Elem;
   using MmaT = Mma<Elem>;
   constexpr int kTpr = C::kCombineRowThreads;
