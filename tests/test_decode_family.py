@@ -27,6 +27,11 @@ def test_decode_spec_resolves_the_auto_tile_and_names_paged_kernels():
     name = kernel_name(s)
     assert name.startswith("fa_dec_d128_bf16_gqa_paged_m16n64w4s3_sm90_")
     assert s.smem_bytes == (16 + 2 * 3 * 64) * (128 + 8) * 2
+    # contiguous caches: unpadded, swizzled K/V rows (Q keeps its padding)
+    c = one("dtype: bf16\nhead_dim: 128\ngqa: true\n")
+    assert c.smem_bytes == (16 * (128 + 8) + 2 * 3 * 64 * 128) * 2
+    assert decode.swizzled(64, False) and not decode.swizzled(64, True)
+    assert not decode.swizzled(32, False)
 
 
 @pytest.mark.parametrize(

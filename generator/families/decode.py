@@ -12,8 +12,10 @@ Tile rules: `block_m` = 16 * (warps along the rows), a power of two dividing `wa
 the other warps split each K/V tile's `block_n` keys, 16 or more each; `stages` (2..4) K/V
 tiles in flight; a tile's rows load in whole passes of the CTA (`block_n * d / 8` a multiple
 of the threads), which lets the page ids of a paged tile travel by warp shuffles. Shared
-memory: the Q rows plus `stages` K and V tiles, rows padded by SMEM_ROW_PAD elements, or the
-end-of-loop merge buffer of the key warps when that is larger.
+memory: the Q rows (padded by SMEM_ROW_PAD elements) plus `stages` K and V tiles, or the
+end-of-loop merge buffer of the key warps when that is larger; K/V rows of contiguous caches
+are unpadded and XOR-swizzled when head_dim is a multiple of 64 (`swizzled`), padded like Q
+otherwise (paged caches: bulk row copies; smaller head dims).
 """
 
 from __future__ import annotations
@@ -141,9 +143,15 @@ def tile_problems(tile: Tile, head_dim: int) -> list[tuple[str, str]]:
     return out
 
 
-def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype) -> int:
-    """Q rows plus `stages` K and V tiles (padded rows), or the key warps' merge buffer."""
-    tiles = (tile.block_m + 2 * tile.stages * tile.block_n) * (head_dim + SMEM_ROW_PAD)
+def swizzled(head_dim: int, paged: bool) -> bool:
+    """K/V rows unpadded with XOR-swizzled 16-byte chunks (DecConfig::kSwizzle)."""
+    return not paged and head_dim % 64 == 0
+
+
+def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype, paged: bool) -> int:
+    """Q rows plus `stages` K and V tiles, or the key warps' merge buffer."""
+    kv_row = head_dim if swizzled(head_dim, paged) else head_dim + SMEM_ROW_PAD
+    tiles = tile.block_m * (head_dim + SMEM_ROW_PAD) + 2 * tile.stages * tile.block_n * kv_row
     _, wn = warp_layout(tile)
     merge = wn * tile.block_m * (head_dim + MERGE_ROW_PAD + 2) * 4
     return max(tiles * dtype.nbytes, merge)
@@ -158,11 +166,11 @@ def default_tile(head_dim: int) -> Tile:
     return Tile(16, block_n, 4, 3)
 
 
-def fit(tile: Tile, target: Target, dtype: Dtype, head_dim: int) -> Tile:
+def fit(tile: Tile, target: Target, dtype: Dtype, head_dim: int, paged: bool) -> Tile:
     """Fewer stages until the tile fits the target's shared memory."""
     for stages in range(tile.stages, 1, -1):
         t = Tile(tile.block_m, tile.block_n, tile.warps, stages)
-        if smem_bytes(t, head_dim, dtype) <= target.info.max_smem_per_block:
+        if smem_bytes(t, head_dim, dtype, paged) <= target.info.max_smem_per_block:
             return t
     return Tile(tile.block_m, tile.block_n, tile.warps, 2)
 
@@ -257,21 +265,22 @@ class Decode(Family):
         tile = tile_problems(spec.tile, spec.head_dim)
         out.extend(tile)
         if not out:
+            kv_pad = "" if swizzled(spec.head_dim, spec.paged) else f" + {SMEM_ROW_PAD}"
             out.extend(
                 self.smem_problem(
                     spec,
-                    f"max((block_m + 2*stages*block_n) * (head_dim + {SMEM_ROW_PAD}) * "
-                    f"{spec.dtype.nbytes}, key warps * block_m * (head_dim + "
+                    f"max((block_m * (head_dim + {SMEM_ROW_PAD}) + 2*stages*block_n * "
+                    f"(head_dim{kv_pad})) * {spec.dtype.nbytes}, key warps * block_m * (head_dim + "
                     f"{MERGE_ROW_PAD + 2}) * 4)",
                 )
             )
         return out
 
     def smem_bytes(self, spec: KernelSpec) -> int:
-        return smem_bytes(spec.tile, spec.head_dim, spec.dtype)
+        return smem_bytes(spec.tile, spec.head_dim, spec.dtype, spec.paged)
 
     def auto_tile(self, target: Target, dtype: Dtype, head_dim: int, values: dict) -> Tile:
-        return fit(default_tile(head_dim), target, dtype, head_dim)
+        return fit(default_tile(head_dim), target, dtype, head_dim, bool(values.get("paged")))
 
     def config(self, spec: KernelSpec) -> dict[str, Any]:
         return {

@@ -107,12 +107,21 @@ struct DecConfig : S {
   static constexpr int kNT = kWarpKeys / 8;           // n8 tiles of a warp's S
   static constexpr int kDT = kHeadDim / 8;            // n8 tiles of O along d
   static constexpr int kKS = kHeadDim / 16;           // k16 steps of Q K^T
-  static constexpr int kStride = kHeadDim + 8;        // smem row stride, elements
+  // K/V rows in shared memory. Contiguous caches (cp.async chunks): 128-byte aligned rows
+  // with their 16-byte chunks XOR-swizzled (chunk ^ row % 8), so each 128-byte global line of
+  // a warp's cp.async lands in one 128-byte shared segment (one full-line L2 request; rows
+  // padded by 16 bytes split a sector across two wavefronts and moved 1.5x the K/V bytes from
+  // L2, docs/benchmarks.md "Decode v3") and ldmatrix still meets 8 distinct bank groups.
+  // Paged caches (bulk row copies write a row as it is) and head dims below 64 pad rows by 8
+  // elements instead. Q keeps the padded rows.
+  static constexpr bool kSwizzle = !S::kPaged && kHeadDim % 64 == 0;
+  static constexpr int kStride = kSwizzle ? kHeadDim : kHeadDim + 8;  // K/V row, elements
+  static constexpr int kQStride = kHeadDim + 8;                       // Q row, elements
   // Q is re-read from smem each tile (8 ldmatrix per warp for d = 128): a memory-bound loop
   // has the time, and the registers go to the address arithmetic of the loads in flight.
   static constexpr bool kQInRegs = false;
   static constexpr int kElem = static_cast<int>(sizeof(Elem));
-  static constexpr int kTileBytes = (kBlockM + 2 * kStages * kBlockN) * kStride * kElem;
+  static constexpr int kTileBytes = (kBlockM * kQStride + 2 * kStages * kBlockN * kStride) * kElem;
   // The end-of-loop merge of the key warps reuses the tiles' memory: per warp, its rows'
   // accumulators (rows padded to d + 4 floats) and (m, l).
   static constexpr int kMergeStride = kHeadDim + 4;
@@ -133,13 +142,80 @@ struct DecConfig : S {
   static_assert(S::kCausal != Causal::kTopLeft, "decode aligns causal masks bottom_right");
 };
 
+// The swizzled K/V slot (DecConfig::kSwizzle): 16-byte chunk c of row r sits at chunk
+// c ^ (r % 8) of the row. load_rows_async's chunk walk (tile_io.cuh), swizzled destinations.
+template <class C, typename Elem, class RowPtr, class IoT>
+__device__ __forceinline__ void dec_load_rows_swizzled(Elem* smem, RowPtr&& row_ptr,
+                                                       const Elem* fallback, IoT& io, int tensor) {
+  constexpr int kChunksPerRow = C::kHeadDim / 8;
+  constexpr int kChunks = C::kBlockN * kChunksPerRow;
+  static_assert(kChunks % C::kThreads == 0, "whole rows per pass");
+#pragma unroll
+  for (int it = 0; it < kChunks / C::kThreads; ++it) {
+    const int c = it * C::kThreads + threadIdx.x;
+    const int row = c / kChunksPerRow, chunk = c % kChunksPerRow;
+    const Elem* src = row_ptr(row);
+    const bool valid = src != nullptr;
+    cp_async_16(smem + row * C::kStride + ((chunk ^ (row & 7)) * 8),
+                valid ? src + chunk * 8 : fallback, valid);
+    io.add(tensor, valid ? 16 : 0);
+  }
+}
+
+// warp_qk / warp_pv (warp_mma.cuh) over a swizzled slot: the same m16n8k16 steps, with each
+// ldmatrix column chunk XOR-ed by the lane's `chunk` bits instead of added to a linear
+// offset. (warp_mma.cuh takes linear offsets; an address policy there would serve both, but
+// it renames the mma.sync forward and backward kernels, which share the padded layout.)
+template <class C, class LoadA>
+__device__ __forceinline__ void dec_qk_swizzled(float (&acc_s)[1][C::kNT][4], LoadA&& load_a,
+                                                uint32_t k_row, uint32_t chunk) {
+  using MmaT = Mma<typename C::Elem>;
+  constexpr uint32_t kRowBytes = C::kStride * sizeof(typename C::Elem);
+#pragma unroll
+  for (int kk = 0; kk < C::kKS; ++kk) {
+    uint32_t a[4];
+    load_a(0, kk, a);
+    const uint32_t col = ((2u * kk) ^ chunk) << 4;
+#pragma unroll
+    for (int np = 0; np < C::kNT / 2; ++np) {
+      uint32_t bk[4];
+      ldmatrix_x4(bk, k_row + np * 16 * kRowBytes + col);
+      MmaT::run(acc_s[0][2 * np], a, bk[0], bk[1]);
+      MmaT::run(acc_s[0][2 * np + 1], a, bk[2], bk[3]);
+    }
+  }
+}
+
+template <class C>
+__device__ __forceinline__ void dec_pv_swizzled(float (&acc_o)[1][C::kDT][4],
+                                                const float (&p)[1][C::kNT][4], uint32_t v_row,
+                                                uint32_t chunk) {
+  using MmaT = Mma<typename C::Elem>;
+  constexpr uint32_t kRowBytes = C::kStride * sizeof(typename C::Elem);
+#pragma unroll
+  for (int ks = 0; ks < C::kNT / 2; ++ks) {
+    uint32_t a[4];
+    a[0] = MmaT::pack(p[0][2 * ks][0], p[0][2 * ks][1]);
+    a[1] = MmaT::pack(p[0][2 * ks][2], p[0][2 * ks][3]);
+    a[2] = MmaT::pack(p[0][2 * ks + 1][0], p[0][2 * ks + 1][1]);
+    a[3] = MmaT::pack(p[0][2 * ks + 1][2], p[0][2 * ks + 1][3]);
+#pragma unroll
+    for (int dp = 0; dp < C::kDT / 2; ++dp) {
+      uint32_t bv[4];
+      ldmatrix_x4_trans(bv, v_row + ks * 16 * kRowBytes + (((2u * dp) ^ chunk) << 4));
+      MmaT::run(acc_o[0][2 * dp], a, bv[0], bv[1]);
+      MmaT::run(acc_o[0][2 * dp + 1], a, bv[2], bv[3]);
+    }
+  }
+}
+
 template <class C>
 __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
   using Elem = typename C::Elem;
   using MmaT = Mma<Elem>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
-  Elem* sK = sQ + C::kBlockM * C::kStride;
+  Elem* sK = sQ + C::kBlockM * C::kQStride;
   Elem* sV = sK + C::kStages * C::kBlockN * C::kStride;
   __shared__ uint64_t full[C::kStages];  // bulk loads: K/V tile of each slot landed
 
@@ -284,6 +360,13 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
             *reinterpret_cast<uint4*>(dst[j] + c) = make_uint4(0u, 0u, 0u, 0u);
         }
       }
+    } else if constexpr (C::kSwizzle) {
+      dec_load_rows_swizzled<C>(sK + slot * C::kBlockN * C::kStride,
+                                rows_of(k_base, p.k_row_stride, p.k_batch_stride), k_base, io,
+                                DecIo::kK);
+      dec_load_rows_swizzled<C>(sV + slot * C::kBlockN * C::kStride,
+                                rows_of(v_base, p.v_row_stride, p.v_batch_stride), v_base, io,
+                                DecIo::kV);
     } else {
       load_rows_async<C::kBlockN, C::kHeadDim, C::kThreads, C::kStride>(
           sK + slot * C::kBlockN * C::kStride, rows_of(k_base, p.k_row_stride, p.k_batch_stride),
@@ -309,11 +392,17 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
   constexpr uint32_t kElemBytes = sizeof(Elem);
   constexpr uint32_t kSlotBytes = C::kBlockN * C::kStride * kElemBytes;
   const uint32_t q_lane =
-      smem_addr(sQ) + ((warp_row0 + lo.a_row) * C::kStride + lo.a_col) * kElemBytes;
+      smem_addr(sQ) + ((warp_row0 + lo.a_row) * C::kQStride + lo.a_col) * kElemBytes;
   const uint32_t k_lane =
       smem_addr(sK) + ((wn * C::kWarpKeys + lo.b_row) * C::kStride + lo.b_col) * kElemBytes;
   const uint32_t v_lane =
       smem_addr(sV) + ((wn * C::kWarpKeys + lo.a_row) * C::kStride + lo.a_col) * kElemBytes;
+  // Swizzled slots: the lane's row start, and the 3-bit XOR of its 16-byte chunks (its
+  // column's chunk parity ^ row % 8; the warp's key rows start at a multiple of 8).
+  const uint32_t k_row = smem_addr(sK) + (wn * C::kWarpKeys + lo.b_row) * C::kStride * kElemBytes;
+  const uint32_t v_row = smem_addr(sV) + (wn * C::kWarpKeys + lo.a_row) * C::kStride * kElemBytes;
+  const uint32_t k_chunk = static_cast<uint32_t>((lo.b_col >> 3) ^ (lo.b_row & 7));
+  const uint32_t v_chunk = static_cast<uint32_t>((lo.a_col >> 3) ^ (lo.a_row & 7));
   const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
 
   if (n_iter > 0) {
@@ -325,7 +414,7 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
       }
       __syncthreads();
     }
-    load_rows_async<C::kBlockM, C::kHeadDim, C::kThreads, C::kStride>(sQ, q_row, q_base, io,
+    load_rows_async<C::kBlockM, C::kHeadDim, C::kThreads, C::kQStride>(sQ, q_row, q_base, io,
                                                                        DecIo::kQ);
     cp_async_commit();
     if (C::kPaged) {
@@ -367,24 +456,28 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
       for (int nt = 0; nt < C::kNT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_s[0][nt][e] = 0.f;
-      warp_qk<Elem, 1, C::kNT, C::kKS, C::kStride>(
-          acc_s,
-          [&](int, int kk, uint32_t (&a)[4]) {
-            if (C::kQInRegs) {
+      auto load_q = [&](int, int kk, uint32_t (&a)[4]) {
+        if (C::kQInRegs) {
 #pragma unroll
-              for (int e = 0; e < 4; ++e) a[e] = qf[C::kQInRegs ? kk : 0][e];
-            } else {
-              ldmatrix_x4(a, q_lane + kk * 16 * kElemBytes);
-            }
-          },
-          k_lane + slot * kSlotBytes);
+          for (int e = 0; e < 4; ++e) a[e] = qf[C::kQInRegs ? kk : 0][e];
+        } else {
+          ldmatrix_x4(a, q_lane + kk * 16 * kElemBytes);
+        }
+      };
+      if constexpr (C::kSwizzle)
+        dec_qk_swizzled<C>(acc_s, load_q, k_row + slot * kSlotBytes, k_chunk);
+      else
+        warp_qk<Elem, 1, C::kNT, C::kKS, C::kStride>(acc_s, load_q, k_lane + slot * kSlotBytes);
       if (mask.tile_needs_mask(q_lo, q_hi, n, C::kBlockN))
         mask_frag_rows(acc_s, mask.tile(0, n * C::kBlockN + wn * C::kWarpKeys), lane,
                        [&](int r) { return r >= 8 ? q_row_g8 : q_row_g; });
       float alpha[2];
       online_softmax_update(st, acc_s[0], scale_log2, alpha);
       scale_rows(acc_o[0], alpha);
-      warp_pv<Elem, 1, C::kNT, C::kDT, C::kStride>(acc_o, acc_s, v_lane + slot * kSlotBytes);
+      if constexpr (C::kSwizzle)
+        dec_pv_swizzled<C>(acc_o, acc_s, v_row + slot * kSlotBytes, v_chunk);
+      else
+        warp_pv<Elem, 1, C::kNT, C::kDT, C::kStride>(acc_o, acc_s, v_lane + slot * kSlotBytes);
     }
   }
 
