@@ -40,6 +40,7 @@ from flashgen.generator.spec import Dtype
 from flashgen.torch import cache
 from flashgen.torch import kvcache_select as ks
 from flashgen.torch.kvcache_select import CacheInputError, DecodeCall, KvProblem
+from flashgen.torch.ops import _check_aligned
 from flashgen.torch.selection import TensorMeta, UnsupportedCall
 from flashgen.verify.runner_decode import DecodeLibrary
 from torch import Tensor
@@ -92,15 +93,6 @@ def _one_device(**tensors: Optional[Tensor]) -> None:
     if len(devices) > 1:
         named = ", ".join(f"{n} on {t.device}" for n, t in tensors.items() if t is not None)
         raise UnsupportedCall(f"all tensors must be on one device, got {named}")
-
-
-def _check_aligned(**tensors: Tensor) -> None:
-    for name, t in tensors.items():
-        if t.numel() and t.data_ptr() % 16:
-            raise UnsupportedCall(
-                f"{name} starts at an address that is not 16-byte aligned (a view that begins "
-                "mid-vector?): pass .contiguous()"
-            )
 
 
 def _strides(prefix: str, t: Tensor) -> dict[str, int]:

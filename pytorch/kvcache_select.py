@@ -30,19 +30,16 @@ from flashgen.generator.families.decode import (
     PAGE_SIZES,
 )
 from flashgen.generator.spec import (
-    FIELDS,
     Causal,
     Dtype,
     KernelKind,
     KernelSpec,
-    SpecError,
-    build_spec,
 )
 from flashgen.torch.selection import (
     DTYPES,
-    SOURCE,
     TensorMeta,
     UnsupportedCall,
+    auto_spec,
     resolve_mask,
     target_for,
 )
@@ -129,24 +126,18 @@ def decode_spec(call: DecodeCall) -> KernelSpec:
             f"head_dim {call.head_dim} has no decode kernel (supported head dims: "
             f"{', '.join(map(str, HEAD_DIMS))})"
         )
-    values: dict[str, Any] = {f.path: f.default for f in FIELDS}
-    values.update(
+    return auto_spec(
+        KernelKind.DECODE,
+        target,
         {
-            "kernel": KernelKind.DECODE,
             "head_dim": call.head_dim,
             "dtype": call.dtype,
             "mask.causal": call.causal,
             "mask.window": call.window,
             "gqa": True,
             "paged": call.paged,
-            "target": target,
-        }
+        },
     )
-    try:
-        values["tile"] = fam.auto_tile(target, call.dtype, call.head_dim, values)
-        return build_spec(values, tile_auto=True, source=SOURCE)
-    except SpecError as e:
-        raise UnsupportedCall(f"no decode kernel can be built for this call: {e}") from None
 
 
 def merge_spec(dtype: Dtype, head_dim: int, capability: tuple[int, int]) -> KernelSpec:

@@ -308,10 +308,10 @@ def _spec_for(kind: KernelKind, call: AttentionCall, target: Target) -> KernelSp
             f"head_dim {call.head_dim} has no {kind.yaml} kernel (supported head dims: "
             f"{_head_dims(dims)}){hint}"
         )
-    values: dict[str, Any] = {f.path: f.default for f in FIELDS}
-    values.update(
+    return auto_spec(
+        kind,
+        target,
         {
-            "kernel": kind,
             "head_dim": call.head_dim,
             "dtype": call.dtype,
             "mask.causal": call.causal,
@@ -320,11 +320,20 @@ def _spec_for(kind: KernelKind, call: AttentionCall, target: Target) -> KernelSp
             "gqa": call.gqa,
             "dropout": call.dropout,
             "deterministic": call.deterministic and kind is KernelKind.BACKWARD,
-            "target": target,
-        }
+        },
     )
+
+
+def auto_spec(kind: KernelKind, target: Target, fields: dict[str, Any]) -> KernelSpec:
+    """The validated spec of `kind` for `target` with `fields` (spec paths) over the field
+    defaults and the family's auto tile; a spec the rules refuse is an UnsupportedCall that
+    says why. (The decode entry point, kvcache_select, builds its specs here too.)"""
+    fam = family(kind, target)
+    values: dict[str, Any] = {f.path: f.default for f in FIELDS}
+    values.update(fields)
+    values.update({"kernel": kind, "target": target})
     try:
-        values["tile"] = fam.auto_tile(target, call.dtype, call.head_dim, values)
+        values["tile"] = fam.auto_tile(target, values["dtype"], values["head_dim"], values)
         return build_spec(values, tile_auto=True, source=SOURCE)
     except SpecError as e:
         raise UnsupportedCall(f"no {kind.yaml} kernel can be built for this call: {e}") from None
