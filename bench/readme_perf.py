@@ -56,7 +56,9 @@ def _x(x) -> str:
 
 def _rng(vals, fmt=_x) -> str:
     lo, hi = min(vals), max(vals)
-    return fmt(lo) if f"{lo:.2f}" == f"{hi:.2f}" else f"{fmt(lo)[:-1] if fmt is _x else fmt(lo)}-{fmt(hi)}"
+    if f"{lo:.2f}" == f"{hi:.2f}" or fmt(lo) == fmt(hi):  # one value as printed
+        return fmt(lo)
+    return f"{fmt(lo)[:-1] if fmt is _x else fmt(lo)}-{fmt(hi)}"
 
 
 def _yn(causal: bool) -> str:
