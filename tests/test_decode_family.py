@@ -228,3 +228,13 @@ def test_heuristic_mirrors_the_launchers_cpp(tmp_path):
         ).stdout.split()
     ]
     assert got == [decode.num_splits(c, t, s, w, f) for c, t, s, w, f in grid]
+
+
+def test_tiles_whose_rows_do_not_split_evenly_over_the_threads_are_refused():
+    """m32n64w8: 128 K and V rows over 256 threads (the kernel's static_assert) is a spec error
+    naming the rule, not an nvcc failure."""
+    with pytest.raises(SpecError, match="whole rows per thread"):
+        one(
+            "dtype: bf16\nhead_dim: 128\ngqa: true\n"
+            "tile: {block_m: 32, block_n: 64, warps: 8, stages: 2}\n"
+        )

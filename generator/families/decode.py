@@ -11,7 +11,8 @@ policy.
 Tile rules: `block_m` = 16 * (warps along the rows), a power of two dividing `warps`;
 the other warps split each K/V tile's `block_n` keys, 16 or more each; `stages` (2..4) K/V
 tiles in flight; a tile's rows load in whole passes of the CTA (`block_n * d / 8` a multiple
-of the threads), which lets the page ids of a paged tile travel by warp shuffles. Shared
+of the threads), which lets the page ids of a paged tile travel by warp shuffles, and each
+thread copies whole K/V rows (`2 * block_n` a multiple of the threads: the bulk row copies). Shared
 memory: the Q rows (padded by SMEM_ROW_PAD elements) plus `stages` K and V tiles, or the
 end-of-loop merge buffer of the key warps when that is larger; K/V rows of contiguous caches
 are unpadded and XOR-swizzled when head_dim is a multiple of 64 (`swizzled`), padded like Q
@@ -138,6 +139,16 @@ def tile_problems(tile: Tile, head_dim: int) -> list[tuple[str, str]]:
                 f"{tile.short}: a {tile.block_n}-key tile of head_dim {head_dim} is "
                 f"{tile.block_n * head_dim // 8} 16-byte chunks, not a multiple of "
                 f"{tile.threads} threads (whole load passes keep the page shuffles converged)",
+            )
+        )
+    elif (2 * tile.block_n) % tile.threads:
+        # DecConfig's static_assert: the bulk row copies (paged caches on sm_90) give each
+        # thread whole K/V rows; the kernel asserts it for every decode build.
+        out.append(
+            (
+                "tile",
+                f"{tile.short}: the {2 * tile.block_n} K and V rows of a tile must be a multiple "
+                f"of {tile.threads} threads (whole rows per thread for the bulk row copies)",
             )
         )
     return out
