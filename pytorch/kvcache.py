@@ -36,12 +36,14 @@ import os
 from typing import Optional, Union
 
 import torch
+from flashgen.generator.families.decode import WORKSPACE_HEADER
 from flashgen.generator.spec import Dtype
 from flashgen.torch import cache
 from flashgen.torch import kvcache_select as ks
 from flashgen.torch.kvcache_select import CacheInputError, DecodeCall, KvProblem
-from flashgen.torch.ops import _check_aligned
-from flashgen.torch.selection import TensorMeta, UnsupportedCall
+from flashgen.torch.ops import _capability as _device_capability
+from flashgen.torch.ops import _check_aligned, _meta
+from flashgen.torch.selection import UnsupportedCall
 from flashgen.verify.runner_decode import DecodeLibrary
 from torch import Tensor
 
@@ -56,24 +58,13 @@ __all__ = [
 
 CHECK_ENV = "FLASHGEN_KVCACHE_CHECK"  # "1": check_inputs=True by default
 _TORCH_DTYPES = {Dtype.FP16: torch.float16, Dtype.BF16: torch.bfloat16}
-_WORKSPACE_HEADER = 256  # bytes: the error word, padded (families/decode.py WORKSPACE_HEADER)
-
-
-def _meta(t: Tensor) -> TensorMeta:
-    return TensorMeta(
-        tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."), t.device.type
-    )
-
-
-_CAPABILITIES: dict[int, tuple[int, int]] = {}
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cap = _CAPABILITIES.get(index)
-    if cap is None:
-        cap = _CAPABILITIES[index] = tuple(torch.cuda.get_device_capability(index))
-    return cap  # type: ignore[return-value]
+    """The device's compute capability (ops._capability's per-index cache)."""
+    return _device_capability(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
 
 
 _LIBRARIES: dict = {}
@@ -202,9 +193,9 @@ def decode(
         "num_splits": num_splits,
     }
     with torch.cuda.device(device):
-        size = max(lib.workspace_bytes(params), _WORKSPACE_HEADER)
+        size = max(lib.workspace_bytes(params), WORKSPACE_HEADER)
         workspace = torch.empty(size, dtype=torch.uint8, device=device)
-        workspace[:_WORKSPACE_HEADER].zero_()  # the error word: the kernels only OR into it
+        workspace[:WORKSPACE_HEADER].zero_()  # the error word: the kernels only OR into it
         params["workspace"] = workspace.data_ptr()
         params["workspace_size"] = size
         lib.launch(params, torch.cuda.current_stream(device).cuda_stream)
