@@ -50,8 +50,9 @@ def bwd_params(q, k, v, o, lse, do, dq, dk, dv, ws, scale: float, dq_accum_bytes
     return p
 
 
-def flashgen_backward(kernel, q, k, v, o, lse, do, scale):
-    """(launch callable, dq, dk, dv) for the flashgen backward on these tensors."""
+def flashgen_backward(kernel, q, k, v, o, lse, do, scale, extra: dict | None = None):
+    """(launch callable, dq, dk, dv) for the flashgen backward on these tensors; `extra`:
+    more parameter fields (the score modifiers')."""
     import torch
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -60,7 +61,7 @@ def flashgen_backward(kernel, q, k, v, o, lse, do, scale):
     shape_only = bwd_params(q, k, v, o, lse, do, dq, dk, dv, q, scale, 0)
     ws = torch.empty(kernel.library.workspace_bytes(shape_only), dtype=torch.uint8, device="cuda")
     params = bwd_params(q, k, v, o, lse, do, dq, dk, dv, ws, scale, acc_bytes)
-    launch = kernel.library.launcher(params)
+    launch = kernel.library.launcher({**params, **(extra or {})})
     launch.keep = (ws,)
     return launch, dq, dk, dv
 

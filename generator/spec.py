@@ -3,7 +3,8 @@
 A YAML file becomes frozen `KernelSpec` objects in `generator.load`; they are validated when
 constructed (`KernelSpec.__post_init__`), so nothing downstream re-validates or re-parses.
 
-This is the bottom layer: it imports nothing of the project. The axes a spec names are the
+This is the bottom layer: it imports nothing of the project but the feature rows
+(`generator.features`, plain data). The axes a spec names are the
 kernel kind (`forward`, `backward`, `decode`: one family each, `generator.families`), the
 architecture (`Target`, including `sm_90a`) and the features (mask, dropout, sparsity, GQA,
 ...). `FIELDS` is the one table of fields that everything listing fields derives from.
@@ -19,6 +20,10 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, TypeVar
+
+# The score-stage features are data (one module each); the package imports nothing of the
+# project, so this module stays the bottom layer of everything that is not a feature row.
+from flashgen.generator.features import FEATURE_BY_NAME, FEATURES
 
 __all__ = [
     "Causal",
@@ -355,6 +360,8 @@ class Field:
     feature: str = ""
     kinds: tuple[KernelKind, ...] | None = None
     doc: str = ""
+    # a score-stage feature (generator.features): the value is membership in spec.features
+    score_feature: bool = False
 
     @property
     def top(self) -> str:
@@ -365,6 +372,8 @@ class Field:
         return self.path.split(".", 1)[1] if "." in self.path else ""
 
     def get(self, spec: KernelSpec) -> Any:
+        if self.score_feature:
+            return self.path in spec.features
         obj: Any = spec
         for part in self.path.split("."):
             obj = getattr(obj, part)
@@ -418,6 +427,19 @@ FIELDS: tuple[Field, ...] = (
         part=_flag("paged"),
         feature="paged KV cache",
         kinds=(KernelKind.DECODE,),
+    ),
+    *(
+        Field(
+            f.name,
+            FieldKind.BOOL,
+            False,
+            part=_flag(f.part),
+            feature=f.label,
+            kinds=None if f.kinds is None else tuple(KernelKind.from_yaml(k) for k in f.kinds),
+            doc=f.doc,
+            score_feature=True,
+        )
+        for f in FEATURES
     ),
     Field("instrument_io", FieldKind.BOOL, False, part=_flag("io"), feature="instrument_io"),
     Field("tile", FieldKind.TILE, "auto", part=lambda t: t.short),
@@ -483,6 +505,9 @@ class KernelSpec:
     gqa: bool = False
     deterministic: bool = False
     paged: bool = False
+    # score-stage features that are on (names of generator.features rows: softcap, alibi,
+    # sink); spelled in YAML as top-level booleans
+    features: frozenset[str] = frozenset()
     target: Target = Target.SM90
     instrument_io: bool = False
     allow_spills: bool = False
@@ -508,6 +533,14 @@ class KernelSpec:
             elif f.kind is FieldKind.INT:
                 _check_int(value, f.path)
         _check_bool(self.tile_auto, "tile_auto")
+        if not isinstance(self.features, frozenset) or any(
+            n not in FEATURE_BY_NAME for n in self.features
+        ):
+            raise SpecError(
+                f"{self.features!r} is not a frozenset of feature names (allowed: "
+                f"{', '.join(FEATURE_BY_NAME)})",
+                field="features",
+            )
 
         out: list[tuple[str, str]] = list(self.tile.type_problems())
         rules = rules_for(self.kernel)
@@ -523,6 +556,8 @@ class KernelSpec:
                 out.append((f.path, f"applies to kernel: {allowed} only, not {self.kernel.yaml}"))
         if self.debug_keep_mask and not self.dropout:
             out.append(("debug_keep_mask", "true requires dropout: true"))
+        for name in sorted(self.features):
+            out.extend(FEATURE_BY_NAME[name].problems(self))
         if not out:
             out.extend(rules.problems(self))
         return out
@@ -537,14 +572,20 @@ class KernelSpec:
         """Dynamic shared memory of the kernel's main CTA, bytes (the family's formula)."""
         return _FAMILY_RULES[self.kernel].smem_bytes(self)
 
+    def has(self, feature: str) -> bool:
+        """Whether score-stage feature `feature` (a generator.features name) is on."""
+        if feature not in FEATURE_BY_NAME:
+            raise KeyError(f"{feature!r} is not a feature (allowed: {', '.join(FEATURE_BY_NAME)})")
+        return feature in self.features
+
     @property
     def sparse(self) -> bool:
         return self.sparsity is Sparsity.BLOCK
 
     @property
     def plain(self) -> bool:
-        """Nothing beyond the causal mask: no window, varlen, GQA, dropout, block sparsity or
-        IO counting (the kernels benchmarks compare with SDPA, and dense twins)."""
+        """Nothing beyond the causal mask: no window, varlen, GQA, dropout, block sparsity,
+        score-stage feature or IO counting (the kernels benchmarks compare with SDPA, and dense twins)."""
         return not (
             self.mask.window
             or self.mask.varlen
@@ -552,6 +593,7 @@ class KernelSpec:
             or self.dropout
             or self.sparse
             or self.instrument_io
+            or self.features
         )
 
     @property
@@ -599,12 +641,26 @@ class KernelSpec:
         return build_spec(values, tile_auto=bool(data.get("tile_auto", False)), source=source)
 
     def replace(self, **changes: Any) -> KernelSpec:
-        """A validated copy with some fields changed (`dataclasses.replace`)."""
+        """A validated copy with some fields changed (`dataclasses.replace`); a feature name
+        (`softcap=True`) switches that score-stage feature."""
+        feats = set(self.features)
+        for name in [n for n in changes if n in FEATURE_BY_NAME]:
+            on = changes.pop(name)
+            _check_bool(on, name)
+            (feats.add if on else feats.discard)(name)
+        if feats != set(self.features):
+            changes.setdefault("features", frozenset(feats))
         return dataclasses.replace(self, **changes)
 
 
 def build_spec(values: dict[str, Any], *, tile_auto: bool = False, source: str = "") -> KernelSpec:
     """A KernelSpec from parsed values keyed by field path (`mask.causal`, ...)."""
-    top = {f.path: values[f.path] for f in FIELDS if not f.sub}
+    top = {f.path: values[f.path] for f in FIELDS if not f.sub and not f.score_feature}
     mask = Mask(**{f.sub: values[f.path] for f in FIELDS if f.top == "mask"})
-    return KernelSpec(**top, mask=mask, tile_auto=tile_auto, source=source)
+    feats = [f for f in FIELDS if f.score_feature]
+    for f in feats:
+        _check_bool(values.get(f.path, False), f.path)
+    features = frozenset(f.path for f in feats if values.get(f.path, False))
+    return KernelSpec(
+        **top, mask=mask, features=features, tile_auto=tile_auto, source=source
+    )

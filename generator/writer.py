@@ -24,6 +24,7 @@ from typing import Any
 
 from flashgen.generator import __version__, paths
 from flashgen.generator.families import family
+from flashgen.generator.features import SCORE_PARAMS_HEADER, render_score_params_h
 from flashgen.generator.load import display_path
 from flashgen.generator.render import BANNER_MARK, Renderer
 from flashgen.generator.spec import FEATURE_FIELDS, FIELDS, KernelSpec, SpecError
@@ -232,6 +233,13 @@ def plan_generate(
         )
 
     includes = renderer.include_files()
+    # score_params.h is rendered from the feature registry (generator/features/): its template
+    # copy is brought up to date (so kernel names hash the current struct) and vendored.
+    score_h = render_score_params_h().encode("utf-8")
+    source_h = renderer.templates_dir / SCORE_PARAMS_HEADER
+    if not source_h.is_file() or source_h.read_bytes() != score_h:
+        plan.writes[source_h] = score_h
+    includes[SCORE_PARAMS_HEADER] = score_h
     for rel, data in includes.items():
         plan.writes[outdir / rel] = data
 

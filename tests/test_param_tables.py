@@ -61,10 +61,27 @@ def c_struct_fields(text: str, struct: str) -> list[tuple[str, str]]:
     return fields
 
 
+# Structs a parameter struct embeds as one member, and the header that declares each: the
+# member stands for the embedded struct's fields, in order (the layout is the same, since
+# every field is 8 bytes wide).
+EMBEDDED = {"fg_score_params": "score_params.h"}
+
+
+def flat_struct_fields(header: Path, struct: str) -> list[tuple[str, str]]:
+    """`c_struct_fields` with embedded structs (EMBEDDED) replaced by their fields."""
+    out = []
+    for name, ctype in c_struct_fields(header.read_text(), struct):
+        if ctype in EMBEDDED:
+            out.extend(flat_struct_fields(header.parent / EMBEDDED[ctype], ctype))
+        else:
+            out.append((name, ctype))
+    return out
+
+
 def assert_struct_matches(header: Path, struct: str, params: tuple[ParamField, ...]) -> None:
     """The C struct `struct` of `header` and a family's `params` table agree field by field:
     name, order, and kind (pointer / int64 / uint64 / double, all 8 bytes wide)."""
-    c_fields = c_struct_fields(header.read_text(), struct)
+    c_fields = flat_struct_fields(header, struct)
     c_names = [name for name, _ in c_fields]
     py_names = [p.name for p in params]
     assert c_names == py_names, (
@@ -123,6 +140,21 @@ FAMILIES = pytest.mark.parametrize("fam", families(), ids=lambda f: f.templates)
 @FAMILIES
 def test_params_table_matches_the_c_struct(fam: Family):
     assert_struct_matches(INCLUDE_DIR / fam.params_header, fam.params_struct, fam.params)
+
+
+def test_score_params_header_is_the_rendering_of_the_feature_registry():
+    """score_params.h is rendered from generator/features/ (`flashgen generate` rewrites it):
+    the committed copy is that rendering, byte for byte."""
+    from flashgen.generator.features import SCORE_PARAMS_HEADER, render_score_params_h
+
+    assert (TEMPLATES_DIR / SCORE_PARAMS_HEADER).read_text() == render_score_params_h()
+
+
+@FAMILIES
+def test_every_params_struct_ends_with_the_score_params(fam: Family):
+    from flashgen.generator.families import SCORE_PARAM_FIELDS
+
+    assert fam.params[-len(SCORE_PARAM_FIELDS) :] == SCORE_PARAM_FIELDS
 
 
 @FAMILIES

@@ -14,6 +14,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from flashgen.generator.features import FEATURES, SCORE_PARAMS
 from flashgen.generator.spec import (
     Dtype,
     KernelKind,
@@ -24,7 +25,7 @@ from flashgen.generator.spec import (
     register_rules,
 )
 
-__all__ = ["Family", "ParamField", "family", "families"]
+__all__ = ["Family", "ParamField", "SCORE_PARAM_FIELDS", "family", "families"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,11 @@ def params_table(text: str) -> tuple[ParamField, ...]:
             assert ctype in ParamField.C_TYPES, ctype
             out.append(ParamField(name, ctype))
     return tuple(out)
+
+
+# The score-stage features' runtime fields (`fg_score_params`, score_params.h): every family's
+# C parameter struct ends with `fg_score_params score;`, so every PARAMS table ends with these.
+SCORE_PARAM_FIELDS: tuple[ParamField, ...] = tuple(ParamField(r.name, r.ctype) for r in SCORE_PARAMS)
 
 
 class Family:
@@ -120,6 +126,8 @@ class Family:
             "sparse": spec.sparse,
             "instrument_io": spec.instrument_io,
             "sm": spec.target.cc,
+            # the score stage's functors (generator.features): C constant -> on
+            "score_features": {f.cpp: spec.has(f.name) for f in FEATURES},
         }
 
     def entry_points(self, name: str) -> dict[str, str]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flashgen.generator.families import Family, params_table
+from flashgen.generator.families import SCORE_PARAM_FIELDS, Family, params_table
 from flashgen.generator.spec import Dtype, KernelKind, KernelSpec, Sparsity, Target, Tile
 
 HEAD_DIMS = tuple(range(16, 129, 16)) + (160, 192, 224, 256)
@@ -90,7 +90,7 @@ PARAMS = params_table(
     i64 blk_max_blocks
     ptr io_counters
     """
-)
+) + SCORE_PARAM_FIELDS
 IO_KEYS = (
     "Q",
     "K",
