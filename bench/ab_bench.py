@@ -1,11 +1,13 @@
-"""A/B forward benchmark: this version's kernels against another version's, side by side in
-one run, on the same tensors, with SDPA FLASH as the anchor.
+"""A/B benchmark: this version's kernels against another version's, side by side in one run,
+on the same tensors, with SDPA FLASH as the anchor (forwards of every target; with
+`--backward`, the backward families too).
 
 The other version is given as its `generated/` folder (a git checkout or `git archive` of an
-earlier commit): each of its forward `.cu` files whose readable name (the name without the
-hash) matches one of this version's shipped bf16 dense kernels is compiled here into a host
-library with the same nvcc flags, and both are launched through their C launchers with one
-`fg_fwd_params` (the struct is unchanged since the first version).
+earlier commit): each of its `.cu` files whose readable name (the name without the hash)
+matches one of this version's shipped bf16 dense kernels is compiled here into a host library
+with the same nvcc flags (its spec's target), and both are launched through their C
+launchers with one parameter struct: the structs only grew at their end (the score
+parameters), so an older launcher reads its own prefix of today's.
 
     git archive <old-commit> generated | tar -x -C /tmp/old
     flashgen compile specs/fwd_dense.yaml
@@ -23,16 +25,17 @@ import sys
 import tempfile
 from pathlib import Path
 
+from flashgen.bench.bwd_bench import flashgen_backward
 from flashgen.bench.fwd_bench import environment, flops, torch_params
 
 
-def baseline_libraries(generated: Path, names: dict[str, str], out: Path) -> dict[str, Path]:
-    """readable name -> compiled library of the other version's kernel of that name."""
+def baseline_libraries(generated: Path, names: dict, out: Path) -> dict[str, Path]:
+    """readable name -> compiled library of the other version's kernel of that name
+    (`names`: readable name -> this version's spec)."""
     from flashgen.generator.compile import nvcc_flags
-    from flashgen.generator.spec import Target
 
     found = {}
-    for cu in sorted(generated.glob("fa_fwd_*.cu")):
+    for cu in sorted(generated.glob("fa_*.cu")):
         readable = cu.stem.rpartition("_")[0]
         if readable not in names:
             continue
@@ -41,7 +44,7 @@ def baseline_libraries(generated: Path, names: dict[str, str], out: Path) -> dic
             found[readable] = prebuilt
             continue
         lib = out / f"{cu.stem}.so"
-        cmd = ["nvcc", *nvcc_flags(Target.SM90), "-o", str(lib), cu.name]
+        cmd = ["nvcc", *nvcc_flags(names[readable].target), "-o", str(lib), cu.name]
         proc = subprocess.run(cmd, cwd=generated, capture_output=True, text=True)
         if proc.returncode != 0:
             print(f"ab_bench: {cu.name} does not build: {proc.stderr[-400:]}", file=sys.stderr)
@@ -57,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--repeats", type=int, default=2, help="rounds over all cases (spread)")
+    ap.add_argument("--backward", action="store_true", help="also the backward kernels")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -65,20 +69,22 @@ def main(argv: list[str] | None = None) -> int:
     from flashgen.generator.families import family
     from flashgen.generator.launch import params_struct
     from flashgen.generator.load import load_paths
-    from flashgen.generator.naming import kernel_name, readable_parts
+    from flashgen.generator.naming import readable_parts
     from flashgen.verify.runner import load_kernel
+    from flashgen.verify.runner_bwd import load_bwd_kernel
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
 
+    kinds = ("forward", "backward") if args.backward else ("forward",)
     specs = [
         s for s in load_paths(args.specs)
-        if s.kernel.yaml == "forward" and s.dtype.yaml == "bf16" and s.head_dim in args.head_dims
+        if s.kernel.yaml in kinds and s.dtype.yaml == "bf16" and s.head_dim in args.head_dims
         and s.mask.causal.yaml in ("none", "bottom_right") and s.plain
     ]  # fmt: skip
-    names = {"_".join(readable_parts(s)): kernel_name(s) for s in specs}
+    names = {"_".join(readable_parts(s)): s for s in specs}
     tmp = Path(tempfile.mkdtemp(prefix="flashgen-ab-"))
     libs = baseline_libraries(Path(args.baseline), names, tmp)
-    Params = params_struct(family(specs[0]))
+    forwards = [s for s in specs if s.kernel.yaml == "forward"]
     rows = []
     for rnd in range(args.repeats):
         for spec in specs:
@@ -87,9 +93,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"ab_bench: no baseline kernel named {readable}_*", file=sys.stderr)
                 continue
             old_name = libs[readable].stem
+            Params = params_struct(family(spec))
             old = getattr(ctypes.CDLL(str(libs[readable])), f"{old_name}_launch")
             old.argtypes, old.restype = [ctypes.POINTER(Params), ctypes.c_void_p], ctypes.c_int
-            kernel = load_kernel(spec)
+            bwd = spec.kernel.yaml == "backward"
+            kernel = load_bwd_kernel(spec) if bwd else load_kernel(spec)
             causal = spec.mask.causal.yaml != "none"
             for n in args.seqlens:
                 d = spec.head_dim
@@ -98,14 +106,27 @@ def main(argv: list[str] | None = None) -> int:
                     torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)
                 )
                 o, lse = torch.empty_like(q), torch.empty(b, h, n, device="cuda")
-                values = torch_params(kernel, q, k, v, o, lse, 1 / math.sqrt(d))
-                new = kernel.library.launcher(values)
-                packed = kernel.library.pack(values)
-                qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+                scale = 1 / math.sqrt(d)
+                if bwd:  # O and LSE from a forward of the same mask, then the backward's call
+                    fwd = next(f for f in forwards if f.head_dim == d and f.mask == spec.mask)
+                    fk = load_kernel(fwd)
+                    fk.library.launch(torch_params(fk, q, k, v, o, lse, scale), 0)
+                    do = torch.randn_like(q)
+                    new, *_ = flashgen_backward(kernel, q, k, v, o, lse, do, scale)
+                    packed = new.params
+                    anchor_args = (q, k, v, do)
+                else:
+                    values = torch_params(kernel, q, k, v, o, lse, scale)
+                    new = kernel.library.launcher(values)
+                    packed = kernel.library.pack(values)
+                    anchor_args = (q, k, v, None)
+                qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_(bwd) for t in (q, k, v))
 
-                def flash(qt=qt, kt=kt, vt=vt, causal=causal):
+                def flash(qt=qt, kt=kt, vt=vt, causal=causal, do=anchor_args[3]):
                     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                        F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                        if do is not None:
+                            out.backward(do.transpose(1, 2))
 
                 ms = {
                     "old": do_bench(
@@ -116,13 +137,17 @@ def main(argv: list[str] | None = None) -> int:
                     "new": do_bench(new, warmup=25, rep=100),
                     "FLASH": do_bench(flash, warmup=25, rep=100),
                 }
-                fl = flops(b, h, n, d, causal)
+                fl = flops(b, h, n, d, causal) * (2.5 if bwd else 1.0)
                 tf = {key: fl / (t * 1e-3) / 1e12 for key, t in ms.items()}
-                rows.append({"round": rnd, "d": d, "causal": causal, "seqlen": n,
+                if bwd:  # FLASH timed forward + backward: its backward share is not separable
+                    tf["FLASH"] = 3.5 * flops(b, h, n, d, causal) / (ms["FLASH"] * 1e-3) / 1e12
+                rows.append({"round": rnd, "kind": spec.kernel.yaml, "target": spec.target.yaml,
+                             "d": d, "causal": causal, "seqlen": n,
                              "old": old_name, "new": kernel.name, "tflops": tf,
                              "new_over_old": tf["new"] / tf["old"]})  # fmt: skip
-                print(f"round {rnd} d={d} causal={int(causal)} n={n}: old {tf['old']:.0f} "
-                      f"new {tf['new']:.0f} FLASH {tf['FLASH']:.0f} TFLOP/s, new/old "
+                print(f"round {rnd} {spec.kernel.yaml} {spec.target.yaml} d={d} "
+                      f"causal={int(causal)} n={n}: old {tf['old']:.0f} new {tf['new']:.0f} "
+                      f"FLASH {tf['FLASH']:.0f} TFLOP/s, new/old "
                       f"{tf['new'] / tf['old']:.3f}", flush=True)  # fmt: skip
     if args.out:
         Path(args.out).write_text(

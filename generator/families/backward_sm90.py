@@ -114,8 +114,11 @@ class BackwardSm90(Backward):
         """Measured on an H200 (bf16, side by side, docs/benchmarks.md "Backward v3"): 128 keys
         per CTA (two consumer warpgroups); at 64 padded columns 128 query rows a step and three
         stages (1.13-1.18x FlashAttention-2, against 0.93-1.04x with 64 rows), at 128 columns
-        64 rows and two stages (three measured within noise of two)."""
-        if head_dim_pad(head_dim) <= 64:
+        64 rows and two stages (three measured within noise of two). `values` are the spec's
+        parsed fields (feature flags by field path)."""
+        # softcap keeps its derivative beside the scores: 128 query rows a step then spill
+        # (92 bytes at d 64, ptxas), 64 do not
+        if head_dim_pad(head_dim) <= 64 and not values.get("softcap"):
             return Tile(block_m=128, block_n=128, warps=8, stages=3)
         return Tile(block_m=64, block_n=128, warps=8, stages=2)
 

@@ -251,6 +251,8 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
   constexpr uint32_t kE = sizeof(Elem);
   const uint32_t sK_a = smem_addr(sK), sV_a = smem_addr(sV), sQ_a = smem_addr(sQ);
   const uint32_t sdO_a = smem_addr(sdO), sP_a = smem_addr(sP), sdS_a = smem_addr(sdS);
+  using Mod = ScoreModOf<C, false>;  // the score stage (score_mod.cuh); the LSE holds the sink
+  const Mod mod0(p.score, p.softmax_scale);
   const float drop_scale = C::kDropout ? static_cast<float>(1.0 / (1.0 - p.dropout_p)) : 1.f;
 
   if (cur.valid) {
@@ -312,8 +314,7 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
     };
 
     // The score stage of (b, h) (score_mod.cuh); g: its derivative per element (softcap).
-    using Mod = ScoreModOf<C, false>;
-    const Mod mod(p.score, p.softmax_scale, b, h, io, tid == 0, BwdIo::kMeta);
+    const Mod mod = mod0.at(p.score, p.softmax_scale, b, h, io, tid == 0, BwdIo::kMeta);
     float acc_s[C::kSMT][C::kSNT][4];
     float gmod[Mod::kHasGrad ? C::kSMT : 1][Mod::kHasGrad ? C::kSNT : 1][4];
     scores(q_slot, sK_a, acc_s);

@@ -205,6 +205,7 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
   const int dq_row = (group / C::kDqColBlocks) * 64;          // its dQ piece: query rows
   const int dq_col = (group % C::kDqColBlocks) * C::kDqN;     // and head-dim columns
   using Mod = ScoreModOf<C, false>;  // the score stage (score_mod.cuh); the LSE holds the sink
+  const Mod mod0(p.score, p.softmax_scale);
 
   // Descriptors are a base plus byte offsets (desc_at): the bases are re-derived every step
   // (opaque to the compiler), so the per-slice descriptors are not hoisted out of the loop
@@ -269,8 +270,10 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
     // LSE log2 e) and dS^T = P^T (dP^T - D) in fp32, packed at once as RS-wgmma A operands,
     // so the fp32 scores die slice by slice (the step's register peak is its start: dK, dV,
     // S^T and dP^T).
-    const Mod mod(p.score, p.softmax_scale, b, h, io, false, BwdIo::kMeta);
-    const int dist0 = tile_dist0(r0, c0, mask.shift);  // element (query ql, key kl): + kl - ql
+    const Mod mod = mod0.at(p.score, p.softmax_scale, b, h, io, false, BwdIo::kMeta);
+    // element (query ql, key kl) lies at diagonal distance dist0 + kl - ql (as an int: a float
+    // base per key row measured 24 bytes of spill here with softcap and ALiBi, ptxas)
+    const int dist0 = tile_dist0(r0, c0, mask.shift);
     const bool masked = mask.tile_needs_mask(r0, min(r0 + C::kBlockM, sq) - 1, nt, C::kBlockN);
     TileMask tm = mask.tile(r0, c0);
     tm.col_end = 1 << 30;  // keys past the sequence: key_ok above
@@ -287,7 +290,8 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
       for (int e = 0; e < 4; ++e) {
         const int kl = key0 + wk * 16 + g + (e >> 1) * 8;
         float gm;
-        const float y = mod.logit(acc_s[0][j][e], dist0 + kl - (ql + (e & 1)), gm);
+        const float y =
+            mod.logit(acc_s[0][j][e], static_cast<float>(dist0 + kl - (ql + (e & 1))), gm);
         pe[e] = exp2_approx(__fsub_rn(__fmul_rn(y, mod.scale_log2), (e & 1) ? lse2.y : lse2.x));
         if (masked && !tm.visible(ql + (e & 1), kl)) pe[e] = 0.f;
         ds[e] = pe[e] * acc_dp[0][j][e];
