@@ -585,7 +585,8 @@ class KernelSpec:
     @property
     def plain(self) -> bool:
         """Nothing beyond the causal mask: no window, varlen, GQA, dropout, block sparsity,
-        score-stage feature or IO counting (the kernels benchmarks compare with SDPA, and dense twins)."""
+        score-stage feature or IO counting (the kernels benchmarks compare with SDPA, and
+        dense twins)."""
         return not (
             self.mask.window
             or self.mask.varlen

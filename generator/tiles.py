@@ -32,8 +32,48 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from flashgen.generator.families.forward import smem_bytes, tile_problems
 from flashgen.generator.spec import Dtype, Target, Tile
+
+# ---- the forward's tile geometry (the family, generator/families/forward.py, re-exports it) --
+TILE_WARPS = (1, 2, 4, 8)
+TILE_STAGES = (1, 2, 3)
+TILE_MT = (1, 2)  # 16-row MMA tiles per warp along the query dimension
+SMEM_ROW_PAD = 8  # the kernel pads each shared-memory row by 8 elements (bank conflicts)
+
+
+def tile_problems(tile: Tile) -> list[tuple[str, str]]:
+    """Shape constraints independent of head_dim/target, as (field, message) pairs."""
+    out: list[tuple[str, str]] = tile.type_problems()
+    if out:
+        return out
+    if tile.warps not in TILE_WARPS:
+        out.append(("tile.warps", f"{tile.warps} is not allowed (allowed: 1, 2, 4, 8)"))
+    if tile.block_m <= 0 or tile.block_m % 16:
+        out.append(("tile.block_m", f"{tile.block_m} is not a positive multiple of 16"))
+    elif tile.warps in TILE_WARPS and tile.block_m not in [16 * tile.warps * mt for mt in TILE_MT]:
+        allowed = ", ".join(str(16 * tile.warps * mt) for mt in TILE_MT)
+        out.append(
+            (
+                "tile.block_m",
+                f"{tile.block_m} does not fit {tile.warps} warps: each warp owns 16 or 32 "
+                f"query rows, so block_m must be 16 * warps * (1 or 2) "
+                f"(allowed with warps={tile.warps}: {allowed})",
+            )
+        )
+    if not (16 <= tile.block_n <= 256 and tile.block_n % 16 == 0):
+        out.append(
+            ("tile.block_n", f"{tile.block_n} is not allowed (allowed: multiples of 16 in 16..256)")
+        )
+    if tile.stages not in TILE_STAGES:
+        out.append(("tile.stages", f"{tile.stages} is not allowed (allowed: 1, 2, 3)"))
+    return out
+
+
+def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype) -> int:
+    """Dynamic shared memory in bytes: Q tile plus `stages` K and V tiles, padded rows."""
+    rows = tile.block_m + 2 * tile.stages * tile.block_n
+    return rows * (head_dim + SMEM_ROW_PAD) * dtype.nbytes
+
 
 __all__ = [
     "MEASURED_DEFAULTS",

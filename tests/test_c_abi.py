@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from flashgen.generator.families import SCORE_PARAM_FIELDS
 from flashgen.generator.families.forward import PARAMS
 from flashgen.generator.paths import TEMPLATES_DIR
 
@@ -98,9 +99,11 @@ def defaults_program() -> str:
     """C/C++ source printing every field of fg_fwd_params_default(), one `name: value` a line."""
     lines = ["#include <stdio.h>", '#include "flashgen/params.h"', "int main(void) {",
              "  fg_fwd_params p = fg_fwd_params_default();"]  # fmt: skip
+    score = {f.name for f in SCORE_PARAM_FIELDS}  # members of the embedded `score` struct
     for f in PARAMS:
         fmt, expr = PRINTF[f.ctype]
-        lines.append(f'  printf("{f.name}: {fmt}\\n", {expr.format(f.name)});')
+        member = f"score.{f.name}" if f.name in score else f.name
+        lines.append(f'  printf("{f.name}: {fmt}\\n", {expr.format(member)});')
     return "\n".join(lines + ["  return 0;", "}", ""])
 
 

@@ -134,8 +134,8 @@ def test_canonical_form_has_fixed_key_order_and_yaml_spellings():
     c = s.to_canonical()
     assert list(c) == [
         "kernel", "head_dim", "dtype", "mask", "gqa", "dropout", "debug_keep_mask",
-        "sparsity", "deterministic", "paged", "instrument_io", "tile", "tile_auto", "target",
-        "allow_spills",
+        "sparsity", "deterministic", "paged", "softcap", "alibi", "sink", "instrument_io",
+        "tile", "tile_auto", "target", "allow_spills",
     ]  # fmt: skip
     assert c["mask"] == {"causal": "bottom_right", "window": False, "varlen": False}
     assert c["tile_auto"] is True and c["target"] == "sm_90"

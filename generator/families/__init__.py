@@ -58,7 +58,9 @@ def params_table(text: str) -> tuple[ParamField, ...]:
 
 # The score-stage features' runtime fields (`fg_score_params`, score_params.h): every family's
 # C parameter struct ends with `fg_score_params score;`, so every PARAMS table ends with these.
-SCORE_PARAM_FIELDS: tuple[ParamField, ...] = tuple(ParamField(r.name, r.ctype) for r in SCORE_PARAMS)
+SCORE_PARAM_FIELDS: tuple[ParamField, ...] = tuple(
+    ParamField(r.name, r.ctype) for r in SCORE_PARAMS
+)
 
 
 class Family:

@@ -13,11 +13,19 @@ from typing import Any
 from flashgen.generator.families import SCORE_PARAM_FIELDS, Family, params_table
 from flashgen.generator.spec import Dtype, KernelKind, KernelSpec, Target, Tile
 
+# The tile geometry lives beside the tile rule (generator/tiles.py), which imports nothing of
+# this module: no import cycle between the family and its `tile: auto` table.
+from flashgen.generator.tiles import (  # noqa: F401 - re-exported, part of this family's API
+    SMEM_ROW_PAD,
+    TILE_MT,
+    TILE_STAGES,
+    TILE_WARPS,
+    auto_tile,
+    smem_bytes,
+    tile_problems,
+)
+
 HEAD_DIMS = tuple(range(16, 257, 16))
-TILE_WARPS = (1, 2, 4, 8)
-TILE_STAGES = (1, 2, 3)
-TILE_MT = (1, 2)  # 16-row MMA tiles per warp along the query dimension
-SMEM_ROW_PAD = 8  # the kernel pads each shared-memory row by 8 elements (bank conflicts)
 
 # fg_fwd_params (include/flashgen/params.h), in declaration order.
 PARAMS = params_table(
@@ -70,40 +78,6 @@ IO_KEYS = ("Q", "K", "V", "O", "LSE", "META", "KEEP_MASK")
 GRID_FORMULA = "ceil(max_seqlen_q/block_m) * heads * batch"
 
 
-def tile_problems(tile: Tile) -> list[tuple[str, str]]:
-    """Shape constraints independent of head_dim/target, as (field, message) pairs."""
-    out: list[tuple[str, str]] = tile.type_problems()
-    if out:
-        return out
-    if tile.warps not in TILE_WARPS:
-        out.append(("tile.warps", f"{tile.warps} is not allowed (allowed: 1, 2, 4, 8)"))
-    if tile.block_m <= 0 or tile.block_m % 16:
-        out.append(("tile.block_m", f"{tile.block_m} is not a positive multiple of 16"))
-    elif tile.warps in TILE_WARPS and tile.block_m not in [16 * tile.warps * mt for mt in TILE_MT]:
-        allowed = ", ".join(str(16 * tile.warps * mt) for mt in TILE_MT)
-        out.append(
-            (
-                "tile.block_m",
-                f"{tile.block_m} does not fit {tile.warps} warps: each warp owns 16 or 32 "
-                f"query rows, so block_m must be 16 * warps * (1 or 2) "
-                f"(allowed with warps={tile.warps}: {allowed})",
-            )
-        )
-    if not (16 <= tile.block_n <= 256 and tile.block_n % 16 == 0):
-        out.append(
-            ("tile.block_n", f"{tile.block_n} is not allowed (allowed: multiples of 16 in 16..256)")
-        )
-    if tile.stages not in TILE_STAGES:
-        out.append(("tile.stages", f"{tile.stages} is not allowed (allowed: 1, 2, 3)"))
-    return out
-
-
-def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype) -> int:
-    """Dynamic shared memory in bytes: Q tile plus `stages` K and V tiles, padded rows."""
-    rows = tile.block_m + 2 * tile.stages * tile.block_n
-    return rows * (head_dim + SMEM_ROW_PAD) * dtype.nbytes
-
-
 class Forward(Family):
     kind = KernelKind.FORWARD
     templates = "forward"
@@ -149,8 +123,6 @@ class Forward(Family):
         return smem_bytes(spec.tile, spec.head_dim, spec.dtype)
 
     def auto_tile(self, target: Target, dtype: Dtype, head_dim: int, values: dict) -> Tile:
-        from flashgen.generator.tiles import auto_tile
-
         return auto_tile(target, dtype, head_dim, features=values)
 
     def config(self, spec: KernelSpec) -> dict[str, Any]:
