@@ -9,7 +9,8 @@
 Operators (`torch.library.custom_op`, with fake implementations for torch.compile):
 
     flashgen::decode(q, k_cache, v_cache, cache_seqlens, block_table?, softmax_scale, causal,
-                     window_left, window_right, num_splits, max_seqlen_k, check_inputs)
+                     window_left, window_right, num_splits, max_seqlen_k, check_inputs,
+                     softcap=0.0, alibi_slopes?=None, learnable_sink?=None)
         -> (out, softmax_lse)
     flashgen::merge_states(o_parts, lse_parts, out_dtype) -> (out, lse)
 
@@ -30,7 +31,6 @@ argument flash-attn does not have), or the environment variable FLASHGEN_KVCACHE
 callers that cannot pass it; a flagged call then raises `kvcache_select.CacheInputError`.
 """
 
-import math
 import operator
 import os
 from typing import Optional, Union
@@ -42,7 +42,15 @@ from flashgen.torch import cache
 from flashgen.torch import kvcache_select as ks
 from flashgen.torch.kvcache_select import CacheInputError, DecodeCall, KvProblem
 from flashgen.torch.ops import _capability as _device_capability
-from flashgen.torch.ops import _check_aligned, _meta
+from flashgen.torch.ops import (
+    _check_aligned,
+    _empty_lse,
+    _meta,
+    as_softcap,
+    check_score_tensors,
+    score_features,
+)
+from flashgen.torch.ops import score_params as _score_params
 from flashgen.torch.selection import UnsupportedCall
 from flashgen.verify.runner_decode import DecodeLibrary
 from torch import Tensor
@@ -115,9 +123,11 @@ def _problem(
     return pb
 
 
-def _spec(q: Tensor, pb: KvProblem, causal: bool, window_left: int, window_right: int):
+def _spec(q: Tensor, pb: KvProblem, causal: bool, window_left: int, window_right: int, features):
     mask, window, runtime = ks.decode_mask(causal, (window_left, window_right), pb.seqlen_q)
-    call = DecodeCall(pb.dtype, int(pb.head_dim), _capability(q.device), pb.paged, mask, window)
+    call = DecodeCall(
+        pb.dtype, int(pb.head_dim), _capability(q.device), pb.paged, mask, window, features
+    )
     return ks.decode_spec(call), runtime
 
 
@@ -148,9 +158,13 @@ def decode(
     num_splits: int,
     max_seqlen_k: int,
     check_inputs: bool,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    learnable_sink: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     pb = _problem(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, softmax_scale)
-    spec, (win_l, win_r) = _spec(q, pb, causal, window_left, window_right)
+    feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
+    spec, (win_l, win_r) = _spec(q, pb, causal, window_left, window_right, feats)
     device = q.device
     out, lse = _outputs(q, pb)
     if out.numel() == 0:  # no sequence or no query
@@ -159,7 +173,7 @@ def decode(
         if check_inputs and bool((cache_seqlens != 0).any()):
             raise CacheInputError(ks.describe_errors(ks.ERR_SEQLEN, 0, None))
         out.zero_()
-        lse.fill_(-math.inf)
+        _empty_lse(lse, learnable_sink)  # -inf, or the head's sink
         return out, lse
     _check_aligned(q=q, k_cache=k_cache, v_cache=v_cache)
     lib = _library(spec)
@@ -192,6 +206,8 @@ def decode(
         "window_right": win_r,
         "num_splits": num_splits,
     }
+    if feats:
+        params.update(_score_params(feats, softcap, alibi_slopes, learnable_sink))
     with torch.cuda.device(device):
         size = max(lib.workspace_bytes(params), WORKSPACE_HEADER)
         workspace = torch.empty(size, dtype=torch.uint8, device=device)
@@ -210,10 +226,13 @@ def decode(
 @decode.register_fake
 def _decode_fake(
     q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_left,
-    window_right, num_splits, max_seqlen_k, check_inputs,
+    window_right, num_splits, max_seqlen_k, check_inputs, softcap=0.0, alibi_slopes=None,
+    learnable_sink=None,
 ):  # fmt: skip
     pb = _problem(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, softmax_scale)
-    _spec(q, pb, causal, window_left, window_right)  # refuse at trace time what no kernel serves
+    feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
+    # refuse at trace time what no kernel serves
+    _spec(q, pb, causal, window_left, window_right, feats)
     return _outputs(q, pb)
 
 
@@ -242,6 +261,7 @@ def flash_attn_with_kvcache(
     return_softmax_lse: bool = False,
     *,
     check_inputs: Optional[bool] = None,
+    learnable_sink: Optional[Tensor] = None,
 ) -> Result:
     """Attention of a few new queries over a KV cache, as flash-attn 2's (without appending).
 
@@ -253,9 +273,9 @@ def flash_attn_with_kvcache(
             page_size a power of two in 16..256. `kv_heads` divides `heads` (GQA/MQA).
             head_dim 32, 64 or 128. Last dimension contiguous, every other stride a multiple
             of 8 elements (dimensions of size 1 excepted), 16-byte aligned data.
-        k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, alibi_slopes, softcap:
-            not implemented; anything but the defaults raises `UnsupportedCall` (write new
-            tokens into the cache before the call; `rotary_interleaved` is then ignored).
+        k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad: not implemented;
+            anything but the defaults raises `UnsupportedCall` (write new tokens into the
+            cache before the call; `rotary_interleaved` is then ignored).
         cache_seqlens: int32 `(batch,)` CUDA tensor of keys per sequence, **including** the
             seqlen_q new ones (flash-attn's meaning when k, v are None); an int (every
             sequence that long, checked against the capacity on the host) or None (the full
@@ -267,6 +287,9 @@ def flash_attn_with_kvcache(
         causal: bottom-right aligned (query i of n sees keys `j <= cache_seqlens - n + i`).
         window_size: `(left, right)`, -1 unbounded, bottom-right aligned; `causal=True` sets
             `right = 0`.
+        softcap: 0.0 (off) or c > 0: scores s become `c * tanh(s / c)`, as in flash_attn_func.
+        alibi_slopes: None, or float32 `(heads,)` or `(batch, heads)` on q's device: the bias
+            `-slope[b, h] * |i + cache_seqlens[b] - seqlen_q - j|` (flash-attn's).
         num_splits: 0 lets the heuristic choose the split-KV factor (docs/decode.md); 1..128
             forces it.
         return_softmax_lse: also return the float32 `(batch, heads, seqlen_q)` natural-log LSE
@@ -274,6 +297,9 @@ def flash_attn_with_kvcache(
         check_inputs: read the kernel's error word after the call and raise
             `CacheInputError` on bad page ids or cache_seqlens; costs a sync per call. Default:
             the environment variable FLASHGEN_KVCACHE_CHECK == "1".
+        learnable_sink: None, or float32 `(heads,)` on q's device: attention sinks, as in
+            flash_attn_func (`exp(sink_h)` joins each row's softmax denominator and its LSE; a
+            row that sees no key gives O = 0 and LSE = sink_h). No gradient here.
 
     Returns `out` `(batch, seqlen_q, heads, head_dim)` in q's dtype, or `(out, softmax_lse)`.
     No gradient: inputs are detached (inference only).
@@ -285,10 +311,12 @@ def flash_attn_with_kvcache(
         rotary_sin=rotary_sin is not None,
         cache_batch_idx=cache_batch_idx is not None,
         cache_leftpad=cache_leftpad is not None,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes is not None,
     )
     del rotary_interleaved  # only meaningful with rotary_cos/sin
+    if type(softcap) is not float:
+        softcap = as_softcap(softcap)
+    if alibi_slopes is not None or learnable_sink is not None:
+        check_score_tensors(alibi_slopes, learnable_sink)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     if check_inputs is None:
@@ -334,6 +362,9 @@ def flash_attn_with_kvcache(
         int(num_splits),
         int(max_seqlen_k),
         bool(check_inputs),
+        softcap,
+        None if alibi_slopes is None else alibi_slopes.detach(),
+        None if learnable_sink is None else learnable_sink.detach(),
     )
     return (out, lse) if return_softmax_lse else out
 

@@ -11,6 +11,9 @@ the mask is normalised so that the shipped specs of specs/decode.yaml serve the 
   from the last query, so they are dropped (flash-attn does the same); only `left` remains;
 - a left window with `right == 0` (causal sliding window) uses `causal: bottom_right` plus
   `window` (the shipped `causalbr_win` kernels), the same mask as `causal: none` + window.
+
+The score-stage features (`softcap`, `alibi_slopes`, `learnable_sink`) are checked and turned
+into the spec's `features` by `selection.score_features`, as for `flash_attn_func`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from flashgen.generator.families.decode import (
     MAX_SPLITS,
     PAGE_SIZES,
 )
+from flashgen.generator.features import FEATURES
 from flashgen.generator.spec import (
     Causal,
     Dtype,
@@ -37,6 +41,7 @@ from flashgen.generator.spec import (
 )
 from flashgen.torch.selection import (
     DTYPES,
+    NO_FEATURES,
     TensorMeta,
     UnsupportedCall,
     auto_spec,
@@ -91,7 +96,8 @@ def describe_errors(word: int, capacity: int, num_pages: int | None) -> str:
 
 @dataclass(frozen=True)
 class DecodeCall:
-    """Everything about a decode call that selects a kernel."""
+    """Everything about a decode call that selects a kernel (`features`: the score-stage
+    features that are on, `selection.score_features`)."""
 
     dtype: Dtype
     head_dim: int
@@ -99,6 +105,7 @@ class DecodeCall:
     paged: bool = False
     causal: Causal = Causal.NONE
     window: bool = False
+    features: frozenset[str] = NO_FEATURES
 
 
 def decode_mask(
@@ -136,6 +143,7 @@ def decode_spec(call: DecodeCall) -> KernelSpec:
             "mask.window": call.window,
             "gqa": True,
             "paged": call.paged,
+            **{f.name: f.name in call.features for f in FEATURES},
         },
     )
 
@@ -159,10 +167,10 @@ def check_features(
     rotary_sin: bool = False,
     cache_batch_idx: bool = False,
     cache_leftpad: bool = False,
-    softcap: float = 0.0,
-    alibi_slopes: bool = False,
 ) -> None:
-    """Refuse flash-attn features flashgen does not implement (booleans: "was given")."""
+    """Refuse flash-attn features flashgen does not implement (booleans: "was given"). The
+    score-stage ones (softcap, alibi_slopes, learnable_sink) are served:
+    `selection.score_features` checks them."""
     if k or v:
         names = " and ".join(n for n, on in (("k", k), ("v", v)) if on)
         raise UnsupportedCall(
@@ -185,12 +193,6 @@ def check_features(
             "cache_leftpad: left-padded caches are not implemented (allowed: None); every "
             "sequence's keys start at row 0"
         )
-    if softcap != 0.0:
-        raise UnsupportedCall(
-            f"softcap={softcap}: score soft-capping is not implemented (allowed: 0.0)"
-        )
-    if alibi_slopes:
-        raise UnsupportedCall("alibi_slopes: ALiBi biases are not implemented (allowed: None)")
 
 
 class KvProblem(NamedTuple):

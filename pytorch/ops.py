@@ -11,15 +11,24 @@ cache, else compiled on first use) for the spec `flashgen.torch.selection` deriv
 Schemas (all sizes in elements; see `flashgen.torch.flash_attn_func` for the layouts):
 
     fwd(q, k, v, cu_seqlens_q?, cu_seqlens_k?, max_seqlen_q, max_seqlen_k, dropout_p,
-        softmax_scale, causal, window_left, window_right, deterministic)
+        softmax_scale, causal, window_left, window_right, deterministic, softcap=0.0,
+        alibi_slopes?=None, learnable_sink?=None)
         -> (out, softmax_lse, philox_seed, philox_offset)
     bwd(dout, q, k, v, out, softmax_lse, philox_seed, philox_offset, cu_seqlens_q?,
         cu_seqlens_k?, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-        window_left, window_right, deterministic) -> (dq, dk, dv)
+        window_left, window_right, deterministic, softcap=0.0, alibi_slopes?=None,
+        learnable_sink?=None) -> (dq, dk, dv, dsink)
 
 `philox_seed` and `philox_offset` are 0-dim int64 CPU tensors (as torch's own fused attention
 returns them): the seed's 64 bits are stored two's-complement. Dense calls pass `None`
 cu_seqlens and ignore the max_seqlen arguments.
+
+The score-stage features (`generator.features`) take the last three arguments, flash-attn's
+and FlashAttention-4's: `softcap` (0.0 off), `alibi_slopes` (float32 `(heads,)` or `(batch,
+heads)`) and `learnable_sink` (float32 `(heads,)`); `selection.score_features` checks them and
+derives the spec's features. `dsink` is dL/dlearnable_sink, float32 `(heads,)`, when the call
+has a sink, else an empty float32 `(0,)` tensor (a custom op cannot return None). softcap and
+the slopes get no gradient (as in flash-attn).
 """
 
 import math
@@ -27,12 +36,20 @@ from functools import lru_cache
 from typing import Optional
 
 import torch
+from flashgen.generator.features import FEATURES
 from flashgen.torch import cache, selection
-from flashgen.torch.selection import AttentionCall, Problem, TensorMeta, UnsupportedCall
+from flashgen.torch.selection import (
+    NO_FEATURES,
+    SCORE_ARGS,
+    AttentionCall,
+    Problem,
+    TensorMeta,
+    UnsupportedCall,
+)
 from flashgen.verify.runner_bwd import workspace_layout
 from torch import Tensor
 
-__all__ = ["PHILOX_OFFSET_STEP", "bwd", "fwd", "philox_state"]
+__all__ = ["PHILOX_OFFSET_STEP", "bwd", "fwd", "philox_state", "score_features"]
 
 # How far one forward advances the CUDA generator's Philox offset. The kernels' counter is
 # (key group j >> 2, row i, b * heads + h, offset) (docs/conventions.md, "Dropout"): every
@@ -162,22 +179,24 @@ def _call(
     window_left: int,
     window_right: int,
     deterministic: bool,
+    features: frozenset = NO_FEATURES,
 ) -> tuple[AttentionCall, tuple[int, int]]:
-    """The call's kernel-selecting features and its runtime window.
+    """The call's kernel-selecting features and its runtime window (`features`: what
+    `score_features` returned for the call).
 
     Memoised on the raw arguments it reads (equal keys give equal results; only successes
     are kept, so a refused call is refused anew each time with the same message). Symbolic
     sizes (torch.compile with dynamic shapes) are unhashable and take the uncached path."""
     if not (0.0 <= dropout_p < 1.0):  # also refuses NaN
         raise UnsupportedCall(f"dropout_p must be in [0, 1), got {dropout_p}")
-    args = (q, pb, dropout_p, causal, window_left, window_right, deterministic)
+    args = (q, pb, dropout_p, causal, window_left, window_right, deterministic, features)
     index = q.device.index
     # Uncached: a device without an index (the capability would be the current device's,
     # which may change) or a symbolic dropout_p (hashing a SymFloat would specialise it).
     if index is None or type(dropout_p) is not float:
         return _make_call(*args)
     key = (pb.dtype, pb.head_dim, pb.heads, pb.kv_heads, pb.varlen, index, dropout_p, causal,
-           window_left, window_right, deterministic)  # fmt: skip
+           window_left, window_right, deterministic, features)  # fmt: skip
     try:
         hit = _CALLS.get(key)
     except TypeError:  # a SymInt size or an unhashable argument
@@ -198,6 +217,7 @@ def _make_call(
     window_left: int,
     window_right: int,
     deterministic: bool,
+    features: frozenset = NO_FEATURES,
 ) -> tuple[AttentionCall, tuple[int, int]]:
     mask_causal, window, runtime_window = selection.resolve_mask(
         bool(causal), (window_left, window_right)
@@ -212,8 +232,135 @@ def _make_call(
         gqa=bool(pb.gqa),
         dropout=dropout_p > 0.0,
         deterministic=bool(deterministic),
+        features=features,
     )
     return call, runtime_window
+
+
+# --------------------------------------------------------------------------------------------
+# Score-stage features (generator.features): softcap, ALiBi, attention sinks.
+# --------------------------------------------------------------------------------------------
+
+# The ops take the features' arguments by these names, in this order (their schemas end so).
+_OP_SCORE_ARGS = ("softcap", "alibi_slopes", "learnable_sink")
+if SCORE_ARGS != _OP_SCORE_ARGS:
+    raise ImportError(
+        f"flashgen.torch.ops takes the score arguments {_OP_SCORE_ARGS}, the score-stage "
+        f"features name {SCORE_ARGS}: the op schemas must follow the registry"
+    )
+
+# score_features' accepted results by their raw arguments (bounded like _CALLS).
+_SCORES: dict[tuple, frozenset] = {}
+
+
+def as_softcap(softcap) -> float:
+    """flash-attn's `softcap` argument as the ops' float (`score_features` checks its value)."""
+    if isinstance(softcap, bool):
+        raise UnsupportedCall(f"softcap must be a float (0.0: off), got {softcap!r}")
+    try:
+        return float(softcap)
+    except (TypeError, ValueError):
+        raise UnsupportedCall(
+            f"softcap must be a float (0.0: off, c > 0: scores become c * tanh(s / c)), got "
+            f"{type(softcap).__name__}"
+        ) from None
+
+
+def check_score_tensors(alibi_slopes, learnable_sink) -> None:
+    """The tensor arguments of the score-stage features are tensors (or None): refused here,
+    with the argument's name, before the op's schema would refuse them less clearly."""
+    for name, t in (("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)):
+        if t is not None and not isinstance(t, Tensor):
+            raise UnsupportedCall(
+                f"{name} must be a float32 tensor on q's device or None, got {type(t).__name__}"
+            )
+
+
+def _tensor_layout(t: Optional[Tensor]) -> Optional[tuple]:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def score_features(
+    q: Tensor,
+    batch: int,
+    heads: int,
+    softcap: float,
+    alibi_slopes: Optional[Tensor],
+    learnable_sink: Optional[Tensor],
+) -> frozenset:
+    """The score-stage features of a call (`selection.score_features`, which checks the
+    arguments), its tensors also on q's device. The defaults (0.0, None, None) return at once;
+    other accepted calls of a plain float and plain torch.Tensors are memoised on the tensors'
+    layouts (only successes: a refused call is refused anew each time, with its message)."""
+    if alibi_slopes is None and learnable_sink is None and softcap == 0.0:
+        return NO_FEATURES
+    values = (softcap, alibi_slopes, learnable_sink)
+    key = None
+    T = Tensor
+    if (
+        type(softcap) is float
+        and (alibi_slopes is None or type(alibi_slopes) is T)
+        and (learnable_sink is None or type(learnable_sink) is T)
+    ):
+        key = (softcap, batch, heads, q.device,
+               _tensor_layout(alibi_slopes), _tensor_layout(learnable_sink))  # fmt: skip
+        try:
+            hit = _SCORES.get(key)
+        except TypeError:  # a SymInt size
+            key = hit = None
+        if hit is not None:
+            return hit
+    args = {}
+    for name, value in zip(SCORE_ARGS, values):
+        if isinstance(value, Tensor):
+            if value.device != q.device:
+                raise UnsupportedCall(
+                    f"{name} is on device {value.device} but q is on {q.device}; it must be a "
+                    "float32 tensor on q's device"
+                )
+            value = _meta(value)
+        args[name] = value
+    feats = selection.score_features(args, batch=batch, heads=heads)
+    if key is not None:
+        if len(_SCORES) >= _CACHE_LIMIT:
+            _SCORES.clear()
+        _SCORES[key] = feats
+    return feats
+
+
+def _alibi_params(t: Tensor) -> dict:
+    # (batch, heads) slopes: batch b reads row b; (heads,) ones (or one row): stride 0
+    return {
+        "alibi_slopes": t.data_ptr(),
+        "alibi_batch_stride": t.stride(0) if t.dim() == 2 and t.shape[0] > 1 else 0,
+    }
+
+
+# torch_arg -> the parameter-struct fields (generator.features' ParamRows) of its value; the
+# backward adds `dsinks` itself.
+_SCORE_PARAMS = {
+    "softcap": lambda c: {"softcap": float(c)},
+    "alibi_slopes": _alibi_params,
+    "learnable_sink": lambda t: {"sinks": t.data_ptr()},
+}
+
+
+def score_params(features: frozenset, softcap, alibi_slopes, learnable_sink) -> dict:
+    """The launch fields of the features that are on (none: an empty dict)."""
+    out: dict = {}
+    if features:
+        for f, value in zip(FEATURES, (softcap, alibi_slopes, learnable_sink)):
+            if f.name in features:
+                out.update(_SCORE_PARAMS[f.torch_arg](value))
+    return out
+
+
+def _empty_lse(lse: Tensor, learnable_sink: Optional[Tensor]) -> Tensor:
+    """The LSE of rows that see no key: -inf, or the head's sink (exp(sink) alone is then the
+    softmax's denominator; the output stays 0)."""
+    if learnable_sink is None:
+        return lse.fill_(-math.inf)
+    return lse.copy_(learnable_sink[:, None].expand(lse.shape))
 
 
 def _check_scale(softmax_scale: float) -> None:
@@ -346,9 +493,15 @@ def fwd(
     window_left: int,
     window_right: int,
     deterministic: bool,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    learnable_sink: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    call, (win_l, win_r) = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic)
+    feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
+    call, (win_l, win_r) = _call(
+        q, pb, dropout_p, causal, window_left, window_right, deterministic, feats
+    )
     _check_scale(softmax_scale)
     lib = cache.kernel_library(selection.forward_spec(call))
     device = q.device
@@ -357,9 +510,9 @@ def fwd(
     lse = torch.empty(_lse_shape(q, pb), dtype=torch.float32, device=device)
     if q.numel() == 0:
         return out, lse, _scalar(seed), _scalar(offset)
-    if k.numel() == 0:  # no key anywhere: every row is empty (O = 0, LSE = -inf)
+    if k.numel() == 0:  # no key anywhere: every row is empty (O = 0, LSE = -inf or the sink)
         out.zero_()
-        lse.fill_(-math.inf)
+        _empty_lse(lse, learnable_sink)
         return out, lse, _scalar(seed), _scalar(offset)
     q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
     if (q_ptr | k_ptr | v_ptr) % 16:  # all aligned: nothing for _check_aligned to refuse
@@ -393,6 +546,8 @@ def fwd(
         "offset": offset,
         "blk_layout_heads": 1,
     }
+    if feats:
+        params.update(score_params(feats, softcap, alibi_slopes, learnable_sink))
     with _OnDevice(device):
         lib.launch(params, _stream(device))
     return out, lse, _scalar(seed), _scalar(offset)
@@ -401,10 +556,12 @@ def fwd(
 @fwd.register_fake
 def _fwd_fake(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-    causal, window_left, window_right, deterministic,
+    causal, window_left, window_right, deterministic, softcap=0.0, alibi_slopes=None,
+    learnable_sink=None,
 ):  # fmt: skip
     pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    call, _ = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic)
+    feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
+    call, _ = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic, feats)
     selection.forward_spec(call)  # refuse at trace time what the kernel cannot serve
     return _fwd_outputs(q, pb)
 
@@ -428,8 +585,13 @@ def _bwd_problem(dout, q, k, v, out, lse, seed, offset, cu_q, cu_k, max_q, max_k
     return pb
 
 
-def _bwd_outputs(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+def _bwd_outputs(
+    q: Tensor, k: Tensor, v: Tensor, pb: Problem, learnable_sink: Optional[Tensor]
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv and dsink: float32 (heads,) with a sink, else empty (0,)."""
+    grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    n = 0 if learnable_sink is None else pb.heads
+    return (*grads, torch.empty((n,), dtype=torch.float32, device=q.device))
 
 
 @torch.library.custom_op("flashgen::bwd", mutates_args=())
@@ -452,19 +614,26 @@ def bwd(
     window_left: int,
     window_right: int,
     deterministic: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    learnable_sink: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     lse = softmax_lse
     pb = _bwd_problem(
         dout, q, k, v, out, lse, philox_seed, philox_offset,
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     )  # fmt: skip
-    call, (win_l, win_r) = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic)
+    feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
+    call, (win_l, win_r) = _call(
+        q, pb, dropout_p, causal, window_left, window_right, deterministic, feats
+    )
     _check_scale(softmax_scale)
     spec = selection.backward_spec(call)
     lib = cache.kernel_library(spec)
-    dq, dk, dv = _bwd_outputs(q, k, v)
+    dq, dk, dv, dsink = _bwd_outputs(q, k, v, pb, learnable_sink)
     if q.numel() == 0 or k.numel() == 0:  # nothing visible anywhere: every gradient is 0
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        # (a sink's too: its rows have O = 0, so D = rowsum(dO * O) = 0)
+        return dq.zero_(), dk.zero_(), dv.zero_(), dsink.zero_()
     q_ptr, k_ptr, v_ptr, o_ptr, do_ptr = (t.data_ptr() for t in (q, k, v, out, dout))
     if (q_ptr | k_ptr | v_ptr | o_ptr | do_ptr) % 16:  # else nothing for _check_aligned to refuse
         _check_aligned(q=q, k=k, v=v, out=out, dout=dout)
@@ -502,6 +671,10 @@ def bwd(
         "offset": _u64(philox_offset),
         "blk_layout_heads": 1,
     }
+    if feats:
+        params.update(score_params(feats, softcap, alibi_slopes, learnable_sink))
+        if learnable_sink is not None:
+            params["dsinks"] = dsink.data_ptr()  # written by the kernel, not accumulated
     # The workspace, carved exactly as verify.runner_bwd does (the C ABI's layout): fp32
     # dq_accum, fp32 dsum, then the int32 dq_sem of deterministic builds, each 256-byte
     # aligned; the launcher zeroes what must start at zero, so torch.empty suffices.
@@ -527,22 +700,23 @@ def bwd(
         params["dq_sem"] = base + carve["dq_sem"]
     with _OnDevice(q.device):
         lib.launch(params, _stream(q.device))
-    return dq, dk, dv
+    return dq, dk, dv, dsink
 
 
 @bwd.register_fake
 def _bwd_fake(
     dout, q, k, v, out, softmax_lse, philox_seed, philox_offset, cu_seqlens_q, cu_seqlens_k,
     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
-    deterministic,
+    deterministic, softcap=0.0, alibi_slopes=None, learnable_sink=None,
 ):  # fmt: skip
     pb = _bwd_problem(
         dout, q, k, v, out, softmax_lse, philox_seed, philox_offset,
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     )  # fmt: skip
-    call, _ = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic)
+    feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
+    call, _ = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic, feats)
     selection.backward_spec(call)
-    return _bwd_outputs(q, k, v)
+    return _bwd_outputs(q, k, v, pb, learnable_sink)
 
 
 # --------------------------------------------------------------------------------------------
@@ -556,17 +730,20 @@ _PLAIN = (bool, int, float)
 
 
 def _backward_key(q, k, v, cu_q, cu_k, dropout_p, causal, window_left, window_right,
-                  deterministic) -> Optional[tuple]:  # fmt: skip
-    """What decides check_backward's verdict on a call whose tensors `_problem` accepts: q's
-    dtype, head_dim and heads, k's heads, which cu_seqlens are given, q's device and the
-    dropout, mask and deterministic arguments as given (with those, `_problem` derives the
-    Problem fields that `_call` reads). None unless all tensors are plain torch.Tensors (fake,
-    functional and other subclasses take the full check) and the other arguments plain bool,
-    int or float (equal values then convert and check alike). May raise TypeError."""
+                  deterministic, softcap=0.0, alibi_slopes=None,
+                  learnable_sink=None) -> Optional[tuple]:  # fmt: skip
+    """What decides check_backward's verdict on a call whose tensors `_problem` and whose
+    score arguments `score_features` accept: q's dtype, head_dim and heads, k's heads, which
+    cu_seqlens are given, q's device, the dropout, mask and deterministic arguments and the
+    softcap as given, and which of alibi_slopes and learnable_sink are given (with those,
+    `_problem` and `score_features` derive what `_call` reads). None unless all tensors are
+    plain torch.Tensors (fake, functional and other subclasses take the full check) and the
+    other arguments plain bool, int or float (equal values then convert and check alike).
+    May raise TypeError."""
     T = Tensor
     if type(q) is not T or type(k) is not T or type(v) is not T:
         return None
-    for x in (dropout_p, causal, window_left, window_right, deterministic):
+    for x in (dropout_p, causal, window_left, window_right, deterministic, softcap):
         if type(x) not in _PLAIN:
             return None
     if (cu_q is not None and type(cu_q) is not T) or (cu_k is not None and type(cu_k) is not T):
@@ -575,19 +752,21 @@ def _backward_key(q, k, v, cu_q, cu_k, dropout_p, causal, window_left, window_ri
     if len(sq) < 2 or len(sk) < 2:
         return None
     key = (q.dtype, sq[-1], sq[-2], sk[-2], cu_q is None, cu_k is None, q.device, dropout_p,
-           causal, window_left, window_right, deterministic)  # fmt: skip
+           causal, window_left, window_right, deterministic, softcap, alibi_slopes is None,
+           learnable_sink is None)  # fmt: skip
     hash(key)
     return key
 
 
 def _backward_known(q, k, v, cu_q, cu_k, dropout_p, causal, window_left, window_right,
-                    deterministic) -> bool:  # fmt: skip
+                    deterministic, softcap=0.0, alibi_slopes=None,
+                    learnable_sink=None) -> bool:  # fmt: skip
     """True when check_backward accepted a call of the same `_backward_key` before: then
-    check_backward on these arguments either passes or fails in `_problem` or `_call`,
-    which the forward runs first on the same arguments, with the same message."""
+    check_backward on these arguments either passes or fails in `_problem`, `score_features`
+    or `_call`, which the forward runs first on the same arguments, with the same message."""
     try:
         key = _backward_key(q, k, v, cu_q, cu_k, dropout_p, causal, window_left, window_right,
-                            deterministic)  # fmt: skip
+                            deterministic, softcap, alibi_slopes, learnable_sink)  # fmt: skip
     except TypeError:
         return False
     return key is not None and key in _BACKWARD_OK
@@ -606,15 +785,20 @@ def check_backward(
     window_left: int,
     window_right: int,
     deterministic: bool,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    learnable_sink: Optional[Tensor] = None,
 ) -> None:
     """Raise UnsupportedCall now if this call's backward has no kernel (so a training step
     fails at its forward, not after it)."""
     pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    call, _ = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic)
+    feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
+    call, _ = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic, feats)
     selection.backward_spec(call)
     try:
         key = _backward_key(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, causal,
-                            window_left, window_right, deterministic)  # fmt: skip
+                            window_left, window_right, deterministic, softcap, alibi_slopes,
+                            learnable_sink)  # fmt: skip
     except TypeError:
         return
     if key is not None:
@@ -623,15 +807,24 @@ def check_backward(
         _BACKWARD_OK.add(key)
 
 
+# fwd's inputs: q, k, v, cu_seqlens_q/k, max_seqlen_q/k, dropout_p, softmax_scale, causal,
+# window_left/right, deterministic, softcap, alibi_slopes, learnable_sink.
+_SINK_INPUT = 15
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    (q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, win_l, win_r, det) = inputs
+    (q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, win_l, win_r, det, softcap,
+     alibi, sink) = inputs  # fmt: skip
     out, lse, seed, offset = output
     # The forward accepted these tensors (_problem), so a call known to check_backward
     # passes it: only the first call of its kind pays for the check.
-    if not _backward_known(q, k, v, cu_q, cu_k, dropout_p, causal, win_l, win_r, det):
-        check_backward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, win_l, win_r, det)
-    ctx.save_for_backward(q, k, v, out, lse, seed, offset, cu_q, cu_k)
-    ctx.attrs = (max_q, max_k, dropout_p, scale, causal, win_l, win_r, det)
+    score = (softcap, alibi, sink)
+    if not _backward_known(q, k, v, cu_q, cu_k, dropout_p, causal, win_l, win_r, det, *score):
+        check_backward(
+            q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, win_l, win_r, det, *score
+        )
+    ctx.save_for_backward(q, k, v, out, lse, seed, offset, cu_q, cu_k, alibi, sink)
+    ctx.attrs = (max_q, max_k, dropout_p, scale, causal, win_l, win_r, det, softcap)
     # The LSE is an output for inspection and merging, not a differentiable one (as in
     # flash-attn): the backward kernel has no term for a gradient flowing into it.
     ctx.mark_non_differentiable(lse, seed, offset)
@@ -646,11 +839,13 @@ def _usable(dout: Tensor) -> Tensor:
 
 
 def _backward(ctx, dout, _dlse, _dseed, _doffset):
-    q, k, v, out, lse, seed, offset, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flashgen.bwd.default(
-        _usable(dout), q, k, v, out, lse, seed, offset, cu_q, cu_k, *ctx.attrs
+    q, k, v, out, lse, seed, offset, cu_q, cu_k, alibi, sink = ctx.saved_tensors
+    dq, dk, dv, dsink = torch.ops.flashgen.bwd.default(
+        _usable(dout), q, k, v, out, lse, seed, offset, cu_q, cu_k, *ctx.attrs, alibi, sink
     )
-    return (dq, dk, dv) + (None,) * 10
+    # softcap and alibi_slopes get no gradient (as in flash-attn); the sink's is the kernel's
+    want_sink = sink is not None and ctx.needs_input_grad[_SINK_INPUT]
+    return (dq, dk, dv) + (None,) * 12 + (dsink if want_sink else None,)
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -15,11 +15,18 @@ Mask arguments follow flash-attn 2.1+ (docs/conventions.md, "Masks"):
 - `(-1, -1)` is no window; `(-1, 0)` is exactly causal and uses the causal kernel; any other
   window uses a `mask.window` kernel with `mask.causal: none` (its runtime window then
   carries the causal bound).
+
+Score-stage features (`generator.features`, one row each) come from the flash-attn argument
+each row names (`Feature.torch_arg`): `softcap > 0` switches on `softcap`, `alibi_slopes` given
+switches on `alibi`, `learnable_sink` given switches on `sink`. `score_features` validates
+those arguments (described by plain values, as the tensors are) and returns the set of names
+that goes into `AttentionCall.features` (and `kvcache_select.DecodeCall.features`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, NamedTuple
@@ -27,6 +34,7 @@ from typing import Any, NamedTuple
 from flashgen.generator.families import family
 from flashgen.generator.families.backward import HEAD_DIMS as BWD_HEAD_DIMS
 from flashgen.generator.families.forward import HEAD_DIMS as FWD_HEAD_DIMS
+from flashgen.generator.features import FEATURES
 from flashgen.generator.spec import (
     FIELDS,
     Causal,
@@ -42,6 +50,8 @@ __all__ = [
     "CAPABILITIES",
     "PREFERRED",
     "DTYPES",
+    "NO_FEATURES",
+    "SCORE_ARGS",
     "AttentionCall",
     "Problem",
     "TensorMeta",
@@ -50,6 +60,7 @@ __all__ = [
     "check_problem",
     "forward_spec",
     "resolve_mask",
+    "score_features",
     "target_for",
 ]
 
@@ -210,6 +221,106 @@ def check_problem(
 
 
 # --------------------------------------------------------------------------------------------
+# Score-stage features: the flash-attn arguments -> the spec's `features`.
+# --------------------------------------------------------------------------------------------
+
+# The flash-attn arguments of the score-stage features, in registry order (generator.features:
+# the order of their parameter rows and kernel-name parts).
+SCORE_ARGS: tuple[str, ...] = tuple(f.torch_arg for f in FEATURES)
+NO_FEATURES: frozenset[str] = frozenset()
+
+
+def _softcap_on(value: Any, batch: int, heads: int) -> bool:  # noqa: ARG001
+    """flash-attn's `softcap`: 0.0 (the default) is off, c > 0 caps scores to c * tanh(s / c)."""
+    if value is None:
+        return False
+    if isinstance(value, bool) or not hasattr(value, "__float__"):
+        raise UnsupportedCall(
+            f"softcap must be a float (0.0: off, c > 0: scores become c * tanh(s / c)), got "
+            f"{type(value).__name__}"
+        )
+    if not (0.0 <= value < math.inf):  # also refuses NaN
+        raise UnsupportedCall(
+            f"softcap={value}: allowed 0.0 (off) or a finite c > 0 (scores become c * tanh(s / c))"
+        )
+    return bool(value > 0.0)
+
+
+def _check_fp32_vector(
+    name: str, t: Any, shapes: Sequence[tuple[str, tuple[int, ...]]], what: str
+) -> None:
+    """`name` is a float32 CUDA tensor of one of `shapes` ((spelling, shape) pairs) with a
+    contiguous last dimension; `what` says what it holds."""
+    if not isinstance(t, TensorMeta):
+        raise UnsupportedCall(f"{name} must be a float32 tensor ({what}) or None, got "
+                              f"{type(t).__name__}")  # fmt: skip
+    if t.device != "cuda":
+        raise UnsupportedCall(
+            f"{name} is on device {t.device!r}; it must be a float32 tensor on q's CUDA device"
+        )
+    if t.dtype != "float32":
+        raise UnsupportedCall(f"{name} has dtype {t.dtype}; it must be float32 ({what})")
+    if tuple(t.shape) not in [shape for _, shape in shapes]:
+        allowed = " or ".join(f"{spelled} = {shape}" for spelled, shape in shapes)
+        raise UnsupportedCall(f"{name} has shape {tuple(t.shape)}; it must be {allowed} ({what})")
+    if t.shape[-1] > 1 and t.stride[-1] != 1:
+        raise UnsupportedCall(
+            f"{name}'s last dimension has stride {t.stride[-1]}; it must be contiguous "
+            "(stride 1): pass .contiguous()"
+        )
+
+
+def _alibi_on(t: TensorMeta | None, batch: int, heads: int) -> bool:
+    """flash-attn's `alibi_slopes`: float32 `(nheads,)` or `(batch, nheads)`, on q's device."""
+    if t is None:
+        return False
+    shapes = [("(nheads,)", (heads,)), ("(batch, nheads)", (batch, heads))]
+    _check_fp32_vector("alibi_slopes", t, shapes, "the slopes of the ALiBi bias")
+    return True
+
+
+def _sink_on(t: TensorMeta | None, batch: int, heads: int) -> bool:  # noqa: ARG001
+    """FlashAttention-4's `learnable_sink`: float32 `(nheads,)`, one logit per query head."""
+    if t is None:
+        return False
+    shapes = [("(nheads,)", (heads,))]
+    _check_fp32_vector("learnable_sink", t, shapes, "one natural-log sink logit per query head")
+    return True
+
+
+# torch_arg -> (value, batch, heads) -> whether the feature is on; raises UnsupportedCall on a
+# value flashgen cannot serve. One entry per feature of generator.features.
+_SCORE_CHECKS: dict[str, Callable[[Any, int, int], bool]] = {
+    "softcap": _softcap_on,
+    "alibi_slopes": _alibi_on,
+    "learnable_sink": _sink_on,
+}
+if set(_SCORE_CHECKS) != set(SCORE_ARGS):  # a new feature row needs its argument check here
+    raise ImportError(
+        f"flashgen.torch.selection checks the arguments {sorted(_SCORE_CHECKS)} but the "
+        f"score-stage features take {sorted(SCORE_ARGS)}"
+    )
+
+
+@lru_cache(maxsize=None)
+def _feature_set(names: tuple[str, ...]) -> frozenset[str]:
+    """One frozenset object per combination (its hash is computed once)."""
+    return frozenset(names) if names else NO_FEATURES
+
+
+def score_features(args: Mapping[str, Any], *, batch: int, heads: int) -> frozenset[str]:
+    """The score-stage features (generator.features names) a call's flash-attn arguments switch
+    on. `args`: torch_arg -> value (`softcap` a float; `alibi_slopes`, `learnable_sink` a
+    TensorMeta or None); a missing argument is off. `batch` is the number of sequences and
+    `heads` the number of query heads (the slopes' and sinks' shapes). A value no kernel takes
+    is an UnsupportedCall naming the argument and what is allowed."""
+    on = tuple(
+        f.name for f in FEATURES if _SCORE_CHECKS[f.torch_arg](args.get(f.torch_arg), batch, heads)
+    )
+    return _feature_set(on)
+
+
+# --------------------------------------------------------------------------------------------
 # The call -> spec.
 # --------------------------------------------------------------------------------------------
 
@@ -266,7 +377,8 @@ PREFERRED: dict[tuple[KernelKind, tuple[int, int]], Target] = {
 class AttentionCall:
     """Everything about a call that selects a kernel (sizes and pointers do not).
 
-    `deterministic` only concerns the backward (bitwise repeatable dQ, dK, dV).
+    `deterministic` only concerns the backward (bitwise repeatable dQ, dK, dV). `features`:
+    the score-stage features that are on (`score_features`).
     """
 
     dtype: Dtype
@@ -278,6 +390,7 @@ class AttentionCall:
     gqa: bool = False
     dropout: bool = False
     deterministic: bool = False
+    features: frozenset[str] = NO_FEATURES
 
 
 def _head_dims(dims: Sequence[int]) -> str:
@@ -320,6 +433,7 @@ def _spec_for(kind: KernelKind, call: AttentionCall, target: Target) -> KernelSp
             "gqa": call.gqa,
             "dropout": call.dropout,
             "deterministic": call.deterministic and kind is KernelKind.BACKWARD,
+            **{f.name: f.name in call.features for f in FEATURES},
         },
     )
 

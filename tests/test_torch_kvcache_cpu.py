@@ -5,6 +5,7 @@ is tests/gpu/test_torch_kvcache.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import subprocess
@@ -12,6 +13,7 @@ import sys
 
 import numpy as np
 import pytest
+from flashgen.generator.features import FEATURES
 from flashgen.generator.load import load_paths
 from flashgen.generator.naming import kernel_name
 from flashgen.generator.paths import PACKAGE_ROOT
@@ -28,7 +30,7 @@ from flashgen.torch.kvcache_select import (
     merge_spec,
     used_strides,
 )
-from flashgen.torch.selection import TensorMeta, UnsupportedCall
+from flashgen.torch.selection import SCORE_ARGS, TensorMeta, UnsupportedCall, score_features
 
 H200 = (9, 0)
 
@@ -211,8 +213,6 @@ def test_gqa_mqa_and_zero_sizes():
         ({"rotary_sin": True}, r"rotary embedding is not implemented \(allowed: None\)"),
         ({"cache_batch_idx": True}, r"cache_batch_idx: .*not implemented \(allowed: None\)"),
         ({"cache_leftpad": True}, r"cache_leftpad: .*not implemented \(allowed: None\)"),
-        ({"softcap": 30.0}, r"softcap=30.0: .*not implemented \(allowed: 0.0\)"),
-        ({"alibi_slopes": True}, r"alibi_slopes: .*not implemented \(allowed: None\)"),
     ],
 )
 def test_unimplemented_features_are_refused(given, match):
@@ -222,6 +222,50 @@ def test_unimplemented_features_are_refused(given, match):
 
 def test_defaults_pass_the_feature_check():
     check_features()
+
+
+def test_the_score_stage_features_are_no_longer_refused_here():
+    """softcap, alibi_slopes and learnable_sink are served (selection.score_features checks
+    them): check_features does not take them."""
+    for name in SCORE_ARGS:
+        with pytest.raises(TypeError):
+            check_features(**{name: True})
+
+
+@pytest.mark.parametrize("feature", [f.name for f in FEATURES])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_the_decode_spec_carries_the_calls_features(feature, paged):
+    plain = DecodeCall(Dtype.BF16, 128, H200, paged, Causal.BOTTOM_RIGHT, True)
+    call = dataclasses.replace(plain, features=frozenset({feature}))
+    spec = decode_spec(call)
+    assert spec.features == {feature} and spec.has(feature)
+    assert spec.kernel.yaml == "decode" and spec.paged is paged and spec.gqa
+    assert decode_spec(plain).features == frozenset()
+    assert kernel_name(spec) != kernel_name(decode_spec(plain))
+
+
+def test_every_feature_at_once_on_every_decode_target():
+    every = frozenset(f.name for f in FEATURES)
+    for cap in ((8, 0), (8, 6), (8, 9), H200):
+        spec = decode_spec(DecodeCall(Dtype.FP16, 64, cap, True, features=every))
+        assert spec.features == every
+
+
+def test_decode_calls_check_the_score_arguments_like_the_attention_ops():
+    """kvcache passes (batch, heads) of q to selection.score_features: the slopes' and
+    sinks' shapes follow the decode call's q."""
+    pb = contiguous(batch=3, heads=8, kv=2)
+    slopes = meta((pb.batch, pb.heads), "float32")
+    got = score_features(
+        {"softcap": 50.0, "alibi_slopes": slopes, "learnable_sink": meta((8,), "float32")},
+        batch=pb.batch,
+        heads=pb.heads,
+    )
+    assert got == frozenset(f.name for f in FEATURES)
+    with pytest.raises(UnsupportedCall, match=r"alibi_slopes has shape \(3, 2\); it must be"):
+        score_features({"alibi_slopes": meta((3, 2), "float32")}, batch=3, heads=8)
+    with pytest.raises(UnsupportedCall, match=r"learnable_sink has shape \(2,\)"):
+        score_features({"learnable_sink": meta((2,), "float32")}, batch=3, heads=8)
 
 
 def test_seqlen_q_over_16_is_refused():

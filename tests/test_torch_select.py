@@ -13,11 +13,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from flashgen.generator.features import FEATURES
 from flashgen.generator.load import load_paths, load_spec_file
 from flashgen.generator.naming import kernel_name
 from flashgen.generator.spec import Causal, Dtype, KernelKind, Target
 from flashgen.torch import cache, selection
 from flashgen.torch.selection import (
+    NO_FEATURES,
+    SCORE_ARGS,
     AttentionCall,
     TensorMeta,
     UnsupportedCall,
@@ -25,6 +28,7 @@ from flashgen.torch.selection import (
     check_problem,
     forward_spec,
     resolve_mask,
+    score_features,
     target_for,
 )
 
@@ -242,6 +246,148 @@ def test_the_backwards_extra_tensors_must_match_q():
     q = meta(DENSE)
     with pytest.raises(UnsupportedCall, match="dout has shape"):
         check_problem(q, q, q, extra=[("dout", meta((2, 17, 4, 64)), "q")])
+
+
+# -- score-stage features ----------------------------------------------------------------------
+
+EVERY = frozenset(f.name for f in FEATURES)
+HEADS, BATCH = 8, 2
+# a value of each argument that switches its feature on, for a call of (BATCH, HEADS)
+ON = {
+    "softcap": 30.0,
+    "alibi_slopes": meta((HEADS,), "float32"),
+    "learnable_sink": meta((HEADS,), "float32"),
+}
+
+
+def features(**args) -> frozenset:
+    return score_features(args, batch=BATCH, heads=HEADS)
+
+
+def test_the_score_arguments_are_the_registrys():
+    assert SCORE_ARGS == tuple(f.torch_arg for f in FEATURES)
+    assert set(SCORE_ARGS) == set(ON) == {"softcap", "alibi_slopes", "learnable_sink"}
+
+
+def test_defaults_switch_nothing_on():
+    assert features() is NO_FEATURES
+    assert features(softcap=0.0, alibi_slopes=None, learnable_sink=None) is NO_FEATURES
+    assert features(softcap=-0.0) is NO_FEATURES
+    assert call().features == NO_FEATURES
+
+
+@pytest.mark.parametrize("feature", FEATURES, ids=lambda f: f.name)
+def test_each_argument_switches_on_its_feature(feature):
+    assert features(**{feature.torch_arg: ON[feature.torch_arg]}) == {feature.name}
+
+
+def test_every_argument_together_and_one_set_object_per_combination():
+    assert features(**ON) == EVERY
+    assert features(**ON) is features(**dict(ON))  # hashed once, whatever the call
+    assert features(softcap=1e-3) == {"softcap"} and features(softcap=7) == {"softcap"}
+
+
+def test_slopes_of_shape_heads_or_batch_heads_and_strides_that_do_not_matter():
+    assert features(alibi_slopes=meta((BATCH, HEADS), "float32")) == {"alibi"}
+    rows = meta((BATCH, HEADS), "float32", stride=(16, 1))  # a view of wider rows
+    assert features(alibi_slopes=rows) == {"alibi"}
+    one = dict(batch=1, heads=1)  # one head: the last stride is never used
+    assert score_features({"alibi_slopes": meta((1,), "float32", stride=(4,))}, **one)
+    assert score_features({"learnable_sink": meta((1,), "float32", stride=(4,))}, **one)
+    # varlen: `batch` is the number of sequences
+    assert score_features({"alibi_slopes": meta((5, 3), "float32")}, batch=5, heads=3)
+
+
+SCORE_REFUSALS = [
+    ({"softcap": -1.0}, r"softcap=-1.0: allowed 0.0 \(off\) or a finite c > 0"),
+    ({"softcap": float("nan")}, r"softcap=nan: allowed 0.0 \(off\) or a finite c > 0"),
+    ({"softcap": float("inf")}, r"softcap=inf: allowed"),
+    ({"softcap": -float("inf")}, r"softcap=-inf: allowed"),
+    ({"softcap": "30"}, r"softcap must be a float \(0.0: off"),
+    ({"softcap": True}, r"softcap must be a float \(0.0: off"),
+    (
+        {"alibi_slopes": meta((8,), "float16")},
+        r"alibi_slopes has dtype float16; it must be float32",
+    ),
+    ({"alibi_slopes": meta((8,), "bfloat16")}, r"alibi_slopes has dtype bfloat16; it must be"),
+    ({"alibi_slopes": meta((8,), "float64")}, r"alibi_slopes has dtype float64; it must be"),
+    ({"alibi_slopes": meta((8,), "float32", "cpu")}, r"alibi_slopes is on device 'cpu'; it must"),
+    (
+        {"alibi_slopes": meta((9,), "float32")},
+        r"alibi_slopes has shape \(9,\); it must be \(nheads,\) = \(8,\) or "
+        r"\(batch, nheads\) = \(2, 8\)",
+    ),
+    ({"alibi_slopes": meta((3, 8), "float32")}, r"alibi_slopes has shape \(3, 8\); it must be"),
+    ({"alibi_slopes": meta((8, 2), "float32")}, r"alibi_slopes has shape \(8, 2\)"),
+    ({"alibi_slopes": meta((2, 8, 1), "float32")}, r"alibi_slopes has shape \(2, 8, 1\)"),
+    ({"alibi_slopes": meta((), "float32")}, r"alibi_slopes has shape \(\)"),
+    (
+        {"alibi_slopes": meta((8,), "float32", stride=(2,))},
+        r"alibi_slopes's last dimension has stride 2; it must be contiguous",
+    ),
+    ({"alibi_slopes": meta((2, 8), "float32", stride=(1, 2))}, r"alibi_slopes's last dimension"),
+    ({"alibi_slopes": [0.5] * 8}, r"alibi_slopes must be a float32 tensor .* got list"),
+    (
+        {"learnable_sink": meta((2, 8), "float32")},
+        r"learnable_sink has shape \(2, 8\); it must be \(nheads,\) = \(8,\)",
+    ),
+    ({"learnable_sink": meta((4,), "float32")}, r"learnable_sink has shape \(4,\)"),
+    ({"learnable_sink": meta((8,), "bfloat16")}, r"learnable_sink has dtype bfloat16; it must be"),
+    ({"learnable_sink": meta((8,), "float32", "cpu")}, r"learnable_sink is on device 'cpu'"),
+    ({"learnable_sink": meta((8,), "float32", stride=(3,))}, r"learnable_sink's last dimension"),
+    ({"learnable_sink": 0.5}, r"learnable_sink must be a float32 tensor .* got float"),
+]
+
+
+@pytest.mark.parametrize(("args", "match"), SCORE_REFUSALS)
+def test_score_arguments_no_kernel_takes_are_refused(args, match):
+    with pytest.raises(UnsupportedCall, match=match) as err:
+        features(**args)
+    assert str(err.value).startswith("flashgen.torch: ")
+    with pytest.raises(UnsupportedCall, match=match):  # also beside valid ones
+        features(**{**ON, **args})
+
+
+@pytest.mark.parametrize("feature", FEATURES, ids=lambda f: f.name)
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9), H200])
+def test_the_derived_specs_carry_the_calls_features(feature, capability):
+    plain = call(capability=capability)
+    c = call(capability=capability, features=frozenset({feature.name}))
+    for kind in (forward_spec, backward_spec):
+        spec = kind(c)
+        assert spec.features == {feature.name} and spec.has(feature.name)
+        assert spec.tile_auto and kind(plain).features == NO_FEATURES
+        assert kernel_name(spec) != kernel_name(kind(plain))
+        assert spec.target is kind(plain).target  # a feature does not move the call's family
+
+
+def test_every_feature_with_every_other_feature_of_a_call():
+    c = call(causal=Causal.BOTTOM_RIGHT, varlen=True, gqa=True, dropout=True,
+             deterministic=True, features=EVERY)  # fmt: skip
+    for spec in (forward_spec(c), backward_spec(c)):
+        assert spec.features == EVERY and spec.mask.varlen and spec.gqa and spec.dropout
+    w = call(window=True, features=EVERY)
+    assert forward_spec(w).mask.window and backward_spec(w).features == EVERY
+
+
+def test_single_feature_calls_select_the_shipped_scoremod_kernels():
+    """bf16 calls with one feature at d = 64 and 128 on an H200 derive specs of
+    specs/scoremod.yaml (so its AOT builds serve them), but the d = 128 softcap backward: the
+    file builds that one with allow_spills, which the derived spec does not set."""
+    shipped = {kernel_name(s) for s in load_paths([REPO / "specs" / "scoremod.yaml"])}
+    for f in FEATURES:
+        for d in (64, 128):
+            for causal in (Causal.NONE, Causal.BOTTOM_RIGHT):
+                c = call(head_dim=d, causal=causal, features=frozenset({f.name}))
+                assert kernel_name(forward_spec(c)) in shipped, (f.name, d, causal)
+                if not (f.name == "softcap" and d == 128):
+                    assert kernel_name(backward_spec(c)) in shipped, (f.name, d, causal)
+
+
+def test_hopper_keeps_the_wgmma_families_with_the_features():
+    assert forward_spec(call(features=EVERY)).target is Target.SM90A
+    assert backward_spec(call(features=EVERY)).target is Target.SM90A
+    assert backward_spec(call(dropout=True, features=EVERY)).target is Target.SM90
 
 
 # -- the cache ------------------------------------------------------------------------------------

@@ -1,6 +1,9 @@
 """`flashgen.torch` on a GPU: the PyTorch ops against the float64 reference, under
 torch.compile, CUDA graphs, varlen, GQA, windows and dropout, the drop-in check against SDPA,
-and the errors of calls no kernel serves.
+the score-stage features (softcap, ALiBi with either slope shape, attention sinks and their
+gradient; alone, together, with GQA, varlen and a sliding window, under opcheck,
+torch.compile and CUDA graphs) against a float64 torch reference written from their
+definitions, and the errors of calls no kernel serves.
 
 Skips without torch or a CUDA device (and, like the whole GPU suite, without PyCUDA). The
 forward is judged like the kernel suite's (`checks.verdicts`: O in the dtype, LSE in float32
@@ -12,10 +15,14 @@ test (default 20).
 The kernels these tests use are listed in examples/torch_kernels.yaml; build them ahead with
 `flashgen compile examples/torch_kernels.yaml` (into $FLASHGEN_BUILD_DIR), else the first call
 of each compiles it into the kernel cache ($FLASHGEN_CACHE_DIR), about a minute per kernel.
+The score-feature tests use 19 more on an H200 (bf16 d = 64, and fp16 for softcap; not listed
+there, tests/gpu/test_torch_kvcache.py's feature tests 4 decode kernels): they compile on
+first use.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from types import SimpleNamespace
@@ -62,6 +69,11 @@ DEV = "cuda"
 
 def _np(t) -> np.ndarray:
     return t.detach().float().cpu().numpy()
+
+
+def _np64(t) -> np.ndarray:
+    """A float64 reference as it is (`_np` would round it to float32)."""
+    return t.detach().double().cpu().numpy()
 
 
 def _tensor(x: np.ndarray, dtype: str, grad: bool = False):
@@ -412,6 +424,503 @@ def test_same_call_through_sdpa_is_within_the_pass_rule(dtype, d):
     prop()
 
 
+# -- score-stage features: softcap, ALiBi, attention sinks ------------------------------------
+#
+# A torch reference written from the features' definitions (flash-attn's softcap and ALiBi,
+# FlashAttention-4's learnable_sink), independent of flashgen.verify and of selection:
+#
+#     z_ij = scale * q_i . k_j;  softcap c > 0: z = c * tanh(z / c);
+#     ALiBi: z -= slope[b, h] * |i + seqlen_k - seqlen_q - j|;  masked: z = -inf;
+#     P_ij = exp(z_ij) / (exp(sink_h) + sum_j exp(z_ij)),  LSE_i = log(exp(sink_h) + sum_j ...)
+#
+# in float64 (the reference), and in the kernel's precision for the pass rule's baseline
+# (scores in float32, the capped logit, P and dS rounded to the dtype, float32 accumulation:
+# what standard attention in fp16 / bf16 gets). The backward is fed the op's own O and LSE
+# (P = exp(z - LSE), D = rowsum(dO * O), dS = P (dP - D) times softcap's 1 - tanh^2,
+# dsink_h = -sum_{b,i} exp(sink_h - LSE_bhi) D_bhi), as the suite's other backward checks.
+
+TANH_REL = 2.0**-11  # the relative error bound of tanh.approx.f32 (PTX ISA), the kernels' tanh
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def _rnd(x, low):
+    """x rounded to the torch dtype `low` (None: unchanged)."""
+    return x if low is None else x.to(low).to(x.dtype)
+
+
+def _visible(sq: int, sk: int, causal: bool, window) -> tuple:
+    """flash-attn's mask (bottom-right aligned, causal sets right = 0) and ALiBi's |distance|
+    `|i + sk - sq - j|`, both (sq, sk)."""
+    left, right = window
+    if causal:
+        right = 0
+    i = torch.arange(sq, device=DEV)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=DEV)[None, :]
+    ok = torch.ones(sq, sk, dtype=torch.bool, device=DEV)
+    if left >= 0:
+        ok &= j >= i - left
+    if right >= 0:
+        ok &= j <= i + right
+    return ok, (i - j).abs()
+
+
+def _logits(q, k, scale, softcap, slopes, ok, dist, low):
+    """z `(heads, sq, sk)` (-inf where masked) and softcap's dz/ds = 1 - tanh^2 (or None) of
+    one sequence: q `(sq, heads, d)`, k `(sk, heads, d)` (k already expanded to q's heads)."""
+    z = torch.einsum("qhd,khd->hqk", q, k) * scale
+    g = None
+    if softcap > 0:
+        t = _rnd(torch.tanh(z / softcap), low)  # the baseline: tanh's output in the dtype
+        z, g = _rnd(softcap * t, low), 1 - t * t
+    if slopes is not None:
+        z = z - slopes[:, None, None] * dist.to(z.dtype)
+    return z.masked_fill(~ok, -math.inf), g
+
+
+def _softmax(z, sink):
+    """Row softmax of z with the sink's exp(sink_h) in each denominator: (P, LSE); a row that
+    sees no key gives P = 0 and LSE = sink_h (-inf without a sink)."""
+    if z.shape[-1]:
+        m = z.amax(-1)
+    else:
+        m = z.new_full(z.shape[:-1], -math.inf)
+    if sink is not None:
+        m = torch.maximum(m, sink[:, None])
+    base = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(z - base[..., None])
+    total = e.sum(-1)
+    if sink is not None:
+        total = total + torch.exp(sink[:, None] - base)
+    empty = ~(total > 0)
+    safe = torch.where(empty, torch.ones_like(total), total)
+    return e / safe[..., None], torch.where(empty, -math.inf, base + torch.log(safe))
+
+
+def _sequences(q, cu_q, cu_k):
+    """(b, q index, k index) per sequence: an int (dense) or the packed rows (varlen)."""
+    if cu_q is None:
+        return [(b, b, b) for b in range(q.shape[0])]
+    cq, ck = [int(x) for x in cu_q], [int(x) for x in cu_k]
+    return [(b, slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(len(cq) - 1)]
+
+
+def _lse_at(lse, b, iq, varlen: bool):
+    return lse[:, iq] if varlen else lse[b]
+
+
+class _Score:
+    """One call's score arguments in the work dtype, per sequence."""
+
+    def __init__(self, q, softcap, alibi_slopes, learnable_sink, scale, work):
+        self.softcap = float(softcap)
+        self.slopes = None if alibi_slopes is None else alibi_slopes.detach().to(work)
+        self.sink = None if learnable_sink is None else learnable_sink.detach().to(work)
+        self.scale = q.shape[-1] ** -0.5 if scale is None else scale
+
+    def slopes_of(self, b: int):
+        if self.slopes is None or self.slopes.dim() == 1:
+            return self.slopes
+        return self.slopes[b]
+
+
+def _expand(x, heads: int):
+    return x.repeat_interleave(heads // x.shape[-2], dim=-2)
+
+
+def ref_forward(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi_slopes=None,
+                learnable_sink=None, scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                low=None):  # fmt: skip
+    """(O, LSE) in the op's layouts: float64 (`low` None), or the baseline in the torch dtype
+    `low` (O rounded to it, LSE float32)."""
+    work = torch.float64 if low is None else torch.float32
+    q, k, v = (x.detach().to(work) for x in (q, k, v))
+    heads, varlen = q.shape[-2], cu_seqlens_q is not None
+    k, v = _expand(k, heads), _expand(v, heads)
+    sc = _Score(q, softcap, alibi_slopes, learnable_sink, scale, work)
+    o = torch.zeros_like(q)
+    lse = q.new_empty((heads, q.shape[0]) if varlen else (q.shape[0], heads, q.shape[1]))
+    for b, iq, ik in _sequences(q, cu_seqlens_q, cu_seqlens_k):
+        qb, kb, vb = q[iq], k[ik], v[ik]
+        ok, dist = _visible(qb.shape[0], kb.shape[0], causal, window)
+        z, _ = _logits(qb, kb, sc.scale, sc.softcap, sc.slopes_of(b), ok, dist, low)
+        p, lse_b = _softmax(z, sc.sink)
+        o[iq] = torch.einsum("hqk,khd->qhd", _rnd(p, low), vb)
+        _lse_at(lse, b, iq, varlen)[...] = lse_b
+    return _rnd(o, low), lse
+
+
+def ref_backward(q, k, v, o, lse, dout, *, causal=False, window=(-1, -1), softcap=0.0,
+                 alibi_slopes=None, learnable_sink=None, scale=None, cu_seqlens_q=None,
+                 cu_seqlens_k=None, low=None):  # fmt: skip
+    """(dq, dk, dv, dsink) from the op's own `o` and `lse` (dsink None without a sink), and,
+    in float64, the extra pass-rule floors of the kernels' float32 arithmetic: the standard
+    bound on dS = P (dP - D) (dot products of length d, eps per operation) carried into dQ
+    and dK, softcap's 1 - tanh^2 from tanh.approx (off by up to 2 * 2^-11, absolute: the
+    documented bound, which matters where the scores saturate and 1 - tanh^2 is tiny), and
+    the bound of dsink's float32 sums (its row terms, and each row's D)."""
+    work = torch.float64 if low is None else torch.float32
+    q, k, v, o, dout, lse = (x.detach().to(work) for x in (q, k, v, o, dout, lse))
+    heads, kv_heads, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    varlen = cu_seqlens_q is not None
+    k, v = _expand(k, heads), _expand(v, heads)
+    sc = _Score(q, softcap, alibi_slopes, learnable_sink, scale, work)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    fq, fk = torch.zeros_like(q), torch.zeros_like(k)  # float64 floors
+    dsink = None if sc.sink is None else torch.zeros_like(sc.sink)
+    sink_floor = None if sc.sink is None else torch.zeros_like(sc.sink)
+    rows = 0
+    gamma = (d + 2) * EPS32
+    for b, iq, ik in _sequences(q, cu_seqlens_q, cu_seqlens_k):
+        qb, kb, vb, ob, dob = q[iq], k[ik], v[ik], o[iq], dout[iq]
+        rows += qb.shape[0]
+        ok, dist = _visible(qb.shape[0], kb.shape[0], causal, window)
+        z, g = _logits(qb, kb, sc.scale, sc.softcap, sc.slopes_of(b), ok, dist, low)
+        lse_b = _lse_at(lse, b, iq, varlen)  # (heads, sq)
+        fin = torch.isfinite(lse_b)
+        base = torch.where(fin, lse_b, torch.zeros_like(lse_b))
+        p = torch.where(ok & fin[..., None], torch.exp(z - base[..., None]), 0.0)
+        dv[ik] = torch.einsum("hqk,qhd->khd", _rnd(p, low), dob)
+        dp = torch.einsum("qhd,khd->hqk", dob, vb)
+        dd = (dob * ob).sum(-1).T  # (heads, sq): D = rowsum(dO * O)
+        ds_z = p * (dp - dd[..., None])  # dL/dz
+        ds = _rnd(ds_z if g is None else ds_z * g, low)
+        dq[iq] = torch.einsum("hqk,khd->qhd", ds, kb) * sc.scale
+        dk[ik] = torch.einsum("hqk,qhd->khd", ds, qb) * sc.scale
+        if low is None:
+            mag = torch.einsum("qhd,khd->hqk", dob.abs(), vb.abs())
+            d_mag = (dob.abs() * ob.abs()).sum(-1).T
+            e_ds = gamma * p * (mag + d_mag[..., None])
+            if g is not None:  # 1 - tanh^2 from tanh.approx: off by up to 2 * 2^-11
+                e_ds = e_ds * g + 2.0 * TANH_REL * ds_z.abs()
+            fq[iq] = torch.einsum("hqk,khd->qhd", e_ds, kb.abs()) * sc.scale
+            fk[ik] = torch.einsum("hqk,qhd->khd", e_ds, qb.abs()) * sc.scale
+        if dsink is not None:
+            w = torch.where(fin, torch.exp(sc.sink[:, None] - base), 0.0)
+            dsink -= (w * dd).sum(-1)
+            if low is None:
+                sink_floor += (w * (dd.abs() + gamma * d_mag)).sum(-1)
+    group = (*k.shape[:-2], kv_heads, heads // kv_heads, d)
+    dk, dv, fk = (x.view(group).sum(-2) for x in (dk, dv, fk))
+    grads = (_rnd(dq, low), _rnd(dk, low), _rnd(dv, low), dsink)
+    floors = {}
+    if low is None:
+        floors = {"dq": float(fq.max()) if fq.numel() else 0.0,
+                  "dk": float(fk.max()) if fk.numel() else 0.0, "dv": 0.0}  # fmt: skip
+        if sink_floor is not None:
+            floors["dsink"] = float(((rows + 8) * EPS32 * sink_floor).max())
+    return grads, floors
+
+
+def _lse_floor(q, k, scale, score, sq, sk) -> float:
+    """The LSE's extra floor: the float32 score bound (passrule.score_floor), softcap's
+    tanh.approx (2^-11 of the capped logit, |z| <= c) and ALiBi's float32 bias."""
+    floor = passrule.score_floor(_np(q), _np(k), scale)
+    cap = float(score.get("softcap", 0.0))
+    if cap > 0:
+        floor += TANH_REL * cap
+    slopes = score.get("alibi_slopes")
+    if slopes is not None:
+        floor += 4 * EPS32 * float(slopes.abs().max()) * max(sq, sk)
+    return floor
+
+
+def check_score_call(dtype, q, k, v, out, lse, dout, score, *, causal=False, window=(-1, -1),
+                     cu_q=None, cu_k=None, max_len=None, grads=True):  # fmt: skip
+    """O and LSE, then (grads) dq, dk, dv and, when the sink requires grad, dsink of one op
+    call with score arguments `score` (flash_attn_func's keywords), each by the pass rule
+    against the float64 reference and the same-precision baseline."""
+    kw = dict(causal=causal, window=window, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **score)
+    low = DTYPES[dtype]
+    o64, lse64 = ref_forward(q, k, v, **kw)
+    ob, lseb = ref_forward(q, k, v, **kw, low=low)
+    sq, sk = max_len if max_len is not None else (q.shape[1], k.shape[1])
+    scale = q.shape[-1] ** -0.5
+    found = {
+        "o": passrule.check(_np(out), _np64(o64), _np(ob), dtype),
+        "lse": passrule.check(_np(lse), _np64(lse64), _np(lseb), "fp32",
+                              extra_floor=_lse_floor(q, k, scale, score, sq, sk)),
+    }  # fmt: skip
+    if grads:
+        sink = score.get("learnable_sink")
+        wrt = [q, k, v] + ([sink] if sink is not None and sink.requires_grad else [])
+        got = torch.autograd.grad(out, wrt, dout)
+        ref, floors = ref_backward(q, k, v, out, lse, dout, **kw)
+        base, _ = ref_backward(q, k, v, out, lse, dout, **kw, low=low)
+        for name, g, r, b_ in zip(("dq", "dk", "dv", "dsink"), got, ref, base):
+            out_dtype = "fp32" if name == "dsink" else dtype
+            if name == "dsink":
+                assert g.dtype == torch.float32 and g.shape == sink.shape
+            found[name] = passrule.check(
+                _np(g), _np64(r), _np(b_), out_dtype, extra_floor=floors[name]
+            )
+    for name, verdict in found.items():
+        assert verdict.passed, f"{name}: {verdict.message}; score {score}"
+
+
+SOFTCAPS = [1.0, 5.0, 30.0]
+
+
+def _slopes(rng, batch: int, heads: int, per_batch: bool, standard: bool):
+    """ALiBi slopes: the standard geometric ones (2^(-8 (h + 1) / heads)) or uniform in [0, 1),
+    one row for all sequences or one per sequence."""
+    if standard:
+        row = 2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)
+        x = np.stack([row * (1 + 0.1 * b) for b in range(batch)]) if per_batch else row
+    else:
+        x = rng.uniform(0.0, 1.0, (batch, heads) if per_batch else (heads,))
+    return torch.tensor(x, dtype=torch.float32, device=DEV)
+
+
+def _sinks(rng, heads: int, grad: bool = True):
+    """One logit per head: around 0, and some far from it (a sink that takes nearly all the
+    weight, one that takes none)."""
+    x = rng.choice([-8.0, -2.0, 0.0, 0.0, 1.0, 4.0, 8.0], heads) + rng.normal(0.0, 0.5, heads)
+    return torch.tensor(x, dtype=torch.float32, device=DEV, requires_grad=grad)
+
+
+def test_the_reference_backward_is_the_autograd_of_the_reference_forward():
+    """The explicit float64 backward above (fed the exact O and LSE) against torch.autograd
+    through the float64 forward, every feature on, GQA, causal and not, sq != sk, varlen."""
+    rng = np.random.default_rng(20)
+    for causal, (sq, sk), per_batch in ((False, (37, 90), True), (True, (90, 37), False)):
+        q = torch.tensor(rng.standard_normal((2, sq, 4, 32)), device=DEV, requires_grad=True)
+        k, v = (torch.tensor(rng.standard_normal((2, sk, 2, 32)), device=DEV,
+                             requires_grad=True) for _ in range(2))  # fmt: skip
+        dout = torch.tensor(rng.standard_normal((2, sq, 4, 32)), device=DEV)
+        sink = _sinks(rng, 4).double().detach().requires_grad_()
+        score = {"softcap": 3.0, "alibi_slopes": _slopes(rng, 2, 4, per_batch, False),
+                 "learnable_sink": sink}  # fmt: skip
+        o, lse = _autograd_forward(q, k, v, sink, causal, score)
+        want = torch.autograd.grad(o, (q, k, v, sink), dout)
+        o64, lse64 = ref_forward(q, k, v, causal=causal, **score)
+        assert torch.allclose(o, o64, rtol=1e-12, atol=1e-12)
+        assert torch.allclose(lse, lse64, rtol=1e-12, atol=1e-12)
+        got, _ = ref_backward(q, k, v, o64, lse64, dout, causal=causal, **score)
+        for name, a, b_ in zip(("dq", "dk", "dv", "dsink"), got, want):
+            assert torch.allclose(a, b_, rtol=1e-9, atol=1e-9), name
+
+
+def _autograd_forward(q, k, v, sink, causal, score):
+    """ref_forward's float64 arithmetic with autograd (no in-place writes of leaves)."""
+    heads = q.shape[-2]
+    ke, ve = _expand(k, heads), _expand(v, heads)
+    slopes = score["alibi_slopes"].double()
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        ok, dist = _visible(q.shape[1], k.shape[1], causal, (-1, -1))
+        row = slopes if slopes.dim() == 1 else slopes[b]
+        z, _ = _logits(q[b], ke[b], q.shape[-1] ** -0.5, score["softcap"], row, ok, dist, None)
+        p, lse_b = _softmax(z, sink)
+        outs.append(torch.einsum("hqk,khd->qhd", p, ve[b]))
+        lses.append(lse_b)
+    return torch.stack(outs), torch.stack(lses)
+
+
+@pytest.mark.parametrize(("dtype", "causal"), [("fp16", True), ("bf16", False)])
+def test_softcap_matches_the_reference(dtype, causal):
+    @SETTINGS
+    @given(case=dense_case(), cap=st.sampled_from(SOFTCAPS))
+    def prop(case, cap):
+        q, k, v, dout = dense_inputs(case, dtype, 64)
+        score = {"softcap": cap}
+        out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, **score)
+        check_score_call(dtype, q, k, v, out, lse, dout, score, causal=causal)
+
+    prop()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_alibi_matches_the_reference(causal):
+    @SETTINGS
+    @given(case=dense_case(), per_batch=st.booleans(), standard=st.booleans())
+    def prop(case, per_batch, standard):
+        q, k, v, dout = dense_inputs(case, "bf16", 64)
+        rng = np.random.default_rng(case["seed"] + 1)
+        slopes = _slopes(rng, case["batch"], case["heads"], per_batch, standard)
+        score = {"alibi_slopes": slopes}
+        out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, **score)
+        check_score_call("bf16", q, k, v, out, lse, dout, score, causal=causal)
+
+    prop()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(("sq", "sk"), [(7, 300), (300, 7), (1, 129), (129, 1)])
+@pytest.mark.parametrize("per_batch", [False, True], ids=["heads", "batch-heads"])
+def test_alibi_distance_is_flash_attns_when_the_lengths_differ(causal, sq, sk, per_batch):
+    """`|i + seqlen_k - seqlen_q - j|`, with and without the causal mask, either slope shape."""
+    case = {"batch": 2, "heads": 2, "kv_heads": 2, "sq": sq, "sk": sk, "values": "normal",
+            "seed": sq * 1000 + sk}  # fmt: skip
+    q, k, v, dout = dense_inputs(case, "bf16", 64)
+    slopes = _slopes(np.random.default_rng(sq + sk), 2, 2, per_batch, standard=False)
+    score = {"alibi_slopes": slopes}
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, **score)
+    check_score_call("bf16", q, k, v, out, lse, dout, score, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sinks_forward_and_sink_gradient_match_the_reference(causal):
+    @SETTINGS
+    @given(case=dense_case())
+    def prop(case):
+        q, k, v, dout = dense_inputs(case, "bf16", 64)
+        sink = _sinks(np.random.default_rng(case["seed"] + 2), case["heads"])
+        score = {"learnable_sink": sink}
+        out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, **score)
+        check_score_call("bf16", q, k, v, out, lse, dout, score, causal=causal)
+
+    prop()
+
+
+def test_rows_that_see_no_key_give_zero_output_and_the_sink_as_lse():
+    """Bottom-right causal with seqlen_q > seqlen_k: the first rows see no key; with a sink
+    their O is 0 and their LSE the head's sink (no key, only exp(sink) in the sum)."""
+    rng = np.random.default_rng(21)
+    q = _tensor(rng.standard_normal((1, 40, 2, 64)), "bf16")
+    k, v = (_tensor(rng.standard_normal((1, 10, 2, 64)), "bf16") for _ in range(2))
+    sink = torch.tensor([0.0, -3.5], device=DEV)
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True,
+                                  learnable_sink=sink)  # fmt: skip
+    assert torch.all(out[:, :30] == 0)
+    want = sink[None, :, None].expand(1, 2, 30)
+    assert torch.allclose(lse[:, :, :30], want, rtol=4 * EPS32, atol=0.0)
+    assert torch.all(lse[:, :, 30:] > sink[None, :, None])  # the keys add to the sum
+
+
+@SETTINGS
+@given(case=dense_case(gqa=True), per_batch=st.booleans(), cap=st.sampled_from(SOFTCAPS))
+def test_every_feature_together_with_gqa_matches_the_reference(case, per_batch, cap):
+    q, k, v, dout = dense_inputs(case, "bf16", 64)
+    rng = np.random.default_rng(case["seed"] + 3)
+    score = {
+        "softcap": cap,
+        "alibi_slopes": _slopes(rng, case["batch"], case["heads"], per_batch, False),
+        "learnable_sink": _sinks(rng, case["heads"]),
+    }
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True, **score)
+    check_score_call("bf16", q, k, v, out, lse, dout, score, causal=True)
+
+
+@SETTINGS
+@given(
+    lens_q=st.lists(st.one_of(st.just(0), st.sampled_from(LENGTHS)), min_size=1, max_size=4),
+    lens_k=st.data(),
+    seed=st.integers(0, 2**32 - 1),
+    per_batch=st.booleans(),
+)
+def test_every_feature_varlen_matches_the_reference_per_sequence(lens_q, lens_k, seed,
+                                                                 per_batch):  # fmt: skip
+    lens_k = [lens_k.draw(st.one_of(st.just(q_len), st.sampled_from(LENGTHS))) for q_len in lens_q]
+    if sum(lens_q) == 0 or sum(lens_k) == 0:
+        lens_q[-1], lens_k[-1] = max(lens_q[-1], 1), max(lens_k[-1], 1)
+    rng = np.random.default_rng(seed)
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = _tensor(rng.standard_normal((cu_q[-1], 4, 64)), "bf16", True)
+    k, v = (_tensor(rng.standard_normal((cu_k[-1], 4, 64)), "bf16", True) for _ in range(2))
+    dout = _tensor(rng.standard_normal((cu_q[-1], 4, 64)), "bf16")
+    score = {
+        "softcap": 5.0,
+        "alibi_slopes": _slopes(rng, len(lens_q), 4, per_batch, True),
+        "learnable_sink": _sinks(rng, 4),
+    }
+    out, lse, _ = flash_attn_varlen_func(
+        q, k, v,
+        torch.tensor(cu_q, device=DEV), torch.tensor(cu_k, device=DEV),
+        max(lens_q), max(lens_k), causal=True, return_attn_probs=True, **score,
+    )  # fmt: skip
+    assert lse.shape == (4, cu_q[-1])
+    check_score_call("bf16", q, k, v, out, lse, dout, score, causal=True, cu_q=cu_q, cu_k=cu_k,
+                     max_len=(max(lens_q), max(lens_k)))  # fmt: skip
+
+
+@SETTINGS
+@given(case=dense_case(), left=st.sampled_from([0, 1, 5, 33, 128]))
+def test_sinks_and_softcap_with_a_causal_sliding_window_match_the_reference(case, left):
+    """gpt-oss' attention (sinks, causal window of `left` past keys) with Gemma 2's softcap."""
+    q, k, v, dout = dense_inputs(case, "bf16", 64)
+    rng = np.random.default_rng(case["seed"] + 4)
+    score = {"softcap": 30.0, "learnable_sink": _sinks(rng, case["heads"])}
+    window = (left, -1)
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, window_size=window,
+                                  return_attn_probs=True, **score)  # fmt: skip
+    check_score_call("bf16", q, k, v, out, lse, dout, score, causal=True, window=window)
+
+
+# -- score-stage features: the operators, torch.compile and CUDA graphs --------------------------
+
+
+def _feature_inputs(seed: int, grad: bool = True):
+    """GQA inputs with every feature's argument: softcap 30, (batch, heads) slopes, sinks."""
+    rng = np.random.default_rng(seed)
+    q = _tensor(rng.standard_normal((2, 97, 4, 64)), "bf16", grad)
+    k, v = (_tensor(rng.standard_normal((2, 97, 2, 64)), "bf16", grad) for _ in range(2))
+    dout = _tensor(rng.standard_normal((2, 97, 4, 64)), "bf16")
+    slopes = _slopes(rng, 2, 4, True, False)
+    return q, k, v, dout, slopes, _sinks(rng, 4, grad)
+
+
+def test_opcheck_forward_and_backward_ops_with_every_feature():
+    q, k, v, dout, slopes, sink = _feature_inputs(22)
+    args = _op_args(q, k, v) + (30.0, slopes, sink)
+    torch.library.opcheck(torch.ops.flashgen.fwd.default, args)
+    out, lse, seed, offset = torch.ops.flashgen.fwd.default(*args)
+    bwd_args = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, seed, offset,
+                None, None, 0, 0, 0.0, 64**-0.5, True, -1, -1, True, 30.0, slopes,
+                sink.detach())  # fmt: skip
+    torch.library.opcheck(torch.ops.flashgen.bwd.default, bwd_args)
+    dq, dk, dv, dsink = torch.ops.flashgen.bwd.default(*bwd_args)
+    assert dsink.shape == (4,) and dsink.dtype == torch.float32 and dq.shape == q.shape
+
+
+def test_torch_compile_fullgraph_with_every_feature_matches_eager_bitwise():
+    q, k, v, dout, slopes, sink = _feature_inputs(23)
+
+    def step(q, k, v, slopes, sink):
+        out = flash_attn_func(q, k, v, causal=True, softcap=30.0, alibi_slopes=slopes,
+                              deterministic=True, learnable_sink=sink)  # fmt: skip
+        return out * 2.0
+
+    want = step(q, k, v, slopes, sink)
+    got = torch.compile(step, fullgraph=True)(q, k, v, slopes, sink)
+    assert torch.equal(got, want)
+    g_want = torch.autograd.grad(want, (q, k, v, sink), dout)
+    g_got = torch.autograd.grad(got, (q, k, v, sink), dout)
+    for a, b_ in zip(g_got, g_want):
+        assert torch.equal(a, b_)
+
+
+def test_cuda_graph_capture_and_replay_with_every_feature():
+    """The slopes and sinks are read on the device at each replay: new values copied into
+    them (and into q, k, v, dout) give what an eager call on those values gives."""
+    q, k, v, dout, slopes, sink = _feature_inputs(24)
+
+    def step():
+        out = flash_attn_func(q, k, v, causal=True, softcap=30.0, alibi_slopes=slopes,
+                              deterministic=True, learnable_sink=sink)  # fmt: skip
+        return (out, *torch.autograd.grad(out, (q, k, v, sink), dout))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for seed in (25, 26):
+        nq, nk, nv, ndout, nslopes, nsink = _feature_inputs(seed, grad=False)
+        with torch.no_grad():
+            for t, new in ((q, nq), (k, nk), (v, nv), (dout, ndout), (slopes, nslopes),
+                           (sink, nsink)):  # fmt: skip
+                t.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b_ in zip(static, step()):
+            assert torch.equal(a, b_)
+
+
 # -- calls no kernel serves: clear errors, no fallback -------------------------------------------
 
 
@@ -442,16 +951,42 @@ def test_unsupported_calls_raise_naming_what_is_supported(make, match):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"softcap": 30.0}, "softcap"),
-        ({"alibi_slopes": torch.zeros(2)}, "alibi"),
+        ({"softcap": -1.0}, r"softcap=-1.0: allowed 0.0 \(off\) or a finite c > 0"),
+        ({"softcap": float("nan")}, r"softcap=nan"),
+        ({"softcap": float("inf")}, r"softcap=inf"),
+        ({"alibi_slopes": torch.zeros(2)}, r"alibi_slopes is on device cpu but q is on cuda"),
+        (
+            {"alibi_slopes": torch.zeros(2, device=DEV).half()},
+            r"alibi_slopes has dtype float16; it must be float32",
+        ),
+        (
+            {"alibi_slopes": torch.zeros(3, device=DEV)},
+            r"alibi_slopes has shape \(3,\); it must be \(nheads,\) = \(2,\) or "
+            r"\(batch, nheads\) = \(1, 2\)",
+        ),
+        (
+            {"alibi_slopes": torch.zeros(2, 2, device=DEV)[:, :1].T},
+            r"alibi_slopes's last dimension has stride 2",
+        ),
+        ({"learnable_sink": torch.zeros(1, 2, device=DEV)}, r"learnable_sink has shape \(1, 2\)"),
+        (
+            {"learnable_sink": torch.zeros(2, device=DEV).bfloat16()},
+            r"learnable_sink has dtype bfloat16; it must be float32",
+        ),
+        ({"learnable_sink": torch.zeros(2)}, r"learnable_sink is on device cpu but q is on"),
         ({"window_size": (-2, 0)}, "window_size"),
         ({"dropout_p": 1.0}, "dropout_p"),
     ],
-    ids=["softcap", "alibi", "window", "dropout-1"],
-)
-def test_unsupported_arguments_raise(kwargs, match):
+    ids=[
+        "softcap-negative", "softcap-nan", "softcap-inf", "alibi-cpu", "alibi-fp16",
+        "alibi-shape", "alibi-stride", "sink-shape", "sink-bf16", "sink-cpu", "window",
+        "dropout-1",
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_unsupported_arguments_raise(kwargs, match, grad):
     with pytest.raises(UnsupportedCall, match=match):
-        flash_attn_func(*_qkv(), **kwargs)
+        flash_attn_func(*_qkv(grad=grad), **kwargs)
 
 
 def test_return_attn_probs_gives_the_lse_and_no_probabilities():

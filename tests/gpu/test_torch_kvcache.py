@@ -1,9 +1,10 @@
 """`flashgen.torch.flash_attn_with_kvcache` and `merge_states` on a GPU: against the float64
 decode reference by the pass rule (contiguous and paged caches with pages in random order,
-GQA, causal, windows, ragged cache_seqlens with 0 and 1, 1..16 queries, the LSE), paged ==
-contiguous bitwise for one split count, merge_states of two halves against the whole call,
-the device-side input check, the operators under opcheck and torch.compile, and the message
-of every refused call.
+GQA, causal, windows, ragged cache_seqlens with 0 and 1, 1..16 queries, the LSE), the
+score-stage features (softcap, ALiBi of either slope shape, attention sinks) against the
+float64 torch reference of tests/gpu/test_torch.py, paged == contiguous bitwise for one split
+count, merge_states of two halves against the whole call, the device-side input check, the
+operators under opcheck and torch.compile, and the message of every refused call.
 
 Skips without torch or a CUDA device (and, like the whole GPU suite, without PyCUDA). Drawn
 cases: FLASHGEN_GPU_EXAMPLES / 10 per test (default 20). Kernels missing from
@@ -36,6 +37,7 @@ from flashgen.verify import passrule, reference_decode  # noqa: E402
 from flashgen.verify.numerics import round_to  # noqa: E402
 
 from .test_decode import make_problem  # noqa: E402
+from .test_torch import SOFTCAPS, _lse_floor, _np64, _sinks, _slopes, ref_forward  # noqa: E402
 
 EXAMPLES = max(1, int(os.environ.get("FLASHGEN_GPU_EXAMPLES", "200")) // 10)
 SETTINGS = settings(
@@ -230,6 +232,124 @@ def test_inputs_that_require_grad_give_outputs_without_grad():
         assert torch.equal(out, flash_attn_with_kvcache(q, k, v, cache_seqlens=_lens([10, 64])))
 
 
+# -- score-stage features ----------------------------------------------------------------------
+
+
+def score_reference(dtype: str, case, q, k, v, score, scale=None):
+    """float64 reference and same-precision baseline (O, LSE) of a decode call with score
+    arguments `score`: test_torch's ref_forward per sequence over its cache_seqlens keys
+    (flash-attn's bottom-right mask and ALiBi distance with seqlen_k = cache_seqlens[b])."""
+    tq, tk, tv = _t(q, dtype), _t(k, dtype), _t(v, dtype)  # the op's rounded inputs
+    res = {"o64": [], "lse64": [], "ob": [], "lseb": []}
+    slopes = score.get("alibi_slopes")
+    for b, n in enumerate(case["lens"]):
+        kw = dict(score, causal=case["causal"], window=case["window"], scale=scale)
+        if slopes is not None and slopes.dim() == 2:
+            kw["alibi_slopes"] = slopes[b : b + 1]  # a batch of one: its row
+        args = (tq[b : b + 1], tk[b : b + 1, :n], tv[b : b + 1, :n])
+        o64, lse64 = ref_forward(*args, **kw)
+        ob, lseb = ref_forward(*args, **kw, low=DTYPES[dtype])
+        for key, x in zip(res, (o64, lse64, ob, lseb)):
+            res[key].append(x)
+    return {key: torch.cat(x) for key, x in res.items()}
+
+
+def assert_score_matches(dtype: str, d: int, case, out, lse, q, k, v, score, scale=None):
+    ref = score_reference(dtype, case, q, k, v, score, scale)
+    tk = torch.nan_to_num(_t(k, dtype))
+    floor = _lse_floor(_t(q, dtype), tk, scale or d**-0.5, score, case["sq"], case["capacity"])
+    found = {
+        "o": passrule.check(_np(out), _np64(ref["o64"]), _np(ref["ob"]), dtype),
+        "lse": passrule.check(_np(lse), _np64(ref["lse64"]), _np(ref["lseb"]), "fp32",
+                              extra_floor=floor),
+    }  # fmt: skip
+    for name, verdict in found.items():
+        assert verdict.passed, f"{name}: {verdict.message}; {case}; score {score}"
+
+
+def _score(feature: str, case, rng, draw) -> dict:
+    batch, heads = len(case["lens"]), case["heads"]
+    if feature == "softcap":
+        return {"softcap": draw(st.sampled_from(SOFTCAPS))}
+    if feature == "alibi":
+        per_batch, standard = draw(st.booleans()), draw(st.booleans())
+        return {"alibi_slopes": _slopes(rng, batch, heads, per_batch, standard)}
+    return {"learnable_sink": _sinks(rng, heads, grad=False)}
+
+
+@pytest.mark.parametrize("feature", ["softcap", "alibi", "sink"])
+def test_each_score_feature_matches_the_reference(feature):
+    """Contiguous bf16 d = 128 caches, no mask (one decode kernel per feature), ragged
+    cache_seqlens with 0 and 1 (with a sink: O = 0 and LSE = sink there)."""
+
+    @SETTINGS
+    @given(case=kv_case(False, windows=[(-1, -1)], causal=False), data=st.data())
+    def prop(case, data):
+        rng = np.random.default_rng(case["seed"] + 5)
+        score = _score(feature, case, rng, data.draw)
+        out, lse, q, k, v = run(case, "bf16", 128, paged=False, **score)
+        assert_score_matches("bf16", 128, case, out, lse, q, k, v, score)
+
+    prop()
+
+
+@SETTINGS
+@given(case=kv_case(True, windows=[(-1, -1)], causal=True, sqs=SQ_2),
+       per_batch=st.booleans(), cap=st.sampled_from(SOFTCAPS))  # fmt: skip
+def test_every_score_feature_over_a_paged_cache_with_causal_queries(case, per_batch, cap):
+    rng = np.random.default_rng(case["seed"] + 6)
+    score = {
+        "softcap": cap,
+        "alibi_slopes": _slopes(rng, len(case["lens"]), case["heads"], per_batch, False),
+        "learnable_sink": _sinks(rng, case["heads"], grad=False),
+    }
+    out, lse, q, k, v = run(case, "bf16", 128, paged=True, **score)
+    assert_score_matches("bf16", 128, case, out, lse, q, k, v, score)
+
+
+def test_an_empty_sequence_gives_zero_output_and_the_sink_as_lse():
+    case = {"seed": 7, "lens": [0, 130], "sq": 3, "heads": 8, "kv_heads": 2, "page": 64,
+            "capacity": 140, "splits": 0, "values": "normal", "causal": True,
+            "window": (-1, -1)}  # fmt: skip
+    sink = torch.linspace(-4.0, 4.0, 8, device=DEV)
+    out, lse, *_ = run(case, "bf16", 128, paged=True, learnable_sink=sink, softcap=30.0,
+                       alibi_slopes=torch.full((8,), 0.25, device=DEV))  # fmt: skip
+    assert torch.all(out[0] == 0)
+    want = sink[:, None].expand(8, 3)
+    assert torch.allclose(lse[0], want, rtol=4 * float(np.finfo(np.float32).eps), atol=0.0)
+
+
+def _score_decode_args(seed: int):
+    rng = np.random.default_rng(seed)
+    q = _t(rng.standard_normal((2, 3, 8, 128)), "bf16")
+    pages = _t(rng.standard_normal((6, 64, 2, 128)), "bf16")
+    table = torch.tensor([[0, 5, 2], [4, 1, 3]], dtype=torch.int32, device=DEV)
+    slopes = _slopes(rng, 2, 8, True, False)
+    return q, pages, table, slopes, _sinks(rng, 8, grad=False)
+
+
+def test_opcheck_decode_op_with_every_score_feature():
+    q, pages, table, slopes, sink = _score_decode_args(12)
+    args = (q, pages, pages, _lens([150, 3]), table, 128**-0.5, True, -1, -1, 0, 0, False,
+            30.0, slopes, sink)  # fmt: skip
+    torch.library.opcheck(torch.ops.flashgen.decode.default, args)
+
+
+def test_under_torch_compile_with_every_score_feature():
+    q, pages, table, slopes, sink = _score_decode_args(13)
+    lens = _lens([150, 3])
+
+    def step(q, pages, lens, table, slopes, sink):
+        return flash_attn_with_kvcache(q, pages, pages, cache_seqlens=lens, block_table=table,
+                                       causal=True, softcap=30.0, alibi_slopes=slopes,
+                                       return_softmax_lse=True, check_inputs=False,
+                                       learnable_sink=sink)  # fmt: skip
+
+    want = step(q, pages, lens, table, slopes, sink)
+    got = torch.compile(step, fullgraph=True)(q, pages, lens, table, slopes, sink)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 # -- merge_states --------------------------------------------------------------------------------
 
 
@@ -367,9 +487,28 @@ def test_unimplemented_arguments_are_refused():
              cache_seqlens=lens)  # fmt: skip
     _refused(r"cache_batch_idx", q, k, v, cache_seqlens=lens, cache_batch_idx=lens.long())
     _refused(r"cache_leftpad", q, k, v, cache_seqlens=lens, cache_leftpad=lens)
-    _refused(r"softcap=30.0", q, k, v, cache_seqlens=lens, softcap=30.0)
-    _refused(r"alibi_slopes", q, k, v, cache_seqlens=lens,
-             alibi_slopes=torch.ones(8, device=DEV))  # fmt: skip
+
+
+def test_bad_score_arguments_are_refused():
+    q, k, v, lens = _base()  # batch 2, 8 query heads
+    ones = torch.ones(8, device=DEV)
+    _refused(r"softcap=-1.0: allowed 0.0 \(off\) or a finite c > 0", q, k, v, lens,
+             softcap=-1.0)  # fmt: skip
+    _refused(r"softcap=nan", q, k, v, lens, softcap=float("nan"))
+    _refused(r"softcap must be a float", q, k, v, lens, softcap="30")
+    _refused(r"alibi_slopes has dtype float16; it must be float32", q, k, v, lens,
+             alibi_slopes=ones.half())  # fmt: skip
+    _refused(r"alibi_slopes has shape \(2,\); it must be \(nheads,\) = \(8,\) or "
+             r"\(batch, nheads\) = \(2, 8\)", q, k, v, lens,
+             alibi_slopes=torch.ones(2, device=DEV))  # fmt: skip
+    _refused(r"alibi_slopes is on device cpu but q is on cuda", q, k, v, lens,
+             alibi_slopes=ones.cpu())  # fmt: skip
+    _refused(r"alibi_slopes's last dimension has stride 2", q, k, v, lens,
+             alibi_slopes=torch.ones(16, device=DEV)[::2])  # fmt: skip
+    _refused(r"learnable_sink has shape \(2, 8\)", q, k, v, lens,
+             learnable_sink=torch.ones(2, 8, device=DEV))  # fmt: skip
+    _refused(r"learnable_sink has dtype float64", q, k, v, lens, learnable_sink=ones.double())
+    _refused(r"learnable_sink must be a float32 tensor", q, k, v, lens, learnable_sink=[0.0])
 
 
 def test_shapes_dtypes_and_devices_are_refused():
