@@ -17,7 +17,7 @@ from flashgen.generator.families import family
 from flashgen.generator.load import expand_paths, load_paths
 from flashgen.generator.naming import kernel_name
 from flashgen.generator.paths import checkout_root
-from flashgen.generator.spec import FIELDS, KernelSpec, SpecError, Target
+from flashgen.generator.spec import FIELDS, KernelKind, KernelSpec, SpecError, Target
 
 if TYPE_CHECKING:
     from flashgen.generator.writer import Plan
@@ -26,6 +26,10 @@ __all__ = ["main"]
 
 DEFAULT_GENERATED = Path("generated")
 DEFAULT_MAX_KERNELS = 512
+# `flashgen show`'s shape: a prefill-sized call, or for decode one new query over a 4k cache
+# (decode takes 1..16 new queries).
+DEFAULT_SEQLEN = 4096
+DEFAULT_DECODE_SEQLEN_Q = 1
 
 
 class UsageError(Exception):
@@ -222,8 +226,8 @@ def _io_lines(spec: KernelSpec, args: argparse.Namespace) -> list[str]:
         return ["  io:         io model unavailable"]
     if spec.sparse:
         return ["  io:         not predicted: block-sparse traffic depends on the runtime layout"]
-    seqlen_k = args.seqlen_q if args.seqlen_k is None else args.seqlen_k
-    shape = dict(batch=args.batch, heads=args.heads, seqlen_q=args.seqlen_q, seqlen_k=seqlen_k)
+    seqlen_q, seqlen_k = _show_seqlens(spec, args)
+    shape = dict(batch=args.batch, heads=args.heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
     kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     extra = {}
     if args.window_left is not None or args.window_right is not None:
@@ -248,6 +252,19 @@ def _io_lines(spec: KernelSpec, args: argparse.Namespace) -> list[str]:
     except Exception as e:
         out.append(f"    standard attention model failed: {type(e).__name__}: {e}")
     return out
+
+
+def _show_seqlens(spec: KernelSpec, args: argparse.Namespace) -> tuple[int, int]:
+    """(seqlen_q, seqlen_k) of `show`'s call: the options, else the kind's defaults (decode:
+    one new query over a cache of DEFAULT_SEQLEN keys; otherwise seqlen_k = seqlen_q)."""
+    decode = spec.kernel is KernelKind.DECODE
+    seqlen_q = args.seqlen_q
+    if seqlen_q is None:
+        seqlen_q = DEFAULT_DECODE_SEQLEN_Q if decode else DEFAULT_SEQLEN
+    seqlen_k = args.seqlen_k
+    if seqlen_k is None:
+        seqlen_k = DEFAULT_SEQLEN if decode else seqlen_q
+    return seqlen_q, seqlen_k
 
 
 def _check_show_shape(args: argparse.Namespace, specs: Sequence[KernelSpec]) -> None:
@@ -410,7 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"flashgen {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    g = sub.add_parser("generate", help="render kernels, manifest and README table")
+    g = sub.add_parser(
+        "generate", help="render kernels (.cu + .h), manifest.json and the kernel table"
+    )
     g.add_argument("specs", nargs="+", metavar="SPEC_OR_DIR", help="spec files or directories")
     g.add_argument("-o", "--output", default=str(DEFAULT_GENERATED), help="default: generated/")
     g.add_argument(
@@ -436,24 +455,42 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="default: --heads; must divide it (other values need a gqa: true spec)",
     )
-    s.add_argument("--seqlen-q", type=_int_at_least(0), default=4096)
-    s.add_argument("--seqlen-k", type=_int_at_least(0), default=None, help="default: --seqlen-q")
+    s.add_argument(
+        "--seqlen-q",
+        type=_int_at_least(0),
+        default=None,
+        help=f"default: {DEFAULT_SEQLEN} (decode: {DEFAULT_DECODE_SEQLEN_Q})",
+    )
+    s.add_argument(
+        "--seqlen-k",
+        type=_int_at_least(0),
+        default=None,
+        help=f"default: --seqlen-q (decode: {DEFAULT_SEQLEN}, the cache length)",
+    )
     s.add_argument("--window-left", type=_int_at_least(0, unbounded=-1), default=None)
     s.add_argument("--window-right", type=_int_at_least(0, unbounded=-1), default=None)
     s.set_defaults(func=cmd_show, parser=s)
 
-    c = sub.add_parser("compile", help="nvcc each kernel to a cubin and report resources")
+    c = sub.add_parser(
+        "compile",
+        help="nvcc each kernel into a host library <name>.so and report its resources",
+    )
     c.add_argument("specs", nargs="+", metavar="SPEC_OR_DIR")
     c.add_argument("--arch", choices=Target.allowed(), help="default: each spec's target")
-    c.add_argument("-j", "--jobs", type=int, default=None, help="default: CPU count")
+    c.add_argument(
+        "-j", "--jobs", type=_int_at_least(1), default=None, metavar="N", help="default: CPU count"
+    )
     c.add_argument("-o", "--output", default="build/kernels", help="default: build/kernels")
     c.add_argument("--templates", help="template directory (default: the repo's templates/)")
     c.add_argument("--nvcc", default=os.environ.get("NVCC", "nvcc"), help="default: $NVCC or nvcc")
     _add_max_kernels(c)
     c.set_defaults(func=cmd_compile)
 
-    for which, help_ in (("verify", "run the GPU verification suite"), ("bench", "benchmark")):
-        sub.add_parser(which, help=f"{help_} (arguments go to verify.gpu_cli)", add_help=False)
+    for which, help_ in (
+        ("verify", "run the GPU verification suite on the compiled kernels (needs a GPU)"),
+        ("bench", "benchmark the forward kernels against SDPA (needs a GPU)"),
+    ):
+        sub.add_parser(which, help=f"{help_}; `flashgen {which} --help`", add_help=False)
     return p
 
 

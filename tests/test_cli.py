@@ -427,6 +427,23 @@ def test_show_passes_seqlen_k_zero_to_the_io_model(spec_file, monkeypatch):
     assert calls[0]["seqlen_q"] == 100 and calls[0]["seqlen_k"] == 0
 
 
+DECODE_SPEC = "kernel: decode\ndtype: bf16\nhead_dim: 128\ngqa: true\n"
+
+
+def test_show_defaults_to_one_new_query_over_a_4k_cache_for_decode(tmp_path, capsys):
+    spec = tmp_path / "decode.yaml"
+    spec.write_text(DECODE_SPEC)
+    assert run("show", spec) == 0
+    out = capsys.readouterr().out
+    assert "seqlen_q=1, seqlen_k=4096" in out and "io model failed" not in out
+
+
+def test_show_defaults_to_a_4k_square_call_for_forward(spec_file, monkeypatch):
+    calls = fake_io_model(monkeypatch)
+    assert run("show", spec_file) == 0
+    assert calls[0]["seqlen_q"] == calls[0]["seqlen_k"] == 4096
+
+
 # --------------------------------------------------------------------------------------------
 # compile (with a stand-in nvcc; the real nvcc sample is in test_generator.py)
 # --------------------------------------------------------------------------------------------
@@ -455,6 +472,19 @@ def fake_nvcc(tmp_path: Path, spill: int = 0, fail: bool = False) -> Path:
     )
     script.chmod(0o755)
     return script
+
+
+@pytest.mark.parametrize("jobs", ["0", "-1", "two"])
+def test_compile_rejects_jobs_below_one(spec_file, capsys, jobs):
+    with pytest.raises(SystemExit) as exc:
+        run("compile", spec_file, "-j", jobs)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        f"argument -j/--jobs: must be an integer >= 1, got {jobs if jobs != 'two' else repr(jobs)}"
+        in err
+    )
+    assert "Traceback" not in err
 
 
 def test_compile_prints_a_resource_table(tmp_path, templates, spec_file, capsys):
@@ -594,6 +624,68 @@ def test_verify_without_gpu_cli_says_so(monkeypatch, capsys):
     monkeypatch.delattr(verify, "gpu_cli", raising=False)
     assert run("verify") == 1
     assert "unavailable" in capsys.readouterr().err
+
+
+def test_verify_without_a_gpu_verifies_nothing_and_exits_1(monkeypatch, capsys):
+    import flashgen.verify.runner as runner
+    import pytest as pytest_module
+
+    monkeypatch.setattr(runner, "gpu_available", lambda: (False, "cuInit failed: no device"))
+    monkeypatch.setattr(pytest_module, "main", lambda *a, **k: pytest.fail("pytest ran"))
+    assert run("verify") == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert "nothing was verified" in line and "cuInit failed: no device" in line
+
+
+def test_verify_exits_1_when_every_gpu_test_skipped(monkeypatch, capsys):
+    import flashgen.verify.runner as runner
+    import pytest as pytest_module
+
+    def fake_main(args, plugins=()):
+        report = types.SimpleNamespace(
+            when="setup",
+            passed=False,
+            failed=False,
+            skipped=True,
+            longrepr=("t.py", 1, "Skipped: kernel not built"),
+        )
+        for plugin in plugins:
+            plugin.pytest_runtest_logreport(report)
+        return 0
+
+    monkeypatch.setattr(runner, "gpu_available", lambda: (True, "Fake GPU"))
+    monkeypatch.setattr(pytest_module, "main", fake_main)
+    assert run("verify", "-k", "nothing") == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert "nothing was verified: no GPU test ran (1 skipped: kernel not built)" in line
+
+
+def test_verify_help_is_its_own_short_help(capsys):
+    assert run("verify", "--help") == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: flashgen verify")
+    assert "--pytest-help" in out and len(out.splitlines()) < 40
+
+
+def test_top_level_help_says_what_each_command_builds(capsys):
+    with pytest.raises(SystemExit) as exc:
+        run("--help")
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "host library <name>.so" in out and "cubin" not in out
+    assert "verify --help" in out and "needs a GPU" in out
+
+
+def test_version_is_the_cli_s_and_the_package_metadata_s(capsys):
+    import importlib.metadata
+
+    import flashgen.generator
+
+    with pytest.raises(SystemExit) as exc:
+        run("--version")
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"flashgen {flashgen.generator.__version__}"
+    assert importlib.metadata.version("flashgen") == flashgen.generator.__version__
 
 
 def run_cli_elsewhere(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
