@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import jinja2
 from flashgen.generator import __version__
 from flashgen.generator.families import family
-from flashgen.generator.load import expand_paths, load_paths
+from flashgen.generator.load import TooManyKernels, expand_paths, load_paths
 from flashgen.generator.naming import kernel_name
 from flashgen.generator.paths import checkout_root
 from flashgen.generator.spec import FIELDS, KernelKind, KernelSpec, SpecError, Target
@@ -51,20 +51,34 @@ def _os_message(e: OSError) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def _load(paths: Sequence[str | Path], limit: int, command: str) -> list[KernelSpec]:
+    """`load_paths`, refusing more than `limit` kernels (0: no limit) before any family is
+    expanded (a family of 200k kernels is refused at once)."""
+    try:
+        return load_paths(paths, max_kernels=limit)
+    except TooManyKernels as e:
+        per_file = sorted(e.per_file, key=lambda fn: -fn[1])
+        raise _too_many([(f, n) for f, n in per_file if n], e.total, limit, command) from None
+
+
 def _check_kernel_count(specs: Sequence[KernelSpec], limit: int, command: str) -> None:
     """Refuse more than `limit` kernels (0: no limit), naming the spec files that declare them."""
     if not limit or len(specs) <= limit:
         return
     per_file = Counter(s.source_file or "<unknown>" for s in specs).most_common()
+    raise _too_many(per_file, len(specs), limit, command)
+
+
+def _too_many(per_file: list[tuple[str, int]], total: int, limit: int, command: str) -> UsageError:
     if len(per_file) == 1:
         shown, verb = per_file[0][0], "declares"
     else:
         shown, verb = ", ".join(f"{f} ({n})" for f, n in per_file[:3]), "declare"
         if len(per_file) > 3:
             shown += f" and {len(per_file) - 3} more file(s)"
-    raise UsageError(
-        f"{shown} {verb} {len(specs)} kernels, more than --max-kernels {limit}; narrow the "
-        f"spec family, or pass --max-kernels {len(specs)} (0: no limit) to {command} them all"
+    return UsageError(
+        f"{shown} {verb} {total} kernels, more than --max-kernels {limit}; narrow the "
+        f"spec family, or pass --max-kernels {total} (0: no limit) to {command} them all"
     )
 
 
@@ -144,30 +158,74 @@ def _changed_paths(plan: Plan) -> list[Path]:
     return out + [p for p in plan.removals if os.path.lexists(p)]
 
 
+def _waiting(outdir: Path) -> None:
+    print(
+        f"flashgen: waiting for another flashgen generate writing into {outdir}",
+        file=sys.stderr,
+    )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from flashgen.generator.writer import apply_plan, check_plan, plan_generate
+    from flashgen.generator.writer import output_lock, plan_generate
 
     files = expand_paths(args.specs)
-    specs = load_paths(files)
-    _check_kernel_count(specs, args.max_kernels, "generate")
+    specs = _load(files, args.max_kernels, "generate")
     outdir = Path(args.output)
     _check_output_dirs([outdir], "-o", write=False)  # writability: per changed file, below
     readme = Path(args.readme) if args.readme else _default_readme(outdir)
     if args.no_readme:
         readme = None
-    plan = plan_generate(
-        specs, outdir, spec_files=files, readme=readme, templates_dir=args.templates
-    )
-    for w in plan.warnings:
-        print(f"flashgen: warning: {w}", file=sys.stderr)
+
+    def plan() -> Plan:
+        made = plan_generate(
+            specs, outdir, spec_files=files, readme=readme, templates_dir=args.templates
+        )
+        for w in made.warnings:
+            print(f"flashgen: warning: {w}", file=sys.stderr)
+        return made
+
+    # The plan reads the previous manifest and the folder, so it is made under the folder's
+    # lock (shared for --check): runs into one folder take turns instead of interleaving.
     if args.check:
-        diffs = check_plan(plan)
-        if diffs:
-            sys.stdout.write("".join(diffs))
-            _err(f"{len(diffs)} generated file(s) out of date; run: {_generate_command(args)}")
-            return 1
-        print(f"{len(plan.entries)} kernels up to date in {outdir}")
-        return 0
+        with output_lock(outdir, shared=True, on_wait=lambda: _waiting(outdir)):
+            return _check_generated(plan(), args)
+    if os.path.isdir(outdir):
+        with output_lock(outdir, on_wait=lambda: _waiting(outdir)):
+            return _apply_generated(plan(), outdir)
+    # A new folder: render everything first (an invalid spec creates nothing), then create
+    # the folder, lock it, and plan again if another run wrote into it meanwhile.
+    first = plan()
+    _check_output_dirs([outdir], "-o")
+    try:
+        outdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _err(f"cannot create the output directory: {_os_message(e)}")
+        return 1
+    try:
+        with output_lock(outdir, on_wait=lambda: _waiting(outdir)):
+            return _apply_generated(first if not any(outdir.iterdir()) else plan(), outdir)
+    finally:
+        try:
+            outdir.rmdir()  # only if nothing was written into it (interrupted, failed)
+        except OSError:
+            pass
+
+
+def _check_generated(plan: Plan, args: argparse.Namespace) -> int:
+    from flashgen.generator.writer import check_plan
+
+    diffs = check_plan(plan)
+    if diffs:
+        sys.stdout.write("".join(diffs))
+        _err(f"{len(diffs)} generated file(s) out of date; run: {_generate_command(args)}")
+        return 1
+    print(f"{len(plan.entries)} kernels up to date in {plan.outdir}")
+    return 0
+
+
+def _apply_generated(plan: Plan, outdir: Path) -> int:
+    from flashgen.generator.writer import apply_plan
+
     # Every directory that a changed file goes into must be writable before the first write.
     _check_output_dirs([p.parent for p in _changed_paths(plan)], "")
     try:
@@ -287,7 +345,7 @@ def _check_show_shape(args: argparse.Namespace, specs: Sequence[KernelSpec]) -> 
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    specs = load_paths([args.spec])
+    specs = _load([args.spec], 0, "show")
     _check_show_shape(args, specs)
     for i, spec in enumerate(specs):
         if i:
@@ -304,8 +362,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     from flashgen.generator.compile import compile_specs, retarget
 
-    specs = load_paths(args.specs)
     arch = Target.from_yaml(args.arch) if args.arch else None
+    # With --arch the count is checked after retargeting (which leaves sm_90a kernels out).
+    specs = _load(args.specs, 0 if arch else args.max_kernels, "compile")
     if arch is not None:  # refused here (SpecError) before nvcc is looked for or a file written
         built = retarget(specs, arch)
         left_out = len(specs) - len(built)  # architecture-specific kernels (sm_90a)
@@ -511,6 +570,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `flashgen show ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except KeyboardInterrupt:  # generate: the folder is as it was, or complete (writer.py)
+        _err("interrupted")
+        return 130
 
 
 if __name__ == "__main__":

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 import types
 from pathlib import Path
 
@@ -293,6 +296,237 @@ def test_generate_max_kernels_sets_the_cap(tmp_path, templates, spec_file, capsy
     assert "declares 2 kernels, more than --max-kernels 1" in capsys.readouterr().err
     assert not out.exists()
     assert run("generate", spec_file, "-o", out, "--templates", templates, "--max-kernels", 2) == 0
+
+
+# 2 * 16 * 3 * 2 * 2 * 2 * 2 * 2 * 4 * (2 * 4 * 2 * 3) = 589,824 valid kernels.
+FAMILY_589824 = textwrap.dedent("""\
+    dtype: [fp16, bf16]
+    head_dim: [16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256]
+    mask: {causal: [none, top_left, bottom_right], window: [false, true], varlen: [false, true]}
+    gqa: [false, true]
+    dropout: [false, true]
+    instrument_io: [false, true]
+    target: [sm_80, sm_86, sm_89, sm_90]
+    tile: {block_m: [64, 128], block_n: [32, 64, 96, 128], warps: [4, 8], stages: [1, 2, 3]}
+    """)
+
+
+@pytest.mark.parametrize("command", ["generate", "compile"])
+def test_a_huge_family_is_refused_before_it_is_expanded(tmp_path, templates, capsys, command):
+    family = tmp_path / "family.yaml"
+    family.write_text(FAMILY_589824)
+    out = tmp_path / "gen"
+    start = time.perf_counter()
+    assert run(command, family, "-o", out, "--templates", templates) == 2
+    assert time.perf_counter() - start < 1.0
+    line = one_error_line(capsys.readouterr().err)
+    assert f"{family} declares 589824 kernels, more than --max-kernels 512" in line
+    assert "pass --max-kernels 589824" in line and not out.exists()
+
+
+def test_a_tile_of_aliased_lists_is_counted_not_expanded(tmp_path, templates, capsys):
+    family = tmp_path / "family.yaml"
+    values = ", ".join(map(str, range(1, 1001)))
+    family.write_text(
+        f"dtype: bf16\nhead_dim: 64\n"
+        f"tile: {{block_m: &n [{values}], block_n: *n, warps: *n, stages: *n}}\n"
+    )
+    start = time.perf_counter()
+    assert run("generate", family, "-o", tmp_path / "gen", "--templates", templates) == 2
+    assert time.perf_counter() - start < 1.0
+    assert "declares 1000000000000 kernels" in one_error_line(capsys.readouterr().err)
+
+
+def test_the_kernel_cap_counts_across_files(tmp_path, templates, spec_file, capsys):
+    other = spec_file.parent / "u.yaml"
+    other.write_text("dtype: bf16\nhead_dim: [32, 64, 128]\n")
+    args = ("generate", spec_file.parent, "-o", tmp_path / "gen", "--templates", templates)
+    assert run(*args, "--max-kernels", 4) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "(3), " in line and "(2) declare 5 kernels, more than --max-kernels 4" in line
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("head_dim: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
+        ("- dtype: bf16\n", "top level must be a mapping"),
+        ("bf16\n", "top level must be a mapping"),
+        ("dtype: bf16\n---\ndtype: fp16\n", "invalid YAML"),
+        ("dtype: !!python/object:os.system {}\n", "invalid YAML"),
+        ("dtype: bf16\x00\n", "invalid YAML"),
+        (b"\xff\xfe\x00d", "is not UTF-8 text"),
+        ("#" * (4 * 1024 * 1024 + 1), "is larger than 4 MiB"),
+    ],
+    ids=["deep", "list", "scalar", "two-docs", "python-tag", "nul", "binary", "huge"],
+)
+def test_a_hostile_spec_file_is_one_error_line(tmp_path, capsys, text, message):
+    spec = tmp_path / "hostile.yaml"
+    if isinstance(text, bytes):
+        spec.write_bytes(text)
+    else:
+        spec.write_text(text)
+    assert run("generate", spec, "-o", tmp_path / "gen") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert message in line and "hostile.yaml" in line
+    assert not (tmp_path / "gen").exists()
+
+
+def test_a_mapping_over_the_key_cap_is_refused(tmp_path, capsys, monkeypatch):
+    import flashgen.generator.load as load
+
+    monkeypatch.setattr(load, "MAX_MAPPING_KEYS", 3)
+    spec = tmp_path / "merge.yaml"
+    spec.write_text(
+        "defaults: &d {dtype: bf16, head_dim: 64, gqa: false}\n"
+        "kernels:\n  - {<<: *d, dropout: true}\n"
+    )
+    assert run("generate", spec, "-o", tmp_path / "gen") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "merge.yaml:3: a mapping of 4 keys" in line and "more than the 3" in line
+
+
+def test_an_unreadable_spec_directory_is_one_error_line(tmp_path, capsys, monkeypatch):
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    real_iterdir = Path.iterdir
+
+    def iterdir(self):
+        if self == specs:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_iterdir(self)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir)  # chmod 000 does not stop root
+    assert run("generate", specs, "-o", tmp_path / "gen") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"{specs}: cannot read directory: Permission denied" in line
+
+
+def test_a_fifo_named_like_a_spec_is_refused_without_reading_it(tmp_path, capsys):
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs here")
+    fifo = tmp_path / "pipe.yaml"
+    os.mkfifo(fifo)
+    assert run("generate", fifo, "-o", tmp_path / "gen") == 2
+    assert "is not a regular file or a directory" in one_error_line(capsys.readouterr().err)
+
+
+def test_an_interrupt_while_staging_leaves_the_folder_as_it_was(
+    tmp_path, templates, spec_file, capsys, monkeypatch
+):
+    import flashgen.generator.writer as writer
+
+    out = tmp_path / "gen"
+    assert run("generate", spec_file, "-o", out, "--templates", templates) == 0
+    before = files_under(out)
+    (templates / "forward" / "kernel.cu.j2").write_text("// {{ banner | join('') }} v2\n")
+    (templates / "include" / "flashgen" / "extra.h").write_text("// new header\n")
+    real_stage, calls = writer._stage, []
+
+    def stage(*args):
+        calls.append(args[0])
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_stage(*args)
+
+    monkeypatch.setattr(writer, "_stage", stage)
+    capsys.readouterr()
+    assert run("generate", spec_file, "-o", out, "--templates", templates) == 130
+    assert one_error_line(capsys.readouterr().err) == "flashgen: error: interrupted"
+    assert files_under(out) == before  # no temp file, no half-written kernel
+
+
+def test_an_interrupt_while_committing_waits_until_the_folder_is_complete(
+    tmp_path, templates, spec_file, monkeypatch
+):
+    import flashgen.generator.writer as writer
+    from flashgen.generator.load import load_paths
+
+    class Stop(Exception):
+        pass
+
+    def on_term(signum, frame):
+        raise Stop
+
+    real_replace, sent = os.replace, []
+
+    def replace(src, dst):
+        if not sent:
+            sent.append(dst)
+            os.kill(os.getpid(), signal.SIGTERM)  # held back until the commit is done
+        return real_replace(src, dst)
+
+    out = tmp_path / "gen"
+    plan = writer.plan_generate(load_paths([spec_file]), out, templates_dir=templates)
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        monkeypatch.setattr(writer.os, "replace", replace)
+        with pytest.raises(Stop):
+            writer.apply_plan(plan)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert sent
+    assert files_under(out) == {p: plan.writes[p] for p in sorted(plan.writes)}
+
+
+def test_a_stale_temp_file_of_a_killed_run_is_removed_by_the_next(
+    tmp_path, templates, spec_file, capsys
+):
+    out = tmp_path / "gen"
+    assert run("generate", spec_file, "-o", out, "--templates", templates) == 0
+    stale = out / "include" / "flashgen" / ".params.h.0a1b2c3d.flashgen-tmp"
+    stale.write_text("half a header")
+    args = ("generate", spec_file, "-o", out, "--templates", templates)
+    assert run(*args, "--check") == 1
+    assert "stale file (would be removed)" in capsys.readouterr().out
+    assert run(*args) == 0 and not stale.exists()
+
+
+def test_generate_waits_for_the_lock_on_its_output_folder(tmp_path, templates, spec_file):
+    from flashgen.generator.writer import output_lock
+
+    out = tmp_path / "gen"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "flashgen.generator", "generate", str(spec_file), "-o", str(out)]
+    cmd += ["--templates", str(templates)]
+    with output_lock(out):
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            line = proc.stderr.readline()  # blocks until it reports that it waits
+            assert "waiting for another flashgen generate writing into" in line
+            assert proc.poll() is None and not (out / "manifest.json").exists()
+        except BaseException:
+            proc.kill()
+            raise
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "2 kernels in" in stdout
+
+
+def test_two_generate_runs_into_one_folder_leave_it_consistent(tmp_path, templates):
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "a.yaml").write_text("dtype: [fp16, bf16]\nhead_dim: [32, 64, 96, 128]\n")
+    (specs / "b.yaml").write_text("dtype: [fp16, bf16]\nhead_dim: [16, 48, 80, 112]\n")
+    out = tmp_path / "gen"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "flashgen.generator", "generate", str(specs / f), "-o", str(out)]
+            + ["--templates", str(templates)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for f in ("a.yaml", "b.yaml")
+    ]
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    names = {e["name"] for e in manifest["kernels"]}
+    assert len(names) == 16
+    assert names == {p.stem for p in out.glob("*.cu")} == {p.stem for p in out.glob("*.h")}
+    assert not [p for p in out.rglob("*") if p.name.endswith(".flashgen-tmp")]
 
 
 def test_generate_check_hint_repeats_output_templates_and_no_readme(
