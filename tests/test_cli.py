@@ -922,6 +922,32 @@ def test_version_is_the_cli_s_and_the_package_metadata_s(capsys):
     assert importlib.metadata.version("flashgen") == flashgen.generator.__version__
 
 
+def test_the_generator_commands_import_neither_pytest_nor_hypothesis():
+    code = (
+        "import sys\n"
+        "from flashgen.generator.cli import main\n"
+        "import flashgen.verify.gpu_cli, flashgen.verify.io_model\n"
+        "main(['show', 'specs/fwd_dense.yaml'])\n"
+        "print(sorted(m for m in ('pytest', 'hypothesis') if m in sys.modules))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_pytest_and_hypothesis_are_extras_not_dependencies():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert sorted(project["dependencies"]) == ["jinja2", "numpy", "pyyaml"]
+    extras = project["optional-dependencies"]
+    assert {"pytest", "hypothesis"} <= set(extras["test"]) <= set(extras["dev"])
+    assert project["license"] == "Apache-2.0" and (REPO / "LICENSE").is_file()
+    assert "Apache License" in (REPO / "LICENSE").read_text()
+
+
 def run_cli_elsewhere(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
     """`python -m flashgen.generator ARGV` from a directory outside the checkout."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
