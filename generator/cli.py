@@ -118,12 +118,16 @@ def _check_output_dirs(dirs: Sequence[Path], flag: str, *, write: bool = True) -
 # --------------------------------------------------------------------------------------------
 
 
+KERNEL_TABLE_DOC = Path("docs") / "kernels.md"
+
+
 def _default_readme(outdir: Path) -> Path | None:
-    """The repo README is kept in sync only when generating into the repo's `generated/`."""
+    """The repo's kernel table (docs/kernels.md) is kept in sync only when generating into the
+    repo's `generated/`."""
     root = checkout_root()
     if root is None:
         return None
-    readme = root / "README.md"
+    readme = root / KERNEL_TABLE_DOC
     if outdir.resolve() == (root / "generated").resolve() and readme.is_file():
         return readme
     return None
@@ -496,10 +500,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--readme",
-        help="README whose kernel table to rewrite (default: the repo's, "
-        "when writing to the repo's generated/)",
+        metavar="MARKDOWN",
+        help="Markdown file whose kernel table (between the kernels:begin/end markers) to "
+        f"rewrite (default: the repo's {KERNEL_TABLE_DOC.as_posix()}, when writing to the "
+        "repo's generated/)",
     )
-    g.add_argument("--no-readme", action="store_true", help="leave READMEs alone")
+    g.add_argument("--no-readme", action="store_true", help="rewrite no kernel table")
     g.add_argument("--templates", help="template directory (default: the repo's templates/)")
     _add_max_kernels(g)
     g.set_defaults(func=cmd_generate)

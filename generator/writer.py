@@ -1,11 +1,12 @@
 """Writing generated files: plan in memory, then write atomically and only what changed.
 
-`plan_generate` renders every kernel, the include headers, `manifest.json` and the README's
-kernel table into memory (any error: nothing is written). `apply_plan` stages every changed
-file as a temp file beside its destination, then renames them all into place and removes
-stale generated files with SIGINT/SIGTERM held back, so an error or an interrupt leaves the
-folder as it was or complete, and no temp file behind; `check_plan` compares the plan with the
-disk and returns unified diffs instead (for `flashgen generate --check`). `output_lock` is the
+`plan_generate` renders every kernel, the include headers, `manifest.json` and the kernel
+table of a Markdown file (docs/kernels.md, between its markers) into memory (any error:
+nothing is written). `apply_plan` stages every changed file as a temp file beside its
+destination, then renames them all into place and removes stale generated files with
+SIGINT/SIGTERM held back, so an error or an interrupt leaves the folder as it was or
+complete, and no temp file behind; `check_plan` compares the plan with the disk and returns
+unified diffs instead (for `flashgen generate --check`). `output_lock` is the
 advisory lock on the output folder that `flashgen generate` plans and applies under.
 
 The output directory is a product of the specs: a kernel in the previous manifest is kept only
