@@ -1058,10 +1058,33 @@ def test_ci_runs_the_readme_test_command_then_check_and_compile():
     assert order == sorted(order)
 
 
-def test_readme_has_kernel_table_markers_and_placeholder_sections():
+def test_kernel_table_doc_has_markers_and_readme_its_sections():
+    table = (REPO / "docs" / "kernels.md").read_text()
+    assert table.index("<!-- kernels:begin -->") < table.index("<!-- kernels:end -->")
     text = README.read_text()
-    assert text.index("<!-- kernels:begin -->") < text.index("<!-- kernels:end -->")
     assert "## Verification" in text and "## Performance" in text
+    assert "<!-- kernels:begin -->" not in text  # the table lives in docs/kernels.md
+
+
+def test_readme_is_short_and_has_a_five_line_quickstart():
+    text = README.read_text()
+    assert len(text.splitlines()) < 200
+    quick = text.split("## Quickstart", 1)[1].split("```", 2)[1].strip().splitlines()
+    assert len(quick) == 5
+    assert [ln.split()[:2] for ln in quick[1:4]] == [
+        ["flashgen", "show"],
+        ["flashgen", "generate"],
+        ["flashgen", "compile"],
+    ]
+    assert "take long" in text and "build/kernels" in text
+    assert "pip install 'flashgen" not in text  # not on an index: install from a checkout
+
+
+def test_generate_into_the_repo_s_generated_rewrites_docs_kernels_md(monkeypatch):
+    from flashgen.generator.cli import _default_readme
+
+    assert _default_readme(REPO / "generated") == REPO / "docs" / "kernels.md"
+    assert _default_readme(REPO / "elsewhere") is None
 
 
 _NOXFILE: list[types.ModuleType] = []

@@ -188,6 +188,35 @@ def test_design_md_family_table_has_a_column_per_kind():
 
 
 # --------------------------------------------------------------------------------------------
+# Generated numbers (bench/readme_perf.py)
+# --------------------------------------------------------------------------------------------
+
+
+def test_readme_numbers_and_performance_md_are_up_to_date():
+    from flashgen.bench import readme_perf
+
+    stale = [p.relative_to(REPO).as_posix() for p in readme_perf.stale()]
+    assert stale == [], "run: python3 bench/readme_perf.py"
+
+
+def test_readme_verification_counts_come_from_the_records():
+    import json
+
+    from flashgen.bench import readme_perf
+
+    text = readme_perf.verification()
+    kernels = json.loads((REPO / "generated" / "manifest.json").read_text())["kernels"]
+    assert f"of the {len(kernels)} shipped kernels" in text
+    assert text in (REPO / "README.md").read_text()
+
+
+def test_final_loss_has_one_meaning():
+    perf = (REPO / "docs" / "performance.md").read_text()
+    assert "final loss" not in perf and "final loss" not in (REPO / "README.md").read_text()
+    assert "training loss, last step" in perf and "mean of the last 20 steps" in perf
+
+
+# --------------------------------------------------------------------------------------------
 # Links
 # --------------------------------------------------------------------------------------------
 
