@@ -93,10 +93,15 @@ def files_under(root: Path) -> dict[Path, bytes]:
 
 
 @pytest.fixture
-def read_only():
-    """Make a directory read-only (restored afterwards); skip where that does not stop writes,
-    e.g. when running as root."""
+def read_only(monkeypatch):
+    """Make a directory read-only (restored afterwards). Where chmod 555 does not stop writes
+    (running as root, as CI does), the directory is read-only to flashgen instead: os.access
+    says so and the writer's staging gets EACCES there, which is what a read-only directory
+    gives a normal user, so these tests run everywhere."""
+    import flashgen.generator.writer as writer
+
     made: list[Path] = []
+    simulated: set[Path] = set()
 
     def make(path: Path) -> Path:
         path.mkdir(parents=True, exist_ok=True)
@@ -108,8 +113,23 @@ def read_only():
         except OSError:
             return path
         probe.unlink()
-        pytest.skip("chmod 555 does not stop writes here (running as root?)")
+        simulated.add(path.resolve())
+        return path
 
+    real_access, real_stage = os.access, writer._stage
+
+    def access(p, mode, *args, **kwargs):
+        if mode & os.W_OK and Path(p).resolve() in simulated:
+            return False
+        return real_access(p, mode, *args, **kwargs)
+
+    def stage(path, *args):
+        if path.parent.resolve() in simulated:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_stage(path, *args)
+
+    monkeypatch.setattr(os, "access", access)
+    monkeypatch.setattr(writer, "_stage", stage)
     yield make
     for path in made:
         path.chmod(0o755)
