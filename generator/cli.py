@@ -579,6 +579,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # generate: the folder is as it was, or complete (writer.py)
         _err("interrupted")
         return 130
+    except OSError as e:  # a file or folder that cannot be read or written: one line
+        _err(_os_message(e))
+        return 1
 
 
 if __name__ == "__main__":

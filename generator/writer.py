@@ -349,8 +349,8 @@ def output_lock(
         return
     try:
         fd = os.open(outdir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except (FileNotFoundError, NotADirectoryError):
-        yield
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        yield  # nothing to lock, or a folder this run cannot read (its plan says so)
         return
     try:
         mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX

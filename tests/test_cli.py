@@ -431,6 +431,22 @@ def test_a_fifo_named_like_a_spec_is_refused_without_reading_it(tmp_path, capsys
     assert "is not a regular file or a directory" in one_error_line(capsys.readouterr().err)
 
 
+def test_an_unreadable_output_folder_is_one_error_line(
+    tmp_path, templates, spec_file, capsys, monkeypatch
+):
+    import flashgen.generator.writer as writer
+
+    out = tmp_path / "gen"
+    out.mkdir()
+
+    def plan_generate(*args, **kwargs):  # what iterdir() of a folder without r/x raises
+        raise PermissionError(13, "Permission denied", str(out))
+
+    monkeypatch.setattr(writer, "plan_generate", plan_generate)
+    assert run("generate", spec_file, "-o", out, "--templates", templates) == 1
+    assert one_error_line(capsys.readouterr().err) == f"flashgen: error: {out}: Permission denied"
+
+
 def test_an_interrupt_while_staging_leaves_the_folder_as_it_was(
     tmp_path, templates, spec_file, capsys, monkeypatch
 ):
