@@ -24,6 +24,7 @@ import os
 import secrets
 import signal
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -369,17 +370,38 @@ def output_lock(
 
 @contextlib.contextmanager
 def _signals_held() -> Iterator[None]:
-    """SIGINT, SIGTERM and SIGHUP held back for the block (delivered when it ends)."""
-    wanted = {getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n)}
-    try:
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
-    except (AttributeError, OSError, ValueError):  # pragma: no cover - not POSIX
-        yield
+    """SIGINT, SIGTERM and SIGHUP held back for the block and acted on when it ends.
+
+    In the main thread their handlers are swapped for one that only records the signal (so
+    no thread of the process acts on it meanwhile), then the original handlers run, or the
+    default action is taken; elsewhere the signals are blocked for this thread."""
+    wanted = [getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n)]
+    if threading.current_thread() is not threading.main_thread():
+        try:
+            old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
+        except (AttributeError, OSError, ValueError):  # pragma: no cover - not POSIX
+            yield
+            return
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         return
+    pending: list[tuple[int, Any]] = []
+    old = {sig: signal.getsignal(sig) for sig in wanted}
+    for sig in wanted:
+        signal.signal(sig, lambda signum, frame: pending.append((signum, frame)))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        for signum, frame in pending:
+            handler = old[signum]
+            if callable(handler):
+                handler(signum, frame)  # e.g. KeyboardInterrupt for SIGINT
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signum)  # the default action, now that all is written
 
 
 def _stage(path: Path, data: bytes, temps: list[Path], made_dirs: list[Path]) -> None:
