@@ -71,7 +71,7 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def gen_check(session: nox.Session) -> None:
-    """Fail if generated/ or the README kernel table differ from what specs/ produce."""
+    """Fail if generated/ or the kernel table (docs/kernels.md) differ from what specs/ produce."""
     _install(session)
     session.run("flashgen", "generate", "specs/", "--check")
 

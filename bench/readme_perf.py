@@ -1,21 +1,36 @@
 # ruff: noqa: E501  (the Markdown emitted below keeps its own line lengths)
-"""Rewrite the README's performance section from the committed benchmark JSON (never typed by
-hand): the text between `<!-- perf:begin -->` and `<!-- perf:end -->`.
+"""Write the numbers the docs report from the committed JSON (never typed by hand):
 
-    python3 bench/readme_perf.py            # the text
-    python3 bench/readme_perf.py --plots    # and the plots under docs/ (needs matplotlib)
+- docs/performance.md, whole: every benchmark table, from `bench/results/*.json`;
+- README.md between `<!-- perf:begin -->` and `<!-- perf:end -->`: the summary table (with
+  its "bar met?" column) and a link to docs/performance.md;
+- README.md between `<!-- verified:begin -->` and `<!-- verified:end -->`: how many shipped
+  kernels (generated/manifest.json) have a passing record in `verify/records/*.json`.
 
-Every number in the section is computed here from `bench/results/*.json` at generation time.
+    python3 bench/readme_perf.py            # write them
+    python3 bench/readme_perf.py --check    # write nothing; exit 1 naming what is stale
+    python3 bench/readme_perf.py --plots    # and redraw the plots under docs/ (matplotlib)
+
+tests/test_docs.py runs `--check`'s comparison, so a new JSON or record fails the tests until
+this script is run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RES = REPO / "bench/results"
+RECORDS = REPO / "verify/records"
+MANIFEST = REPO / "generated/manifest.json"
+PERF_DOC = REPO / "docs/performance.md"
+PERF_MARKERS = ("<!-- perf:begin -->", "<!-- perf:end -->")
+VERIFIED_MARKERS = ("<!-- verified:begin -->", "<!-- verified:end -->")
+FULL_EXAMPLES = 200  # FLASHGEN_GPU_EXAMPLES' default: a full verification run
 # The sm_90a JSON also times the plain-loop twin of the d = 128 auto tile (2 stages, no
 # intra-warpgroup overlap, shipped as the dense twin of the dropout kernels); the headline
 # rows are the auto tiles (m128n128w8s3 at d = 128, m192n128w12s3 at d = 64).
@@ -541,11 +556,11 @@ character vocabulary of {cfg["vocab"]}, {cfg["precision"]}) trained for {t["step
 flashgen's forward and backward as its attention and once with SDPA (`examples/train_gpt.py`),
 {t["device"]}, torch {t["torch"]}, {t["date"]}. Reproduce: {_stage("train")}.
 
-| attention | final loss (mean of last 20 steps) | eval loss | tokens/s | ms/step |
-|---|---|---|---|---|
-| flashgen | {fg["final_loss_mean_last20"]:.4f} | {fg["eval_loss"]:.4f} | {fg["tokens_per_s"] / 1e3:.0f}k | {fg["ms_per_step"]:.2f} |
-| SDPA | {sd["final_loss_mean_last20"]:.4f} | {sd["eval_loss"]:.4f} | {sd["tokens_per_s"] / 1e3:.0f}k | {sd["ms_per_step"]:.2f} |
-{f'| SDPA, repeated | {rep["final_loss_mean_last20"]:.4f} | {rep["eval_loss"]:.4f} | {rep["tokens_per_s"] / 1e3:.0f}k | {rep["ms_per_step"]:.2f} |' if rep else ""}
+| attention | training loss, last step | training loss, mean of the last 20 steps | eval loss | tokens/s | ms/step |
+|---|---|---|---|---|---|
+| flashgen | {fg["final_loss"]:.4f} | {fg["final_loss_mean_last20"]:.4f} | {fg["eval_loss"]:.4f} | {fg["tokens_per_s"] / 1e3:.0f}k | {fg["ms_per_step"]:.2f} |
+| SDPA | {sd["final_loss"]:.4f} | {sd["final_loss_mean_last20"]:.4f} | {sd["eval_loss"]:.4f} | {sd["tokens_per_s"] / 1e3:.0f}k | {sd["ms_per_step"]:.2f} |
+{f'| SDPA, repeated | {rep["final_loss"]:.4f} | {rep["final_loss_mean_last20"]:.4f} | {rep["eval_loss"]:.4f} | {rep["tokens_per_s"] / 1e3:.0f}k | {rep["ms_per_step"]:.2f} |' if rep else ""}
 
 The loss curves agree: the largest per-step difference between flashgen and SDPA is
 {ld["flashgen_vs_sdpa"]["max_abs"]:.4f} (mean {ld["flashgen_vs_sdpa"]["mean_abs_last100"]:.4f} over the last 100 steps), against
@@ -629,6 +644,8 @@ with FlexAttention's to within 2 bf16 ulp.
 
 
 def section() -> str:
+    """The performance text: the summary table, then every family's section (### headings,
+    links relative to the repository root)."""
     t90, s90 = sm90a()
     tpo, spo = portable()
     tbw, sbw = backward()
@@ -649,15 +666,7 @@ def section() -> str:
 | training (6-layer GPT) | flashgen / SDPA tokens/s; loss difference | {st["tok"]:.2f}x; {st["loss"]["flashgen_vs_sdpa"]["max_abs"]:.4f} (SDPA vs SDPA: {st["loss"]["sdpa_vs_sdpa_repeat"]["max_abs"]:.4f}) | - | - |
 | HBM, forward + backward (GPT-2 medium) | DRAM GB: flashgen / SDPA FLASH / standard | {sh["fb"]:.2f} / {sh["flash"]:.2f} / {sh["math"]:.1f} | - | - |
 """
-    return f"""## Performance
-
-All numbers below were measured on one NVIDIA H200 in one session, every comparison side by
-side in one run, and this section is generated from `bench/results/*.json` by
-`python3 bench/readme_perf.py` (never typed by hand; `--plots` also redraws the plots under
-`docs/` with `bench/plot.py`). The stages of `bench/gpu_session.sh` reproduce each JSON. History,
-predictions and analysis: `docs/benchmarks.md`.
-
-{summary}
+    return f"""{summary}
 {t90}
 {tpo}
 {tbw}
@@ -680,22 +689,120 @@ def plots() -> None:
         plot.main(str(RES / src), str(REPO / dst), what, exclude)
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--plots", action="store_true", help="also redraw the plots under docs/")
-    args = ap.parse_args(argv)
-    if args.plots:
-        plots()
-    path = REPO / "README.md"
-    text = path.read_text()
-    begin, end = "<!-- perf:begin -->", "<!-- perf:end -->"
-    if begin not in text:
-        start = text.index("## Performance")
-        text = text[:start] + begin + "\n" + end + "\n"
+def verification() -> str:
+    """One paragraph: the shipped kernels (generated/manifest.json) with a passing record of a
+    full run, by family, and the records of builds for another target (ran as PTX)."""
+    kernels = json.loads(MANIFEST.read_text())["kernels"]
+    records = {}
+    for path in sorted(RECORDS.glob("*.json")):
+        try:
+            records[path.stem] = json.loads(path.read_text())
+        except ValueError:
+            continue
+    families = Counter()
+    full, gpus = 0, Counter()
+    for e in kernels:
+        rec = records.get(e["name"], {})
+        if rec.get("passed") is True and rec.get("examples", 0) >= FULL_EXAMPLES:
+            full += 1
+            gpus[rec.get("gpu", "?")] += 1
+            kind, target = e["spec"]["kernel"], e["spec"]["target"]
+            families[kind + (" sm_90a" if target == "sm_90a" else "")] += 1
+    order = ("forward", "forward sm_90a", "backward", "backward sm_90a", "decode")
+    by_family = ", ".join(f"{families[f]} {f}" for f in order if families[f])
+    by_family += "".join(f", {n} {f}" for f, n in sorted(families.items()) if f not in order)
+    ptx = [r for r in records.values() if r.get("passed") is True and "PTX" in r.get("ran_as", "")]
+    ptx_examples = sorted({r.get("examples", 0) for r in ptx})
+    gpu = " and ".join(f"an {g}" if g.startswith("NVIDIA") else g for g in sorted(gpus))
+    text = (
+        f"Today {full} of the {len(kernels)} shipped kernels have a passing record of a full "
+        f"run ({FULL_EXAMPLES} or more Hypothesis examples per spec) on {gpu or 'no GPU'}: "
+        f"{by_family or 'none'}."
+    )
+    if ptx:
+        lo, hi = ptx_examples[0], ptx_examples[-1]
+        shown = f"{lo} examples each" if lo == hi else f"{lo} to {hi} examples each"
+        text += (
+            f" {len(ptx)} builds for another target also passed as PTX JIT-compiled by the "
+            f"driver ({shown})."
+        )
+    return text + " (Counted from `verify/records/*.json` by `bench/readme_perf.py`.)\n"
+
+
+def _between(text: str, markers: tuple[str, str], body: str, where: str) -> str:
+    begin, end = markers
+    if begin not in text or end not in text:
+        raise SystemExit(f"{where}: no {begin} / {end} markers")
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
-    path.write_text(head + begin + "\n" + section() + end + tail)
+    return head + begin + "\n" + body + end + tail
+
+
+def outputs() -> dict[Path, str]:
+    """Every file this script writes, with its content."""
+    body = section()
+    summary, _, detail = body.partition("\n### ")
+    readme_perf = f"""## Performance
+
+Measured on one NVIDIA H200, every comparison side by side in one run; generated from
+`bench/results/*.json` by `python3 bench/readme_perf.py`. Every table, the plots and how to
+reproduce each number: [docs/performance.md](docs/performance.md); history, predictions and
+analysis: [docs/benchmarks.md](docs/benchmarks.md).
+
+{summary.rstrip()}
+"""
+    doc = f"""# Performance
+
+<!-- Generated from bench/results/*.json by python3 bench/readme_perf.py: do not edit. -->
+
+All numbers below were measured on one NVIDIA H200 in one session, every comparison side by
+side in one run, and this page is generated from `bench/results/*.json` by
+`python3 bench/readme_perf.py` (never typed by hand; `--plots` also redraws the plots with
+`bench/plot.py`). The stages of `bench/gpu_session.sh` reproduce each JSON. History,
+predictions and analysis: [benchmarks.md](benchmarks.md).
+
+{summary.rstrip()}
+
+## {detail}"""
+    doc = doc.replace("\n### ", "\n## ").replace("](docs/", "](")
+    readme = REPO / "README.md"
+    text = readme.read_text()
+    text = _between(text, PERF_MARKERS, readme_perf, "README.md")
+    text = _between(text, VERIFIED_MARKERS, verification(), "README.md")
+    return {readme: text, PERF_DOC: doc}
+
+
+def stale() -> list[Path]:
+    """The files whose content differs from what `outputs` gives."""
+    out = []
+    for path, text in outputs().items():
+        try:
+            if path.read_text() == text:
+                continue
+        except OSError:
+            pass
+        out.append(path)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--plots", action="store_true", help="also redraw the plots under docs/")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if stale")
+    args = ap.parse_args(argv)
+    if args.check:
+        old = stale()
+        for path in old:
+            print(f"stale: {path.relative_to(REPO)}", file=sys.stderr)
+        if old:
+            print("run: python3 bench/readme_perf.py", file=sys.stderr)
+        return 1 if old else 0
+    if args.plots:
+        plots()
+    for path, text in outputs().items():
+        path.write_text(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

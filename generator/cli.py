@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 import jinja2
 from flashgen.generator import __version__
 from flashgen.generator.families import family
-from flashgen.generator.load import expand_paths, load_paths
+from flashgen.generator.load import TooManyKernels, expand_paths, load_paths
 from flashgen.generator.naming import kernel_name
 from flashgen.generator.paths import checkout_root
-from flashgen.generator.spec import FIELDS, KernelSpec, SpecError, Target
+from flashgen.generator.spec import FIELDS, KernelKind, KernelSpec, SpecError, Target
 
 if TYPE_CHECKING:
     from flashgen.generator.writer import Plan
@@ -26,6 +26,10 @@ __all__ = ["main"]
 
 DEFAULT_GENERATED = Path("generated")
 DEFAULT_MAX_KERNELS = 512
+# `flashgen show`'s shape: a prefill-sized call, or for decode one new query over a 4k cache
+# (decode takes 1..16 new queries).
+DEFAULT_SEQLEN = 4096
+DEFAULT_DECODE_SEQLEN_Q = 1
 
 
 class UsageError(Exception):
@@ -47,20 +51,34 @@ def _os_message(e: OSError) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def _load(paths: Sequence[str | Path], limit: int, command: str) -> list[KernelSpec]:
+    """`load_paths`, refusing more than `limit` kernels (0: no limit) before any family is
+    expanded (a family of 200k kernels is refused at once)."""
+    try:
+        return load_paths(paths, max_kernels=limit)
+    except TooManyKernels as e:
+        per_file = sorted(e.per_file, key=lambda fn: -fn[1])
+        raise _too_many([(f, n) for f, n in per_file if n], e.total, limit, command) from None
+
+
 def _check_kernel_count(specs: Sequence[KernelSpec], limit: int, command: str) -> None:
     """Refuse more than `limit` kernels (0: no limit), naming the spec files that declare them."""
     if not limit or len(specs) <= limit:
         return
     per_file = Counter(s.source_file or "<unknown>" for s in specs).most_common()
+    raise _too_many(per_file, len(specs), limit, command)
+
+
+def _too_many(per_file: list[tuple[str, int]], total: int, limit: int, command: str) -> UsageError:
     if len(per_file) == 1:
         shown, verb = per_file[0][0], "declares"
     else:
         shown, verb = ", ".join(f"{f} ({n})" for f, n in per_file[:3]), "declare"
         if len(per_file) > 3:
             shown += f" and {len(per_file) - 3} more file(s)"
-    raise UsageError(
-        f"{shown} {verb} {len(specs)} kernels, more than --max-kernels {limit}; narrow the "
-        f"spec family, or pass --max-kernels {len(specs)} (0: no limit) to {command} them all"
+    return UsageError(
+        f"{shown} {verb} {total} kernels, more than --max-kernels {limit}; narrow the "
+        f"spec family, or pass --max-kernels {total} (0: no limit) to {command} them all"
     )
 
 
@@ -100,12 +118,16 @@ def _check_output_dirs(dirs: Sequence[Path], flag: str, *, write: bool = True) -
 # --------------------------------------------------------------------------------------------
 
 
+KERNEL_TABLE_DOC = Path("docs") / "kernels.md"
+
+
 def _default_readme(outdir: Path) -> Path | None:
-    """The repo README is kept in sync only when generating into the repo's `generated/`."""
+    """The repo's kernel table (docs/kernels.md) is kept in sync only when generating into the
+    repo's `generated/`."""
     root = checkout_root()
     if root is None:
         return None
-    readme = root / "README.md"
+    readme = root / KERNEL_TABLE_DOC
     if outdir.resolve() == (root / "generated").resolve() and readme.is_file():
         return readme
     return None
@@ -140,30 +162,74 @@ def _changed_paths(plan: Plan) -> list[Path]:
     return out + [p for p in plan.removals if os.path.lexists(p)]
 
 
+def _waiting(outdir: Path) -> None:
+    print(
+        f"flashgen: waiting for another flashgen generate writing into {outdir}",
+        file=sys.stderr,
+    )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from flashgen.generator.writer import apply_plan, check_plan, plan_generate
+    from flashgen.generator.writer import output_lock, plan_generate
 
     files = expand_paths(args.specs)
-    specs = load_paths(files)
-    _check_kernel_count(specs, args.max_kernels, "generate")
+    specs = _load(files, args.max_kernels, "generate")
     outdir = Path(args.output)
     _check_output_dirs([outdir], "-o", write=False)  # writability: per changed file, below
     readme = Path(args.readme) if args.readme else _default_readme(outdir)
     if args.no_readme:
         readme = None
-    plan = plan_generate(
-        specs, outdir, spec_files=files, readme=readme, templates_dir=args.templates
-    )
-    for w in plan.warnings:
-        print(f"flashgen: warning: {w}", file=sys.stderr)
+
+    def plan() -> Plan:
+        made = plan_generate(
+            specs, outdir, spec_files=files, readme=readme, templates_dir=args.templates
+        )
+        for w in made.warnings:
+            print(f"flashgen: warning: {w}", file=sys.stderr)
+        return made
+
+    # The plan reads the previous manifest and the folder, so it is made under the folder's
+    # lock (shared for --check): runs into one folder take turns instead of interleaving.
     if args.check:
-        diffs = check_plan(plan)
-        if diffs:
-            sys.stdout.write("".join(diffs))
-            _err(f"{len(diffs)} generated file(s) out of date; run: {_generate_command(args)}")
-            return 1
-        print(f"{len(plan.entries)} kernels up to date in {outdir}")
-        return 0
+        with output_lock(outdir, shared=True, on_wait=lambda: _waiting(outdir)):
+            return _check_generated(plan(), args)
+    if os.path.isdir(outdir):
+        with output_lock(outdir, on_wait=lambda: _waiting(outdir)):
+            return _apply_generated(plan(), outdir)
+    # A new folder: render everything first (an invalid spec creates nothing), then create
+    # the folder, lock it, and plan again if another run wrote into it meanwhile.
+    first = plan()
+    _check_output_dirs([outdir], "-o")
+    try:
+        outdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _err(f"cannot create the output directory: {_os_message(e)}")
+        return 1
+    try:
+        with output_lock(outdir, on_wait=lambda: _waiting(outdir)):
+            return _apply_generated(first if not any(outdir.iterdir()) else plan(), outdir)
+    finally:
+        try:
+            outdir.rmdir()  # only if nothing was written into it (interrupted, failed)
+        except OSError:
+            pass
+
+
+def _check_generated(plan: Plan, args: argparse.Namespace) -> int:
+    from flashgen.generator.writer import check_plan
+
+    diffs = check_plan(plan)
+    if diffs:
+        sys.stdout.write("".join(diffs))
+        _err(f"{len(diffs)} generated file(s) out of date; run: {_generate_command(args)}")
+        return 1
+    print(f"{len(plan.entries)} kernels up to date in {plan.outdir}")
+    return 0
+
+
+def _apply_generated(plan: Plan, outdir: Path) -> int:
+    from flashgen.generator.writer import apply_plan
+
     # Every directory that a changed file goes into must be writable before the first write.
     _check_output_dirs([p.parent for p in _changed_paths(plan)], "")
     try:
@@ -222,8 +288,8 @@ def _io_lines(spec: KernelSpec, args: argparse.Namespace) -> list[str]:
         return ["  io:         io model unavailable"]
     if spec.sparse:
         return ["  io:         not predicted: block-sparse traffic depends on the runtime layout"]
-    seqlen_k = args.seqlen_q if args.seqlen_k is None else args.seqlen_k
-    shape = dict(batch=args.batch, heads=args.heads, seqlen_q=args.seqlen_q, seqlen_k=seqlen_k)
+    seqlen_q, seqlen_k = _show_seqlens(spec, args)
+    shape = dict(batch=args.batch, heads=args.heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
     kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     extra = {}
     if args.window_left is not None or args.window_right is not None:
@@ -250,6 +316,19 @@ def _io_lines(spec: KernelSpec, args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _show_seqlens(spec: KernelSpec, args: argparse.Namespace) -> tuple[int, int]:
+    """(seqlen_q, seqlen_k) of `show`'s call: the options, else the kind's defaults (decode:
+    one new query over a cache of DEFAULT_SEQLEN keys; otherwise seqlen_k = seqlen_q)."""
+    decode = spec.kernel is KernelKind.DECODE
+    seqlen_q = args.seqlen_q
+    if seqlen_q is None:
+        seqlen_q = DEFAULT_DECODE_SEQLEN_Q if decode else DEFAULT_SEQLEN
+    seqlen_k = args.seqlen_k
+    if seqlen_k is None:
+        seqlen_k = DEFAULT_SEQLEN if decode else seqlen_q
+    return seqlen_q, seqlen_k
+
+
 def _check_show_shape(args: argparse.Namespace, specs: Sequence[KernelSpec]) -> None:
     """Shape options that depend on each other or on the spec (argparse-style errors)."""
     parser: argparse.ArgumentParser = args.parser
@@ -270,7 +349,7 @@ def _check_show_shape(args: argparse.Namespace, specs: Sequence[KernelSpec]) -> 
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    specs = load_paths([args.spec])
+    specs = _load([args.spec], 0, "show")
     _check_show_shape(args, specs)
     for i, spec in enumerate(specs):
         if i:
@@ -287,8 +366,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     from flashgen.generator.compile import compile_specs, retarget
 
-    specs = load_paths(args.specs)
     arch = Target.from_yaml(args.arch) if args.arch else None
+    # With --arch the count is checked after retargeting (which leaves sm_90a kernels out).
+    specs = _load(args.specs, 0 if arch else args.max_kernels, "compile")
     if arch is not None:  # refused here (SpecError) before nvcc is looked for or a file written
         built = retarget(specs, arch)
         left_out = len(specs) - len(built)  # architecture-specific kernels (sm_90a)
@@ -410,7 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"flashgen {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    g = sub.add_parser("generate", help="render kernels, manifest and README table")
+    g = sub.add_parser(
+        "generate", help="render kernels (.cu + .h), manifest.json and the kernel table"
+    )
     g.add_argument("specs", nargs="+", metavar="SPEC_OR_DIR", help="spec files or directories")
     g.add_argument("-o", "--output", default=str(DEFAULT_GENERATED), help="default: generated/")
     g.add_argument(
@@ -418,10 +500,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--readme",
-        help="README whose kernel table to rewrite (default: the repo's, "
-        "when writing to the repo's generated/)",
+        metavar="MARKDOWN",
+        help="Markdown file whose kernel table (between the kernels:begin/end markers) to "
+        f"rewrite (default: the repo's {KERNEL_TABLE_DOC.as_posix()}, when writing to the "
+        "repo's generated/)",
     )
-    g.add_argument("--no-readme", action="store_true", help="leave READMEs alone")
+    g.add_argument("--no-readme", action="store_true", help="rewrite no kernel table")
     g.add_argument("--templates", help="template directory (default: the repo's templates/)")
     _add_max_kernels(g)
     g.set_defaults(func=cmd_generate)
@@ -436,24 +520,42 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="default: --heads; must divide it (other values need a gqa: true spec)",
     )
-    s.add_argument("--seqlen-q", type=_int_at_least(0), default=4096)
-    s.add_argument("--seqlen-k", type=_int_at_least(0), default=None, help="default: --seqlen-q")
+    s.add_argument(
+        "--seqlen-q",
+        type=_int_at_least(0),
+        default=None,
+        help=f"default: {DEFAULT_SEQLEN} (decode: {DEFAULT_DECODE_SEQLEN_Q})",
+    )
+    s.add_argument(
+        "--seqlen-k",
+        type=_int_at_least(0),
+        default=None,
+        help=f"default: --seqlen-q (decode: {DEFAULT_SEQLEN}, the cache length)",
+    )
     s.add_argument("--window-left", type=_int_at_least(0, unbounded=-1), default=None)
     s.add_argument("--window-right", type=_int_at_least(0, unbounded=-1), default=None)
     s.set_defaults(func=cmd_show, parser=s)
 
-    c = sub.add_parser("compile", help="nvcc each kernel to a cubin and report resources")
+    c = sub.add_parser(
+        "compile",
+        help="nvcc each kernel into a host library <name>.so and report its resources",
+    )
     c.add_argument("specs", nargs="+", metavar="SPEC_OR_DIR")
     c.add_argument("--arch", choices=Target.allowed(), help="default: each spec's target")
-    c.add_argument("-j", "--jobs", type=int, default=None, help="default: CPU count")
+    c.add_argument(
+        "-j", "--jobs", type=_int_at_least(1), default=None, metavar="N", help="default: CPU count"
+    )
     c.add_argument("-o", "--output", default="build/kernels", help="default: build/kernels")
     c.add_argument("--templates", help="template directory (default: the repo's templates/)")
     c.add_argument("--nvcc", default=os.environ.get("NVCC", "nvcc"), help="default: $NVCC or nvcc")
     _add_max_kernels(c)
     c.set_defaults(func=cmd_compile)
 
-    for which, help_ in (("verify", "run the GPU verification suite"), ("bench", "benchmark")):
-        sub.add_parser(which, help=f"{help_} (arguments go to verify.gpu_cli)", add_help=False)
+    for which, help_ in (
+        ("verify", "run the GPU verification suite on the compiled kernels (needs a GPU)"),
+        ("bench", "benchmark the forward kernels against SDPA (needs a GPU)"),
+    ):
+        sub.add_parser(which, help=f"{help_}; `flashgen {which} --help`", add_help=False)
     return p
 
 
@@ -473,6 +575,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except BrokenPipeError:  # e.g. `flashgen show ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except KeyboardInterrupt:  # generate: the folder is as it was, or complete (writer.py)
+        _err("interrupted")
+        return 130
+    except OSError as e:  # a file or folder that cannot be read or written: one line
+        _err(_os_message(e))
         return 1
 
 

@@ -4,6 +4,11 @@ A file holds one kernel mapping, or `kernels:` (a list of mappings) with an opti
 `defaults:` mapping merged under each entry. Any scalar field, `tile`, and the sub-fields of
 `tile` and `mask` may be lists: the entry then declares a family, the cross product of all
 lists in field order (first field varies slowest). See docs/spec.md.
+
+`load_paths(..., max_kernels=N)` counts every family before expanding it (the product of its
+list lengths), so a huge family is refused at once, not after building its members. Hostile
+files end in one `SpecError` too: over `MAX_SPEC_BYTES`, nested deeper than the parser can
+follow, or merge keys (`<<`) that multiply a mapping past `MAX_MAPPING_KEYS`.
 """
 
 from __future__ import annotations
@@ -11,8 +16,10 @@ from __future__ import annotations
 import difflib
 import itertools
 import json
+import math
+import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +40,11 @@ from flashgen.generator.spec import (
 )
 
 __all__ = [
+    "MAX_MAPPING_KEYS",
+    "MAX_SPEC_BYTES",
     "TOP_KEYS",
+    "TooManyKernels",
+    "count_kernels",
     "display_path",
     "expand_paths",
     "load_paths",
@@ -51,6 +62,20 @@ SUB_KEYS = {
 }
 TILE_FIELDS = Tile.FIELDS
 _AUTO = "auto"
+# Far above any real spec file (the shipped ones are a few KB), far below what hurts.
+MAX_SPEC_BYTES = 4 * 1024 * 1024
+MAX_MAPPING_KEYS = 10_000
+
+
+class TooManyKernels(SpecError):
+    """More kernels than a `max_kernels` cap, counted before any family was expanded.
+    `per_file` is [(spec file, kernels it declares)], `total` their sum."""
+
+    def __init__(self, per_file: list[tuple[str, int]], limit: int) -> None:
+        self.per_file = per_file
+        self.total = sum(n for _, n in per_file)
+        self.limit = limit
+        super().__init__(f"{self.total} kernels, more than the cap of {limit}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -92,10 +117,28 @@ _Loader.add_implicit_resolver(
 )
 
 
+class _YamlTooLarge(Exception):
+    def __init__(self, line: int, keys: int) -> None:
+        super().__init__(keys)
+        self.line, self.keys = line, keys
+
+
 class _YamlDuplicateKey(Exception):
     def __init__(self, key: Any, line: int, first: int) -> None:
         super().__init__(key)
         self.key, self.line, self.first = key, line, first
+
+
+def _flatten_mapping(loader: _Loader, node: yaml.MappingNode) -> None:
+    """SafeLoader's merge-key (`<<`) flattening, refused once a mapping has more than
+    MAX_MAPPING_KEYS keys (with PyYAML before 6.0.2 nested merges of aliases double a mapping
+    per level: a YAML bomb)."""
+    yaml.SafeLoader.flatten_mapping(loader, node)
+    if len(node.value) > MAX_MAPPING_KEYS:
+        raise _YamlTooLarge(node.start_mark.line + 1, len(node.value))
+
+
+_Loader.flatten_mapping = _flatten_mapping  # also called on the nested merged mappings
 
 
 def _construct_map(loader: _Loader, node: yaml.MappingNode):  # noqa: ANN202
@@ -132,16 +175,35 @@ _Loader.add_constructor("tag:yaml.org,2002:seq", _construct_seq)
 def _parse_yaml(text: str, file: str) -> Any:
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except _YamlTooLarge as e:
+        raise SpecError(
+            f"a mapping of {e.keys} keys (`<<` merges included), more than the "
+            f"{MAX_MAPPING_KEYS} a spec file may have",
+            file=file,
+            line=e.line,
+        ) from None
+    except RecursionError:
+        raise SpecError(
+            "nested too deeply to parse (lists or mappings inside each other hundreds of "
+            "levels deep; a spec needs three)",
+            file=file,
+        ) from None
     except _YamlDuplicateKey as e:
         if e.first == 0:
             raise SpecError(f"{e.key!r} is not a valid key", file=file, line=e.line) from None
         raise SpecError(
             f"duplicate key (first given on line {e.first})", file=file, line=e.line, field=e.key
         ) from None
+    except yaml.reader.ReaderError as e:  # a character YAML does not allow (NUL, ...)
+        line = text.count("\n", 0, e.position) + 1
+        char = f"U+{e.character:04X}" if isinstance(e.character, int) else repr(e.character)
+        raise SpecError(
+            f"invalid YAML: character {char} is not allowed", file=file, line=line
+        ) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None
-        problem = getattr(e, "problem", None) or str(e)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise SpecError(f"invalid YAML: {problem}", file=file, line=line) from None
 
 
@@ -170,14 +232,11 @@ def expand_paths(paths: Iterable[str | Path]) -> list[Path]:
     seen: set[Path] = set()
     for raw in paths:
         p = Path(raw)
-        if p.is_dir():
-            found = sorted(q for q in p.iterdir() if q.suffix in (".yaml", ".yml") and q.is_file())
-            if not found:
-                raise SpecError("directory holds no *.yaml or *.yml spec files", file=str(raw))
-        elif p.is_file():
-            found = [p]
-        else:
-            raise SpecError("no such file or directory", file=str(raw))
+        try:
+            found = _spec_files(p, str(raw))
+        except OSError as e:  # e.g. a directory without read or search permission
+            what = "directory" if os.path.isdir(p) else "path"
+            raise SpecError(f"cannot read {what}: {e.strerror or e}", file=str(raw)) from None
         for q in found:
             key = q.resolve()
             if key not in seen:
@@ -186,37 +245,77 @@ def expand_paths(paths: Iterable[str | Path]) -> list[Path]:
     return out
 
 
+def _spec_files(p: Path, raw: str) -> list[Path]:
+    if p.is_dir():
+        found = sorted(q for q in p.iterdir() if q.suffix in (".yaml", ".yml") and q.is_file())
+        if not found:
+            raise SpecError("directory holds no *.yaml or *.yml spec files", file=raw)
+        return found
+    if p.is_file():
+        return [p]
+    if p.exists():
+        raise SpecError("is not a regular file or a directory", file=raw)
+    raise SpecError("no such file or directory", file=raw)
+
+
 # --------------------------------------------------------------------------------------------
 # Loading.
 # --------------------------------------------------------------------------------------------
 
 
-def load_spec_text(text: str, file: str = "<string>") -> list[KernelSpec]:
-    """All kernels declared by YAML `text`; `file` is used in messages and `spec.source`."""
+def _parse_doc(text: str, file: str) -> Any:
     doc = _parse_yaml(text, file)
     if doc is None:
         raise SpecError("file is empty (expected a kernel mapping or `kernels:` list)", file=file)
-    return specs_from_mapping(doc, file)
+    return doc
+
+
+def load_spec_text(text: str, file: str = "<string>") -> list[KernelSpec]:
+    """All kernels declared by YAML `text`; `file` is used in messages and `spec.source`."""
+    return specs_from_mapping(_parse_doc(text, file), file)
+
+
+def _read_spec_text(path: str | Path, file: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)
+    except OSError as e:
+        raise SpecError(f"cannot read: {e.strerror or e}", file=file) from None
+    if len(data) > MAX_SPEC_BYTES:
+        raise SpecError(
+            f"is larger than {MAX_SPEC_BYTES // (1024 * 1024)} MiB, far more than a spec "
+            "file needs (is it a spec file?)",
+            file=file,
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SpecError("is not UTF-8 text", file=file) from None
 
 
 def load_spec_file(path: str | Path) -> list[KernelSpec]:
     """All kernels declared by one spec file (sources relative to the repository root)."""
     file = display_path(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise SpecError(f"cannot read: {e.strerror}", file=file) from None
-    except UnicodeDecodeError:
-        raise SpecError("is not UTF-8 text", file=file) from None
-    return load_spec_text(text, file)
+    return load_spec_text(_read_spec_text(path, file), file)
 
 
-def load_paths(paths: Iterable[str | Path]) -> list[KernelSpec]:
-    """Kernels of every spec file (directories expanded); a kernel declared twice is an error."""
+def load_paths(paths: Iterable[str | Path], *, max_kernels: int = 0) -> list[KernelSpec]:
+    """Kernels of every spec file (directories expanded); a kernel declared twice is an error.
+
+    `max_kernels` > 0: raise `TooManyKernels` if the files declare more kernels than that,
+    counted before any family is expanded or validated member by member."""
+    parsed = []
+    for p in expand_paths(paths):
+        file = display_path(p)
+        parsed.append((file, _parse_doc(_read_spec_text(p, file), file)))
+    if max_kernels:
+        per_file = [(file, count_kernels(doc, file)) for file, doc in parsed]
+        if sum(n for _, n in per_file) > max_kernels:
+            raise TooManyKernels(per_file, max_kernels)
     specs: list[KernelSpec] = []
     where: dict[KernelSpec, str] = {}
-    for p in expand_paths(paths):
-        for s in load_spec_file(p):
+    for file, doc in parsed:
+        for s in specs_from_mapping(doc, file):
             if s in where:
                 file, _, line = s.source.rpartition(":")
                 raise SpecError(
@@ -231,6 +330,45 @@ def load_paths(paths: Iterable[str | Path]) -> list[KernelSpec]:
 
 def specs_from_mapping(doc: Any, file: str = "<mapping>") -> list[KernelSpec]:
     """Kernels of an already parsed document (a mapping, or one with `kernels:`)."""
+    entries = _entries(doc, file)
+    if len(entries) == 1 and not entries[0][1]:  # one kernel mapping, no `kernels:` list
+        return _expand_entry(entries[0][0], file, "")
+    specs: list[KernelSpec] = []
+    where: dict[KernelSpec, str] = {}
+    for merged, label in entries:
+        for s in _expand_entry(merged, file, label):
+            if s in where:
+                raise SpecError(
+                    f"duplicate kernel: the same spec is already declared at {where[s]}",
+                    file=file,
+                    line=int(s.source.rpartition(":")[2]),
+                    field=label,
+                )
+            where[s] = s.source
+            specs.append(s)
+    return specs
+
+
+def count_kernels(doc: Any, file: str = "<mapping>") -> int:
+    """How many kernels an already parsed document declares: the product of each entry's
+    list lengths, summed over entries, without building any of them (the fields are checked
+    as far as counting needs; duplicates are not detected here)."""
+    total = 0
+    for merged, _ in _entries(doc, file):
+        total += math.prod(len(alts) for _, alts in _entry_axes(merged, file, tiles=False))
+    return total
+
+
+def _entries(doc: Any, file: str) -> list[tuple[LineDict, str]]:
+    """The kernel entries of a document, `defaults:` merged in, with their field labels
+    (`kernels[i]`; "" for a file that is one kernel mapping)."""
+    try:
+        return _entries_of(doc, file)
+    except RecursionError:
+        raise SpecError("nested too deeply", file=file) from None
+
+
+def _entries_of(doc: Any, file: str) -> list[tuple[LineDict, str]]:
     if not isinstance(doc, Mapping):
         raise SpecError(
             f"top level must be a mapping (one kernel, or `kernels:` list), got {_kind(doc)}",
@@ -246,7 +384,7 @@ def specs_from_mapping(doc: Any, file: str = "<mapping>") -> list[KernelSpec]:
                 line=doc.key_lines.get("defaults"),
                 field="defaults",
             )
-        return _expand_entry(doc, file, "")
+        return [(doc, "")]
     extra = [k for k in doc if k not in ("kernels", "defaults")]
     if extra:
         raise SpecError(
@@ -274,8 +412,7 @@ def specs_from_mapping(doc: Any, file: str = "<mapping>") -> list[KernelSpec]:
             field="kernels",
         )
     entries = _as_linelist(entries)
-    specs: list[KernelSpec] = []
-    where: dict[KernelSpec, str] = {}
+    out: list[tuple[LineDict, str]] = []
     for i, entry in enumerate(entries):
         line = entries.item_lines[i] if i < len(entries.item_lines) else None
         if not isinstance(entry, Mapping):
@@ -285,18 +422,8 @@ def specs_from_mapping(doc: Any, file: str = "<mapping>") -> list[KernelSpec]:
                 line=line,
                 field=f"kernels[{i}]",
             )
-        merged = _merge(defaults, _as_linedict(entry))
-        for s in _expand_entry(merged, file, f"kernels[{i}]"):
-            if s in where:
-                raise SpecError(
-                    f"duplicate kernel: the same spec is already declared at {where[s]}",
-                    file=file,
-                    line=int(s.source.rpartition(":")[2]),
-                    field=f"kernels[{i}]",
-                )
-            where[s] = s.source
-            specs.append(s)
-    return specs
+        out.append((_merge(defaults, _as_linedict(entry)), f"kernels[{i}]"))
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -313,10 +440,18 @@ class _Alt:
     label: str  # how to show it in a family member description
 
 
-def _expand_entry(entry: LineDict, file: str, where: str) -> list[KernelSpec]:
+def _entry_err(entry: LineDict, file: str) -> Callable[[str, str | None, int | None], SpecError]:
     def err(msg: str, fld: str | None, line: int | None) -> SpecError:
         return SpecError(msg, file=file, line=line or entry.line or None, field=fld)
 
+    return err
+
+
+def _entry_axes(entry: LineDict, file: str, *, tiles: bool = True) -> list[tuple[str, list]]:
+    """(field path, alternatives) per axis of one entry, in field order. `tiles=False`:
+    the tile axis holds one placeholder per tile instead of the tiles (for counting: a tile
+    mapping of lists is the product of its lists, built only when expanding)."""
+    err = _entry_err(entry, file)
     _reject_unknown_keys(entry, TOP_KEYS, "", None, err)
     for key in REQUIRED:
         if key not in entry:
@@ -347,10 +482,15 @@ def _expand_entry(entry: LineDict, file: str, where: str) -> list[KernelSpec]:
         f = FIELD_BY_PATH[top]
         raw = entry.get(top, f.yaml_value(f.default))
         if f.kind is FieldKind.TILE:
-            axes.append((top, _tile_alts(raw, line, err)))
+            axes.append((top, _tile_alts(raw, line, err) if tiles else _tile_count(raw)))
         else:
             axes.append((top, _scalar_alts(top, raw, line, err)))
+    return axes
 
+
+def _expand_entry(entry: LineDict, file: str, where: str) -> list[KernelSpec]:
+    err = _entry_err(entry, file)
+    axes = _entry_axes(entry, file)
     varying = {name for name, alts in axes if len(alts) > 1}
     source = f"{file}:{entry.line}" if entry.line else file
     specs: list[KernelSpec] = []
@@ -463,6 +603,18 @@ def _parse_scalar(fld: str, v: Any, line: int, idx: str, err: Any) -> Any:
             )
         return v
     raise AssertionError(fld)  # pragma: no cover
+
+
+def _tile_count(raw: Any) -> range:
+    """As many placeholders as `_tile_alts(raw)` gives tiles (malformed parts count as one:
+    expanding reports them)."""
+    n = 0
+    for item, _, _ in _items(raw, 0):
+        if isinstance(item, Mapping):
+            n += math.prod(max(len(v), 1) if isinstance(v, list) else 1 for v in item.values())
+        else:
+            n += 1
+    return range(max(n, 1))
 
 
 def _tile_alts(raw: Any, line: int, err: Any) -> list[_Alt]:

@@ -1,9 +1,13 @@
 """Writing generated files: plan in memory, then write atomically and only what changed.
 
-`plan_generate` renders every kernel, the include headers, `manifest.json` and the README's
-kernel table into memory (any error: nothing is written). `apply_plan` writes each changed file
-through a temp file + `os.replace` and removes stale generated files; `check_plan` compares the
-plan with the disk and returns unified diffs instead (for `flashgen generate --check`).
+`plan_generate` renders every kernel, the include headers, `manifest.json` and the kernel
+table of a Markdown file (docs/kernels.md, between its markers) into memory (any error:
+nothing is written). `apply_plan` stages every changed file as a temp file beside its
+destination, then renames them all into place and removes stale generated files with
+SIGINT/SIGTERM held back, so an error or an interrupt leaves the folder as it was or
+complete, and no temp file behind; `check_plan` compares the plan with the disk and returns
+unified diffs instead (for `flashgen generate --check`). `output_lock` is the
+advisory lock on the output folder that `flashgen generate` plans and applies under.
 
 The output directory is a product of the specs: a kernel in the previous manifest is kept only
 while its spec file still exists and was not among the files just processed (so
@@ -13,11 +17,15 @@ removed from a processed spec file disappears).
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import os
+import secrets
+import signal
 import tempfile
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +45,7 @@ __all__ = [
     "apply_plan",
     "check_plan",
     "manifest_entry",
+    "output_lock",
     "plan_generate",
     "readme_table",
     "replace_readme_table",
@@ -47,6 +56,9 @@ __all__ = [
 MANIFEST_NAME = "manifest.json"
 README_BEGIN = "<!-- kernels:begin -->"
 README_END = "<!-- kernels:end -->"
+# Staged files are `.<name>.<random>.flashgen-tmp` beside their destination; one left by a
+# killed run (SIGKILL) is removed as stale by the next `generate` into that folder.
+TEMP_SUFFIX = ".flashgen-tmp"
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,6 +196,12 @@ def _source_exists(source: str) -> bool:
     )
 
 
+def _stale_temp_files(folder: Path) -> Iterator[Path]:
+    for p in folder.iterdir():
+        if p.name.startswith(".") and p.name.endswith(TEMP_SUFFIX) and p.is_file():
+            yield p
+
+
 def _is_generated(path: Path) -> bool:
     try:
         with path.open("rb") as f:
@@ -273,6 +291,9 @@ def plan_generate(
                 and _is_generated(p)
             ):
                 plan.removals.append(p)
+    for folder in dict.fromkeys(p.parent for p in plan.writes):
+        if folder.is_dir():
+            plan.removals += sorted(_stale_temp_files(folder))
 
     plan.writes[outdir / MANIFEST_NAME] = _manifest_bytes(plan.entries, list(includes))
 
@@ -322,20 +343,144 @@ def write_if_different(path: Path, data: bytes) -> bool:
     return True
 
 
-def apply_plan(plan: Plan) -> list[Path]:
-    """Write changed files (manifest and README last), remove stale ones; return what changed."""
-    changed: list[Path] = []
-    last = [p for p in plan.writes if p.name == MANIFEST_NAME or p.suffix == ".md"]
-    first = [p for p in plan.writes if p not in last]
-    for path in first + last:
-        if write_if_different(path, plan.writes[path]):
-            changed.append(path)
-    for path in plan.removals:
+@contextlib.contextmanager
+def output_lock(
+    outdir: Path | str, *, shared: bool = False, on_wait: Callable[[], None] | None = None
+) -> Iterator[None]:
+    """Hold an advisory lock (flock) on the directory `outdir` itself for the block, so
+    nothing is written into the folder for it: exclusive to plan and apply, `shared` to
+    check. A run that finds it held calls `on_wait` once and waits its turn. No lock where
+    the directory does not exist or the platform has no flock."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    try:
+        fd = os.open(outdir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        yield  # nothing to lock, or a folder this run cannot read (its plan says so)
+        return
+    try:
+        mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
         try:
-            path.unlink()
-            changed.append(path)
-        except FileNotFoundError:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(fd, mode)
+        except OSError:  # a file system without locks: run unlocked
             pass
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP held back for the block and acted on when it ends.
+
+    In the main thread their handlers are swapped for one that only records the signal (so
+    no thread of the process acts on it meanwhile), then the original handlers run, or the
+    default action is taken; elsewhere the signals are blocked for this thread."""
+    wanted = [getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n)]
+    if threading.current_thread() is not threading.main_thread():
+        try:
+            old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
+        except (AttributeError, OSError, ValueError):  # pragma: no cover - not POSIX
+            yield
+            return
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        return
+    pending: list[tuple[int, Any]] = []
+    old = {sig: signal.getsignal(sig) for sig in wanted}
+    for sig in wanted:
+        signal.signal(sig, lambda signum, frame: pending.append((signum, frame)))
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        for signum, frame in pending:
+            handler = old[signum]
+            if callable(handler):
+                handler(signum, frame)  # e.g. KeyboardInterrupt for SIGINT
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signum)  # the default action, now that all is written
+
+
+def _stage(path: Path, data: bytes, temps: list[Path], made_dirs: list[Path]) -> None:
+    """Write `data` to a new temp file beside `path`, recorded in `temps` before it exists
+    (so a cleanup never misses it); directories created on the way go to `made_dirs`."""
+    missing = []
+    parent = path.parent
+    while not parent.exists() and parent.parent != parent:
+        missing.append(parent)
+        parent = parent.parent
+    for d in reversed(missing):
+        d.mkdir(exist_ok=True)
+        made_dirs.append(d)
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+    temps.append(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(tmp, 0o644)  # whatever the umask
+
+
+def apply_plan(plan: Plan) -> list[Path]:
+    """Write changed files (manifest and README last), remove stale ones; return what changed.
+
+    Two phases. Staging writes each changed file to a temp file beside its destination; any
+    error or interrupt there removes the temp files (and the directories it created), leaving
+    the disk as it was. Committing renames them into place in order and removes the stale
+    files, with SIGINT/SIGTERM/SIGHUP held back until it is done: it only renames, so it is
+    quick, and what it leaves is complete.
+    """
+    last = [p for p in plan.writes if p.name == MANIFEST_NAME or p.suffix == ".md"]
+    order = [p for p in plan.writes if p not in last] + last
+    todo: list[Path] = []
+    for path in order:
+        try:
+            if path.read_bytes() == plan.writes[path]:
+                continue
+        except OSError:
+            pass
+        todo.append(path)
+    temps: list[Path] = []
+    made_dirs: list[Path] = []
+    changed: list[Path] = []
+    committed = False
+    try:
+        for path in todo:
+            _stage(path, plan.writes[path], temps, made_dirs)
+        with _signals_held():
+            for path, tmp in zip(todo, temps):
+                os.replace(tmp, path)
+                changed.append(path)
+            temps.clear()
+            committed = True
+            for path in plan.removals:
+                try:
+                    path.unlink()
+                    changed.append(path)
+                except FileNotFoundError:
+                    pass
+    finally:
+        for tmp in temps:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+        if not committed:
+            for d in reversed(made_dirs):
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
     return changed
 
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 import types
 from pathlib import Path
 
@@ -90,10 +93,15 @@ def files_under(root: Path) -> dict[Path, bytes]:
 
 
 @pytest.fixture
-def read_only():
-    """Make a directory read-only (restored afterwards); skip where that does not stop writes,
-    e.g. when running as root."""
+def read_only(monkeypatch):
+    """Make a directory read-only (restored afterwards). Where chmod 555 does not stop writes
+    (running as root, as CI does), the directory is read-only to flashgen instead: os.access
+    says so and the writer's staging gets EACCES there, which is what a read-only directory
+    gives a normal user, so these tests run everywhere."""
+    import flashgen.generator.writer as writer
+
     made: list[Path] = []
+    simulated: set[Path] = set()
 
     def make(path: Path) -> Path:
         path.mkdir(parents=True, exist_ok=True)
@@ -105,8 +113,23 @@ def read_only():
         except OSError:
             return path
         probe.unlink()
-        pytest.skip("chmod 555 does not stop writes here (running as root?)")
+        simulated.add(path.resolve())
+        return path
 
+    real_access, real_stage = os.access, writer._stage
+
+    def access(p, mode, *args, **kwargs):
+        if mode & os.W_OK and Path(p).resolve() in simulated:
+            return False
+        return real_access(p, mode, *args, **kwargs)
+
+    def stage(path, *args):
+        if path.parent.resolve() in simulated:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_stage(path, *args)
+
+    monkeypatch.setattr(os, "access", access)
+    monkeypatch.setattr(writer, "_stage", stage)
     yield make
     for path in made:
         path.chmod(0o755)
@@ -295,6 +318,253 @@ def test_generate_max_kernels_sets_the_cap(tmp_path, templates, spec_file, capsy
     assert run("generate", spec_file, "-o", out, "--templates", templates, "--max-kernels", 2) == 0
 
 
+# 2 * 16 * 3 * 2 * 2 * 2 * 2 * 2 * 4 * (2 * 4 * 2 * 3) = 589,824 valid kernels.
+FAMILY_589824 = textwrap.dedent("""\
+    dtype: [fp16, bf16]
+    head_dim: [16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256]
+    mask: {causal: [none, top_left, bottom_right], window: [false, true], varlen: [false, true]}
+    gqa: [false, true]
+    dropout: [false, true]
+    instrument_io: [false, true]
+    target: [sm_80, sm_86, sm_89, sm_90]
+    tile: {block_m: [64, 128], block_n: [32, 64, 96, 128], warps: [4, 8], stages: [1, 2, 3]}
+    """)
+
+
+@pytest.mark.parametrize("command", ["generate", "compile"])
+def test_a_huge_family_is_refused_before_it_is_expanded(tmp_path, templates, capsys, command):
+    family = tmp_path / "family.yaml"
+    family.write_text(FAMILY_589824)
+    out = tmp_path / "gen"
+    start = time.perf_counter()
+    assert run(command, family, "-o", out, "--templates", templates) == 2
+    assert time.perf_counter() - start < 1.0
+    line = one_error_line(capsys.readouterr().err)
+    assert f"{family} declares 589824 kernels, more than --max-kernels 512" in line
+    assert "pass --max-kernels 589824" in line and not out.exists()
+
+
+def test_a_tile_of_aliased_lists_is_counted_not_expanded(tmp_path, templates, capsys):
+    family = tmp_path / "family.yaml"
+    values = ", ".join(map(str, range(1, 1001)))
+    family.write_text(
+        f"dtype: bf16\nhead_dim: 64\n"
+        f"tile: {{block_m: &n [{values}], block_n: *n, warps: *n, stages: *n}}\n"
+    )
+    start = time.perf_counter()
+    assert run("generate", family, "-o", tmp_path / "gen", "--templates", templates) == 2
+    assert time.perf_counter() - start < 1.0
+    assert "declares 1000000000000 kernels" in one_error_line(capsys.readouterr().err)
+
+
+def test_the_kernel_cap_counts_across_files(tmp_path, templates, spec_file, capsys):
+    other = spec_file.parent / "u.yaml"
+    other.write_text("dtype: bf16\nhead_dim: [32, 64, 128]\n")
+    args = ("generate", spec_file.parent, "-o", tmp_path / "gen", "--templates", templates)
+    assert run(*args, "--max-kernels", 4) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "(3), " in line and "(2) declare 5 kernels, more than --max-kernels 4" in line
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("head_dim: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
+        ("- dtype: bf16\n", "top level must be a mapping"),
+        ("bf16\n", "top level must be a mapping"),
+        ("dtype: bf16\n---\ndtype: fp16\n", "invalid YAML"),
+        ("dtype: !!python/object:os.system {}\n", "invalid YAML"),
+        ("dtype: bf16\x00\n", "invalid YAML"),
+        (b"\xff\xfe\x00d", "is not UTF-8 text"),
+        ("#" * (4 * 1024 * 1024 + 1), "is larger than 4 MiB"),
+    ],
+    ids=["deep", "list", "scalar", "two-docs", "python-tag", "nul", "binary", "huge"],
+)
+def test_a_hostile_spec_file_is_one_error_line(tmp_path, capsys, text, message):
+    spec = tmp_path / "hostile.yaml"
+    if isinstance(text, bytes):
+        spec.write_bytes(text)
+    else:
+        spec.write_text(text)
+    assert run("generate", spec, "-o", tmp_path / "gen") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert message in line and "hostile.yaml" in line
+    assert not (tmp_path / "gen").exists()
+
+
+def test_a_mapping_over_the_key_cap_is_refused(tmp_path, capsys, monkeypatch):
+    import flashgen.generator.load as load
+
+    monkeypatch.setattr(load, "MAX_MAPPING_KEYS", 3)
+    spec = tmp_path / "merge.yaml"
+    spec.write_text(
+        "defaults: &d {dtype: bf16, head_dim: 64, gqa: false}\n"
+        "kernels:\n  - {<<: *d, dropout: true}\n"
+    )
+    assert run("generate", spec, "-o", tmp_path / "gen") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "merge.yaml:3: a mapping of 4 keys" in line and "more than the 3" in line
+
+
+def test_an_unreadable_spec_directory_is_one_error_line(tmp_path, capsys, monkeypatch):
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    real_iterdir = Path.iterdir
+
+    def iterdir(self):
+        if self == specs:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_iterdir(self)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir)  # chmod 000 does not stop root
+    assert run("generate", specs, "-o", tmp_path / "gen") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"{specs}: cannot read directory: Permission denied" in line
+
+
+def test_a_fifo_named_like_a_spec_is_refused_without_reading_it(tmp_path, capsys):
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs here")
+    fifo = tmp_path / "pipe.yaml"
+    os.mkfifo(fifo)
+    assert run("generate", fifo, "-o", tmp_path / "gen") == 2
+    assert "is not a regular file or a directory" in one_error_line(capsys.readouterr().err)
+
+
+def test_an_unreadable_output_folder_is_one_error_line(
+    tmp_path, templates, spec_file, capsys, monkeypatch
+):
+    import flashgen.generator.writer as writer
+
+    out = tmp_path / "gen"
+    out.mkdir()
+
+    def plan_generate(*args, **kwargs):  # what iterdir() of a folder without r/x raises
+        raise PermissionError(13, "Permission denied", str(out))
+
+    monkeypatch.setattr(writer, "plan_generate", plan_generate)
+    assert run("generate", spec_file, "-o", out, "--templates", templates) == 1
+    assert one_error_line(capsys.readouterr().err) == f"flashgen: error: {out}: Permission denied"
+
+
+def test_an_interrupt_while_staging_leaves_the_folder_as_it_was(
+    tmp_path, templates, spec_file, capsys, monkeypatch
+):
+    import flashgen.generator.writer as writer
+
+    out = tmp_path / "gen"
+    assert run("generate", spec_file, "-o", out, "--templates", templates) == 0
+    before = files_under(out)
+    (templates / "forward" / "kernel.cu.j2").write_text("// {{ banner | join('') }} v2\n")
+    (templates / "include" / "flashgen" / "extra.h").write_text("// new header\n")
+    real_stage, calls = writer._stage, []
+
+    def stage(*args):
+        calls.append(args[0])
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_stage(*args)
+
+    monkeypatch.setattr(writer, "_stage", stage)
+    capsys.readouterr()
+    assert run("generate", spec_file, "-o", out, "--templates", templates) == 130
+    assert one_error_line(capsys.readouterr().err) == "flashgen: error: interrupted"
+    assert files_under(out) == before  # no temp file, no half-written kernel
+
+
+def test_an_interrupt_while_committing_waits_until_the_folder_is_complete(
+    tmp_path, templates, spec_file, monkeypatch
+):
+    import flashgen.generator.writer as writer
+    from flashgen.generator.load import load_paths
+
+    class Stop(Exception):
+        pass
+
+    def on_term(signum, frame):
+        raise Stop
+
+    real_replace, sent = os.replace, []
+
+    def replace(src, dst):
+        if not sent:
+            sent.append(dst)
+            os.kill(os.getpid(), signal.SIGTERM)  # held back until the commit is done
+        return real_replace(src, dst)
+
+    out = tmp_path / "gen"
+    plan = writer.plan_generate(load_paths([spec_file]), out, templates_dir=templates)
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        monkeypatch.setattr(writer.os, "replace", replace)
+        with pytest.raises(Stop):
+            writer.apply_plan(plan)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert sent
+    assert files_under(out) == {p: plan.writes[p] for p in sorted(plan.writes)}
+
+
+def test_a_stale_temp_file_of_a_killed_run_is_removed_by_the_next(
+    tmp_path, templates, spec_file, capsys
+):
+    out = tmp_path / "gen"
+    assert run("generate", spec_file, "-o", out, "--templates", templates) == 0
+    stale = out / "include" / "flashgen" / ".params.h.0a1b2c3d.flashgen-tmp"
+    stale.write_text("half a header")
+    args = ("generate", spec_file, "-o", out, "--templates", templates)
+    assert run(*args, "--check") == 1
+    assert "stale file (would be removed)" in capsys.readouterr().out
+    assert run(*args) == 0 and not stale.exists()
+
+
+def test_generate_waits_for_the_lock_on_its_output_folder(tmp_path, templates, spec_file):
+    from flashgen.generator.writer import output_lock
+
+    out = tmp_path / "gen"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "flashgen.generator", "generate", str(spec_file), "-o", str(out)]
+    cmd += ["--templates", str(templates)]
+    with output_lock(out):
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            line = proc.stderr.readline()  # blocks until it reports that it waits
+            assert "waiting for another flashgen generate writing into" in line
+            assert proc.poll() is None and not (out / "manifest.json").exists()
+        except BaseException:
+            proc.kill()
+            raise
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "2 kernels in" in stdout
+
+
+def test_two_generate_runs_into_one_folder_leave_it_consistent(tmp_path, templates):
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "a.yaml").write_text("dtype: [fp16, bf16]\nhead_dim: [32, 64, 96, 128]\n")
+    (specs / "b.yaml").write_text("dtype: [fp16, bf16]\nhead_dim: [16, 48, 80, 112]\n")
+    out = tmp_path / "gen"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "flashgen.generator", "generate", str(specs / f), "-o", str(out)]
+            + ["--templates", str(templates)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for f in ("a.yaml", "b.yaml")
+    ]
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    names = {e["name"] for e in manifest["kernels"]}
+    assert len(names) == 16
+    assert names == {p.stem for p in out.glob("*.cu")} == {p.stem for p in out.glob("*.h")}
+    assert not [p for p in out.rglob("*") if p.name.endswith(".flashgen-tmp")]
+
+
 def test_generate_check_hint_repeats_output_templates_and_no_readme(
     tmp_path, templates, spec_file, capsys
 ):
@@ -427,6 +697,23 @@ def test_show_passes_seqlen_k_zero_to_the_io_model(spec_file, monkeypatch):
     assert calls[0]["seqlen_q"] == 100 and calls[0]["seqlen_k"] == 0
 
 
+DECODE_SPEC = "kernel: decode\ndtype: bf16\nhead_dim: 128\ngqa: true\n"
+
+
+def test_show_defaults_to_one_new_query_over_a_4k_cache_for_decode(tmp_path, capsys):
+    spec = tmp_path / "decode.yaml"
+    spec.write_text(DECODE_SPEC)
+    assert run("show", spec) == 0
+    out = capsys.readouterr().out
+    assert "seqlen_q=1, seqlen_k=4096" in out and "io model failed" not in out
+
+
+def test_show_defaults_to_a_4k_square_call_for_forward(spec_file, monkeypatch):
+    calls = fake_io_model(monkeypatch)
+    assert run("show", spec_file) == 0
+    assert calls[0]["seqlen_q"] == calls[0]["seqlen_k"] == 4096
+
+
 # --------------------------------------------------------------------------------------------
 # compile (with a stand-in nvcc; the real nvcc sample is in test_generator.py)
 # --------------------------------------------------------------------------------------------
@@ -455,6 +742,19 @@ def fake_nvcc(tmp_path: Path, spill: int = 0, fail: bool = False) -> Path:
     )
     script.chmod(0o755)
     return script
+
+
+@pytest.mark.parametrize("jobs", ["0", "-1", "two"])
+def test_compile_rejects_jobs_below_one(spec_file, capsys, jobs):
+    with pytest.raises(SystemExit) as exc:
+        run("compile", spec_file, "-j", jobs)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        f"argument -j/--jobs: must be an integer >= 1, got {jobs if jobs != 'two' else repr(jobs)}"
+        in err
+    )
+    assert "Traceback" not in err
 
 
 def test_compile_prints_a_resource_table(tmp_path, templates, spec_file, capsys):
@@ -596,6 +896,94 @@ def test_verify_without_gpu_cli_says_so(monkeypatch, capsys):
     assert "unavailable" in capsys.readouterr().err
 
 
+def test_verify_without_a_gpu_verifies_nothing_and_exits_1(monkeypatch, capsys):
+    import flashgen.verify.runner as runner
+    import pytest as pytest_module
+
+    monkeypatch.setattr(runner, "gpu_available", lambda: (False, "cuInit failed: no device"))
+    monkeypatch.setattr(pytest_module, "main", lambda *a, **k: pytest.fail("pytest ran"))
+    assert run("verify") == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert "nothing was verified" in line and "cuInit failed: no device" in line
+
+
+def test_verify_exits_1_when_every_gpu_test_skipped(monkeypatch, capsys):
+    import flashgen.verify.runner as runner
+    import pytest as pytest_module
+
+    def fake_main(args, plugins=()):
+        report = types.SimpleNamespace(
+            when="setup",
+            passed=False,
+            failed=False,
+            skipped=True,
+            longrepr=("t.py", 1, "Skipped: kernel not built"),
+        )
+        for plugin in plugins:
+            plugin.pytest_runtest_logreport(report)
+        return 0
+
+    monkeypatch.setattr(runner, "gpu_available", lambda: (True, "Fake GPU"))
+    monkeypatch.setattr(pytest_module, "main", fake_main)
+    assert run("verify", "-k", "nothing") == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert "nothing was verified: no GPU test ran (1 skipped: kernel not built)" in line
+
+
+def test_verify_help_is_its_own_short_help(capsys):
+    assert run("verify", "--help") == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: flashgen verify")
+    assert "--pytest-help" in out and len(out.splitlines()) < 40
+
+
+def test_top_level_help_says_what_each_command_builds(capsys):
+    with pytest.raises(SystemExit) as exc:
+        run("--help")
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "host library <name>.so" in out and "cubin" not in out
+    assert "verify --help" in out and "needs a GPU" in out
+
+
+def test_version_is_the_cli_s_and_the_package_metadata_s(capsys):
+    import importlib.metadata
+
+    import flashgen.generator
+
+    with pytest.raises(SystemExit) as exc:
+        run("--version")
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"flashgen {flashgen.generator.__version__}"
+    assert importlib.metadata.version("flashgen") == flashgen.generator.__version__
+
+
+def test_the_generator_commands_import_neither_pytest_nor_hypothesis():
+    code = (
+        "import sys\n"
+        "from flashgen.generator.cli import main\n"
+        "import flashgen.verify.gpu_cli, flashgen.verify.io_model\n"
+        "main(['show', 'specs/fwd_dense.yaml'])\n"
+        "print(sorted(m for m in ('pytest', 'hypothesis') if m in sys.modules))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_pytest_and_hypothesis_are_extras_not_dependencies():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert sorted(project["dependencies"]) == ["jinja2", "numpy", "pyyaml"]
+    extras = project["optional-dependencies"]
+    assert {"pytest", "hypothesis"} <= set(extras["test"]) <= set(extras["dev"])
+    assert project["license"] == "Apache-2.0" and (REPO / "LICENSE").is_file()
+    assert "Apache License" in (REPO / "LICENSE").read_text()
+
+
 def run_cli_elsewhere(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
     """`python -m flashgen.generator ARGV` from a directory outside the checkout."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -706,10 +1094,33 @@ def test_ci_runs_the_readme_test_command_then_check_and_compile():
     assert order == sorted(order)
 
 
-def test_readme_has_kernel_table_markers_and_placeholder_sections():
+def test_kernel_table_doc_has_markers_and_readme_its_sections():
+    table = (REPO / "docs" / "kernels.md").read_text()
+    assert table.index("<!-- kernels:begin -->") < table.index("<!-- kernels:end -->")
     text = README.read_text()
-    assert text.index("<!-- kernels:begin -->") < text.index("<!-- kernels:end -->")
     assert "## Verification" in text and "## Performance" in text
+    assert "<!-- kernels:begin -->" not in text  # the table lives in docs/kernels.md
+
+
+def test_readme_is_short_and_has_a_five_line_quickstart():
+    text = README.read_text()
+    assert len(text.splitlines()) < 200
+    quick = text.split("## Quickstart", 1)[1].split("```", 2)[1].strip().splitlines()
+    assert len(quick) == 5
+    assert [ln.split()[:2] for ln in quick[1:4]] == [
+        ["flashgen", "show"],
+        ["flashgen", "generate"],
+        ["flashgen", "compile"],
+    ]
+    assert "take long" in text and "build/kernels" in text
+    assert "pip install 'flashgen" not in text  # not on an index: install from a checkout
+
+
+def test_generate_into_the_repo_s_generated_rewrites_docs_kernels_md(monkeypatch):
+    from flashgen.generator.cli import _default_readme
+
+    assert _default_readme(REPO / "generated") == REPO / "docs" / "kernels.md"
+    assert _default_readme(REPO / "elsewhere") is None
 
 
 _NOXFILE: list[types.ModuleType] = []

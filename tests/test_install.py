@@ -147,6 +147,19 @@ def test_installed_package_adds_no_top_level_name_but_flashgen(installed):
     assert added == {"flashgen", dist_info.name}
 
 
+def test_installed_metadata_has_the_licence_and_only_the_generator_s_dependencies(installed):
+    (dist_info,) = installed.purelib.glob("flashgen-*.dist-info")
+    metadata = (dist_info / "METADATA").read_text()
+    assert "License-Expression: Apache-2.0" in metadata
+    assert any(p.name == "LICENSE" for p in dist_info.rglob("*"))
+    required = [
+        line.split(":", 1)[1].strip()
+        for line in metadata.splitlines()
+        if line.startswith("Requires-Dist:") and "extra ==" not in line
+    ]
+    assert sorted(required) == ["jinja2", "numpy", "pyyaml"]
+
+
 def test_installed_modules_come_from_the_installed_package(installed):
     modules = [
         "flashgen.generator.cli",

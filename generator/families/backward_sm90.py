@@ -47,14 +47,19 @@ def tile_problems(tile: Tile, head_dim: int) -> list[tuple[str, str]]:
     if out:
         return out
     if tile.warps not in TILE_WARPS:
-        out.append(("tile.warps", f"{tile.warps} is not allowed on the sm_90a backward (allowed: 8)"))
+        out.append(
+            ("tile.warps", f"{tile.warps} is not allowed on the sm_90a backward (allowed: 8)")
+        )
     if tile.block_n not in TILE_BLOCK_N:
         out.append(
             ("tile.block_n", f"{tile.block_n} is not allowed on the sm_90a backward (allowed: 128)")
         )
     if tile.block_m not in TILE_BLOCK_M:
         out.append(
-            ("tile.block_m", f"{tile.block_m} is not allowed on the sm_90a backward (allowed: 64, 128)")
+            (
+                "tile.block_m",
+                f"{tile.block_m} is not allowed on the sm_90a backward (allowed: 64, 128)",
+            )
         )
     if tile.stages not in TILE_STAGES:
         out.append(("tile.stages", f"{tile.stages} is not allowed on sm_90a (allowed: 1..4)"))
