@@ -31,26 +31,34 @@ from flashgen.bench.fwd_bench import environment, flops, torch_params
 
 def baseline_libraries(generated: Path, names: dict, out: Path) -> dict[str, Path]:
     """readable name -> compiled library of the other version's kernel of that name
-    (`names`: readable name -> this version's spec)."""
+    (`names`: readable name -> this version's spec), compiled in parallel."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
     from flashgen.generator.compile import nvcc_flags
 
-    found = {}
+    jobs = {}
     for cu in sorted(generated.glob("fa_*.cu")):
         readable = cu.stem.rpartition("_")[0]
-        if readable not in names:
-            continue
+        if readable in names:
+            jobs[readable] = cu
+
+    def build(item: tuple[str, Path]) -> tuple[str, Path | None]:
+        readable, cu = item
         prebuilt = generated / f"{cu.stem}.so"  # built beforehand (same command, elsewhere)
         if prebuilt.is_file():
-            found[readable] = prebuilt
-            continue
+            return readable, prebuilt
         lib = out / f"{cu.stem}.so"
         cmd = ["nvcc", *nvcc_flags(names[readable].target), "-o", str(lib), cu.name]
         proc = subprocess.run(cmd, cwd=generated, capture_output=True, text=True)
         if proc.returncode != 0:
             print(f"ab_bench: {cu.name} does not build: {proc.stderr[-400:]}", file=sys.stderr)
-            continue
-        found[readable] = lib
-    return found
+            return readable, None
+        return readable, lib
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
+        built = dict(pool.map(build, jobs.items()))
+    return {k: v for k, v in built.items() if v is not None}
 
 
 def main(argv: list[str] | None = None) -> int:

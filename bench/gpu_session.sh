@@ -18,7 +18,9 @@
 #     fwd90a    the sm_90a (wgmma) forward vs SDPA's backends   -> fwd_sm90a_h200.json
 #     ablation  the sm_90a forward without each feature (FA3 Table 2) -> fwd_sm90a_ablation_h200.json
 #     prof90a   Nsight Compute, the d128 sm_90a forward and cuDNN's, 8k -> ncu_fwd90a.txt
-#     ab        this forward vs BASELINE (an earlier generated/) -> fwd_ab.json
+#     ab        this version's plain kernels vs BASELINE (an earlier generated/), forwards and
+#               backwards of every target                    -> fwd_ab.json
+#     scoremod  each score modifier vs its plain twin (softcap, ALiBi, sinks) -> scoremod_h200.json
 #     bwd       sm_90a backward and fwd+bwd (wgmma) vs SDPA    -> bwd_h200.json
 #     bwd90     mma.sync (sm_90) backward and fwd+bwd vs SDPA   -> bwd_sm90_h200.json
 #     det       deterministic backward                         -> bwd_det_h200.json
@@ -95,8 +97,13 @@ stage_torchov() {
 }
 stage_ab() {
   [ -n "${BASELINE:-}" ] || return 0
-  t 90 python3 -m flashgen.bench.ab_bench --baseline "$BASELINE" --out "$out/fwd_ab.json" \
-    > "$out/bench_ab.txt" 2>&1
+  t "${AB_TIMEOUT:-240}" python3 -m flashgen.bench.ab_bench --baseline "$BASELINE" --backward \
+    --specs specs/fwd_dense.yaml specs/fwd_sm90a.yaml specs/bwd_dense.yaml specs/bwd_sm90a.yaml \
+    --repeats 1 --out "$out/fwd_ab.json" > "$out/bench_ab.txt" 2>&1
+}
+stage_scoremod() {
+  t "${SCOREMOD_TIMEOUT:-300}" python3 -m flashgen.bench.scoremod_bench --check \
+    --out "$out/scoremod_h200.json" > "$out/bench_scoremod.txt" 2>&1
 }
 stage_bwd() {
   t 200 python3 -m flashgen.bench.bwd_bench --specs specs/bwd_sm90a.yaml --fwd-specs \

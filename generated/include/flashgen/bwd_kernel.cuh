@@ -41,6 +41,7 @@
 #include "mask.cuh"
 #include "philox.cuh"
 #include "schedule.cuh"
+#include "score_mod.cuh"
 #include "tile_io.cuh"
 
 namespace fg {
@@ -250,7 +251,8 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
   constexpr uint32_t kE = sizeof(Elem);
   const uint32_t sK_a = smem_addr(sK), sV_a = smem_addr(sV), sQ_a = smem_addr(sQ);
   const uint32_t sdO_a = smem_addr(sdO), sP_a = smem_addr(sP), sdS_a = smem_addr(sdS);
-  const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
+  using Mod = ScoreModOf<C, false>;  // the score stage (score_mod.cuh); the LSE holds the sink
+  const Mod mod0(p.score, p.softmax_scale);
   const float drop_scale = C::kDropout ? static_cast<float>(1.0 / (1.0 - p.dropout_p)) : 1.f;
 
   if (cur.valid) {
@@ -311,8 +313,12 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
       return sPf + ((mt * C::kSNT + n8) * C::kThreads + tid) * 4;
     };
 
+    // The score stage of (b, h) (score_mod.cuh); g: its derivative per element (softcap).
+    const Mod mod = mod0.at(p.score, p.softmax_scale, b, h, io, tid == 0, BwdIo::kMeta);
     float acc_s[C::kSMT][C::kSNT][4];
+    float gmod[Mod::kHasGrad ? C::kSMT : 1][Mod::kHasGrad ? C::kSNT : 1][4];
     scores(q_slot, sK_a, acc_s);
+    score_frag(acc_s, mod, tile_dist0(r0 + s_row0, c0 + s_col0, mask.shift), lane, gmod);
     const bool masked = C::kSparse ? (cur.partial || c0 + C::kBlockN > sk)
                                    : mask.tile_needs_mask(r0, r0 + qr - 1, nt, C::kBlockN);
     if (masked) mask_frag(acc_s, mask.tile(r0 + s_row0, c0 + s_col0), lane);
@@ -326,7 +332,7 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
         const float base = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
 #pragma unroll
         for (int n8 = 0; n8 < C::kSNT; ++n8)
-          acc_s[mt][n8][e] = exp2_approx(__fsub_rn(__fmul_rn(acc_s[mt][n8][e], scale_log2), base));
+          acc_s[mt][n8][e] = exp2_approx(__fsub_rn(__fmul_rn(acc_s[mt][n8][e], mod.scale_log2), base));
       }
     // Dropout's keep decisions, one bit per fragment element (the forward's Philox stream).
     uint32_t keep_bits[(C::kSMT * C::kSNT * 4 + 31) / 32];
@@ -391,6 +397,7 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
           const float dp = !C::kDropout ? acc_dp[mt][n8][e]
                                         : kept(mt, n8, e) ? acc_dp[mt][n8][e] * drop_scale : 0.f;
           ds[e] = pe[e] * (dp - dsum);
+          if constexpr (Mod::kHasGrad) ds[e] *= gmod[Mod::kHasGrad ? mt : 0][Mod::kHasGrad ? n8 : 0][e];
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r)
@@ -563,6 +570,47 @@ __device__ __forceinline__ void bwd_preprocess_body(const fg_bwd_params& p) {
     if (lane == 0) store_f32(p.dsum + seq.grow(r) * p.heads + h, acc, io, BwdIo::kDsum);
   }
   io.flush(p.io_counters);
+}
+
+// Attention sinks (score_mod.cuh): dsink_h = -sum over batches and query rows of
+// exp(sink_h - LSE) * D, one CTA per query head (grid: heads), after the preprocess wrote D.
+// Each thread walks rows in a fixed order and the CTA reduces in a fixed order, so dsinks is
+// bitwise repeatable; it is written, not accumulated. A row whose LSE is -inf adds nothing.
+constexpr int kDsinkThreads = 128;
+
+template <class C>
+__device__ __forceinline__ void bwd_dsink_body(const fg_bwd_params& p) {
+  if constexpr (C::kSink) {
+    Io<C::kInstrumentIo, BwdIo> io;
+    Io<false, BwdIo> quiet;
+    const int64_t h = blockIdx.x;
+    const int tid = threadIdx.x;
+    const float sink = __ldg(p.score.sinks + h);  // every thread reads it; one counts it
+    if (tid == 0) io.add(BwdIo::kMeta, 4);
+    float acc = 0.f;
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const SeqInfo<C::kVarlen> seq(b, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k,
+                                    quiet, false);
+      for (int64_t r = tid; r < seq.sq; r += kDsinkThreads) {
+        const float lse = load_f32(p.lse + seq.lse_off(p.lse_batch_stride, p.lse_head_stride, h, r),
+                                   io, BwdIo::kLse);
+        const float d = load_f32(p.dsum + seq.grow(r) * p.heads + h, io, BwdIo::kDsum);
+        if (lse != -INFINITY) acc += expf(sink - lse) * d;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    __shared__ float part[kDsinkThreads / 32];
+    if ((tid & 31) == 0) part[tid >> 5] = acc;
+    __syncthreads();
+    if (tid == 0) {
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < kDsinkThreads / 32; ++w) total += part[w];
+      store_f32(p.score.dsinks + h, -total, io, BwdIo::kMeta);
+    }
+    io.flush(p.io_counters);
+  }
 }
 
 // dQ = softmax_scale * dq_accum, in the output dtype.

@@ -10,6 +10,7 @@
 
 #include "bwd_params.h"
 #include "host.h"
+#include "score_check.h"
 
 namespace fg {
 
@@ -69,7 +70,7 @@ const char* check_bwd_params(const fg_bwd_params& p) {
       row_blocks * p.heads * p.batch > INT32_MAX)
     return "grid too large: ceil(seqlen_k/block_n)*kv_heads*batch or "
            "ceil(seqlen_q/32)*heads*batch exceeds 2^31-1";
-  return nullptr;
+  return check_score_params<C>(p.score, /*backward=*/true);  // score_check.h
 }
 
 }  // namespace fg

@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "score_params.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -74,6 +76,9 @@ typedef struct fg_bwd_params {
 
   /* instrument_io: 13 uint64 counters (bytes), in the order of FgBwdIo (bwd_kernel.cuh) */
   unsigned long long* io_counters;
+
+  /* score-stage features (score_params.h, rendered from generator/features/) */
+  fg_score_params score;
 } fg_bwd_params;
 
 /* Every pointer NULL, every stride and size 0, windows unbounded, one shared layout. */

@@ -39,6 +39,7 @@
 #include "bwd_kernel.cuh"
 #include "bwd_params.h"
 #include "mask.cuh"
+#include "score_mod.cuh"
 #include "sm90.cuh"
 #include "tile_io.cuh"
 #include "warp_mma.cuh"
@@ -203,7 +204,8 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
   const int key0 = group * 64;        // the group's first key row of the tile
   const int dq_row = (group / C::kDqColBlocks) * 64;          // its dQ piece: query rows
   const int dq_col = (group % C::kDqColBlocks) * C::kDqN;     // and head-dim columns
-  const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
+  using Mod = ScoreModOf<C, false>;  // the score stage (score_mod.cuh); the LSE holds the sink
+  const Mod mod0(p.score, p.softmax_scale);
 
   // Descriptors are a base plus byte offsets (desc_at): the bases are re-derived every step
   // (opaque to the compiler), so the per-slice descriptors are not hoisted out of the loop
@@ -268,6 +270,10 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
     // LSE log2 e) and dS^T = P^T (dP^T - D) in fp32, packed at once as RS-wgmma A operands,
     // so the fp32 scores die slice by slice (the step's register peak is its start: dK, dV,
     // S^T and dP^T).
+    const Mod mod = mod0.at(p.score, p.softmax_scale, b, h, io, false, BwdIo::kMeta);
+    // element (query ql, key kl) lies at diagonal distance dist0 + kl - ql (as an int: a float
+    // base per key row measured 24 bytes of spill here with softcap and ALiBi, ptxas)
+    const int dist0 = tile_dist0(r0, c0, mask.shift);
     const bool masked = mask.tile_needs_mask(r0, min(r0 + C::kBlockM, sq) - 1, nt, C::kBlockN);
     TileMask tm = mask.tile(r0, c0);
     tm.col_end = 1 << 30;  // keys past the sequence: key_ok above
@@ -282,10 +288,14 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
       float pe[4], ds[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        pe[e] = exp2_approx(
-            __fsub_rn(__fmul_rn(acc_s[0][j][e], scale_log2), (e & 1) ? lse2.y : lse2.x));
-        if (masked && !tm.visible(ql + (e & 1), key0 + wk * 16 + g + (e >> 1) * 8)) pe[e] = 0.f;
+        const int kl = key0 + wk * 16 + g + (e >> 1) * 8;
+        float gm;
+        const float y =
+            mod.logit(acc_s[0][j][e], static_cast<float>(dist0 + kl - (ql + (e & 1))), gm);
+        pe[e] = exp2_approx(__fsub_rn(__fmul_rn(y, mod.scale_log2), (e & 1) ? lse2.y : lse2.x));
+        if (masked && !tm.visible(ql + (e & 1), kl)) pe[e] = 0.f;
         ds[e] = pe[e] * acc_dp[0][j][e];
+        if constexpr (Mod::kHasGrad) ds[e] *= gm;
       }
       // n8 tile j is registers 2 (j % 2) (row g) and 2 (j % 2) + 1 (row g + 8) of slice j / 2
 #pragma unroll

@@ -31,6 +31,7 @@
 #include "frag.cuh"
 #include "mask.cuh"
 #include "schedule.cuh"
+#include "score_mod.cuh"
 #include "sm90.cuh"
 #include "softmax.cuh"
 #include "tile_io.cuh"
@@ -403,7 +404,17 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
   const uint32_t v_row = smem_addr(sV) + (wn * C::kWarpKeys + lo.a_row) * C::kStride * kElemBytes;
   const uint32_t k_chunk = static_cast<uint32_t>((lo.b_col >> 3) ^ (lo.b_row & 7));
   const uint32_t v_chunk = static_cast<uint32_t>((lo.a_col >> 3) ^ (lo.a_row & 7));
-  const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
+  // The score stage of the thread's two rows (score_mod.cuh), each of its own head; a row's
+  // slope read is counted once (t == 0 of the first key warp) when the row is valid.
+  using Mod = ScoreModOf<C, false>;  // the sink joins where the row's LSE is formed, below
+  auto row_mod = [&](int r) {
+    const int fr = warp_row0 + g + 8 * r;
+    const int64_t gr = m0 + fr, i = gr / group;
+    return Mod(p.score, p.softmax_scale, b, hk * group + (gr - i * group), io,
+               t == 0 && wn == 0 && fr < valid_rows, DecIo::kMeta);
+  };
+  const Mod mods[2] = {row_mod(0), row_mod(1)};
+  const float scale_log2 = mods[0].scale_log2;
 
   if (n_iter > 0) {
     if constexpr (decode_bulk_loads<C>()) {
@@ -468,6 +479,11 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
         dec_qk_swizzled<C>(acc_s, load_q, k_row + slot * kSlotBytes, k_chunk);
       else
         warp_qk<Elem, 1, C::kNT, C::kKS, C::kStride>(acc_s, load_q, k_lane + slot * kSlotBytes);
+      {
+        const int64_t j0 = n * C::kBlockN + wn * C::kWarpKeys;
+        const int dist0[2] = {tile_dist0(q_row_g, j0, mask.shift), tile_dist0(q_row_g8, j0, mask.shift)};
+        score_frag_rows(acc_s, mods, dist0, lane);
+      }
       if (mask.tile_needs_mask(q_lo, q_hi, n, C::kBlockN))
         mask_frag_rows(acc_s, mask.tile(0, n * C::kBlockN + wn * C::kWarpKeys), lane,
                        [&](int r) { return r >= 8 ? q_row_g8 : q_row_g; });
@@ -518,10 +534,15 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
 #pragma unroll
       for (int e = 0; e < 8; ++e) o[e] += f * sO[wr * C::kMergeStride + col + e];
     }
-    const bool empty = !(l > 0.f);
-    const float inv_l = empty ? 0.f : 1.f / l;
-    const float lse = empty ? -INFINITY : (mx + log2f(l)) * 0.69314718055994530942f;
     const int64_t gr = m0 + row, i = gr / group, h = hk * group + (gr - i * group);
+    float inv_l, lse;
+    if (splits == 1) {  // the row's LSE is formed here: its head's sink joins (score_mod.cuh)
+      const ScoreMod<false, false, C::kSink> fin(p.score, p.softmax_scale, b, h, io, col == 0,
+                                                 DecIo::kMeta);
+      fin.finalize_ml(mx, l, inv_l, lse);
+    } else {  // the combine adds the sink
+      ScoreMod<false, false, false>::finalize_ml_plain(mx, l, inv_l, lse);
+    }
     if (splits == 1) {
       const uint4 packed = make_uint4(
           MmaT::pack(o[0] * inv_l, o[1] * inv_l), MmaT::pack(o[2] * inv_l, o[3] * inv_l),
@@ -660,6 +681,19 @@ __device__ __forceinline__ void decode_combine_body(const fg_decode_params& p) {
       for (int x = 0; x < 7; ++x) lse_r[x] = lse_r[x + 1];
     }
     m = m_new;
+  }
+  if constexpr (C::kSink) {  // the sink of the row's head joins (a merge_states call without
+    if (active && p.score.sinks) {  // sinks gives none)
+      const float sink = __ldg(p.score.sinks + h);
+      if (t == 0) io.add(DecIo::kMeta, 4);
+      const float mf = fmaxf(l > 0.f ? base : -INFINITY, sink);
+      const float nb = mf == -INFINITY ? 0.f : mf;
+      const float r = l > 0.f ? expf(base - nb) : 0.f;
+      l = l * r + expf(sink - nb);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] *= r;
+      base = nb;
+    }
   }
   if (active) {
     const bool empty = !(l > 0.f);

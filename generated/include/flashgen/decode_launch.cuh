@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "decode_params.h"
+#include "score_check.h"
 
 namespace fg {
 
@@ -160,7 +161,7 @@ const char* check_decode_params(const fg_decode_params& p, int64_t splits) {
   if (p.batch > INT32_MAX || p.heads > INT32_MAX || mts * splits > INT32_MAX ||
       mts * splits * p.kv_heads > INT32_MAX || mts * splits * p.kv_heads * p.batch > INT32_MAX)
     return "grid too large: row tiles * splits * kv_heads * batch > 2^31-1";
-  return nullptr;
+  return check_score_params<C>(p.score, /*backward=*/false);  // score_check.h
 }
 
 template <class C>

@@ -28,6 +28,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "score_params.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -79,6 +81,9 @@ typedef struct fg_decode_params {
 
   /* instrument_io: 9 uint64 counters (bytes), in the order of DecIo (decode_kernel.cuh) */
   unsigned long long* io_counters;
+
+  /* score-stage features (score_params.h, rendered from generator/features/) */
+  fg_score_params score;
 } fg_decode_params;
 
 /* Every pointer NULL, every stride and size 0, windows unbounded, the split heuristic on. */

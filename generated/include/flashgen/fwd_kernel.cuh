@@ -10,7 +10,8 @@
 //   st        online softmax state (m_i, l_i) of the thread's two rows per m16 tile
 //
 // Per CTA: Q tile -> smem (and to registers when small); for each scheduled K/V tile:
-// S = Q K^T (mma), mask if the policy says the tile needs it, online softmax, dropout,
+// S = Q K^T (mma), the score stage (score_mod.cuh), mask if the policy says the tile needs
+// it, online softmax, dropout,
 // acc_o += P V with P taken straight from the S accumulators (the m16n8 C layout of two
 // adjacent n8 tiles is the m16k16 A layout); finally O = acc_o / l and LSE.
 // K/V tiles stream through a kStages-deep cp.async ring, so the next tile's loads overlap
@@ -27,6 +28,7 @@
 #include "params.h"
 #include "philox.cuh"
 #include "schedule.cuh"
+#include "score_mod.cuh"
 #include "softmax.cuh"
 #include "tile_io.cuh"
 #include "warp_mma.cuh"
@@ -102,6 +104,8 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
   float* gLse = p.lse + seq.lse_off(p.lse_batch_stride, p.lse_head_stride, h, r0);
 
   const MaskPolicy<C::kCausal, C::kWindow> mask(sq, sk, p.window_left, p.window_right);
+  // The score stage of (b, h) (score_mod.cuh): modifiers, the softmax's scale, the sink.
+  const ScoreModOf<C> mod(p.score, p.softmax_scale, b, h, io, tid == 0, FwdIo::kMeta);
 
   // ---- the tile schedule: a dense range visited from the top, or the sparse lists ----------
   const FwdSchedule<C> sched = fwd_schedule<C>(p, id, mask, r0, r1, io, tid == 0);
@@ -142,7 +146,6 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
   const uint32_t q_lane = smem_addr(sQ) + ((warp_row0 + lo.a_row) * C::kStride + lo.a_col) * kElemBytes;
   const uint32_t k_lane = smem_addr(sK) + (lo.b_row * C::kStride + lo.b_col) * kElemBytes;
   const uint32_t v_lane = smem_addr(sV) + (lo.a_row * C::kStride + lo.a_col) * kElemBytes;
-  const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
   const FwdDropout drop = fwd_dropout<C>(p, b, h);
 
   if (n_iter > 0) {
@@ -208,12 +211,13 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
           },
           k_slot);
 
+      score_frag(acc_s, mod, tile_dist0(r0 + warp_row0, n * C::kBlockN, mask.shift), lane);
       if (masked) mask_frag(acc_s, mask.tile(r0 + warp_row0, n * C::kBlockN), lane);
 
 #pragma unroll
       for (int mt = 0; mt < C::kMT; ++mt) {
         float alpha[2];
-        online_softmax_update(st[mt], acc_s[mt], scale_log2, alpha);
+        online_softmax_update(st[mt], acc_s[mt], mod.scale_log2, alpha);
         scale_rows(acc_o[mt], alpha);
       }
 
@@ -233,7 +237,7 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float inv_l, lse;
-      online_softmax_finalize(st[mt][r], inv_l, lse);
+      mod.finalize(st[mt][r], inv_l, lse);
       // Dropout's 1/(1-p) scales O once, in fp32 (FlashAttention-2 does the same): applied
       // to P before its 16-bit rounding it would cost up to 2x the baseline's error
       // (a row max p = 1 is exact in bf16, 1/(1-p) is not).

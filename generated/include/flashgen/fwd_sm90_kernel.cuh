@@ -54,6 +54,7 @@
 #include "philox.cuh"
 #include "schedule.cuh"
 #include "sm90.cuh"
+#include "score_mod.cuh"
 #include "softmax.cuh"
 #include "tile_io.cuh"
 #include "warp_mma.cuh"
@@ -251,7 +252,7 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
       for (int e = 0; e < 4; ++e) acc_o[c][j][e] = 0.f;
 
   const int row0 = warp * 16;  // the warp's first row of the tile (group * 64 + 16 * w)
-  const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
+  const ScoreModOf<C> mod(p.score, p.softmax_scale, b, h, io, tid == 0, FwdIo::kMeta);
   const FwdDropout drop = fwd_dropout<C>(p, b, h);
 
   // ---- the steps of one K/V tile, shared by both loop orders below ------------------------
@@ -277,9 +278,10 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
   // before its release.)
   auto softmax = [&](float (&acc_s)[1][C::kNT][4], int it, float (&alpha)[2]) {
     const int64_t n = C::kSparse ? s_tile[it % C::kStages] : sched.tile(it, io, false);
+    score_frag(acc_s, mod, tile_dist0(r0 + row0, n * C::kBlockN, mask.shift), lane);
     if (fwd_tile_masked<C>(sched, mask, it, n, r0, r1))
       mask_frag(acc_s, mask.tile(r0 + row0, n * C::kBlockN), lane);
-    online_softmax_update(st, acc_s[0], scale_log2, alpha);
+    online_softmax_update(st, acc_s[0], mod.scale_log2, alpha);
     if (C::kDropout)
       fwd_dropout_frag<C>(acc_s, drop.rng, p, b, h, sq, sk, r0 + row0, n * C::kBlockN, lane, io);
   };
@@ -399,7 +401,7 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float inv_l, lse;
-    online_softmax_finalize(st[r], inv_l, lse);
+    mod.finalize(st[r], inv_l, lse);
     // Dropout's 1/(1-p) scales O once, in fp32 (FlashAttention-2 does the same): applied
     // to P before its 16-bit rounding it would cost up to 2x the baseline's error
     // (a row max p = 1 is exact in bf16, 1/(1-p) is not).

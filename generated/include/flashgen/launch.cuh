@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "params.h"
+#include "score_check.h"
 
 namespace fg {
 
@@ -57,7 +58,7 @@ const char* check_fwd_params(const fg_fwd_params& p) {
   if (num_qt > INT32_MAX || p.heads > INT32_MAX || p.batch > INT32_MAX ||
       num_qt * p.heads > INT32_MAX || num_qt * p.heads * p.batch > INT32_MAX)
     return "grid too large: ceil(seqlen_q/block_m)*heads*batch > 2^31-1";
-  return nullptr;
+  return check_score_params<C>(p.score, /*backward=*/false);  // score_check.h
 }
 
 template <class C>

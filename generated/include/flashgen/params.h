@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "score_params.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -57,6 +59,9 @@ typedef struct fg_fwd_params {
 
   /* instrument_io: 7 uint64 counters: Q, K, V, O, LSE, META, KEEP_MASK (bytes) */
   unsigned long long* io_counters;
+
+  /* score-stage features (score_params.h, rendered from generator/features/) */
+  fg_score_params score;
 } fg_fwd_params;
 
 /* The defaults: every pointer NULL, every stride, size, scale and dropout field 0, windows
