@@ -28,11 +28,17 @@ REPO = PACKAGE_ROOT
 
 
 def sample_specs():
+    """One spec per family key below; with FLASHGEN_SANITIZE_FEATURES=1 only those with a score
+    modifier (a session that changed the score stage alone)."""
+    import os
+
     from flashgen.generator.load import load_paths
+
+    features_only = os.environ.get("FLASHGEN_SANITIZE_FEATURES") == "1"
 
     picked, seen = [], set()
     for s in load_paths([REPO / "specs"]):
-        if s.kernel.yaml not in ("forward", "backward"):
+        if s.kernel.yaml not in ("forward", "backward") or (features_only and not s.features):
             continue
         family = (
             s.kernel,
@@ -48,6 +54,7 @@ def sample_specs():
             s.instrument_io,
             s.mask.causal.yaml != "none",
             s.head_dim > 128,
+            s.features,  # each combination of score modifiers (the dsink kernel with sinks)
         )
         if family not in seen:
             seen.add(family)
@@ -59,6 +66,7 @@ def run(shard: str = "0/1") -> None:
     from flashgen.verify.blocksparse import compact_layout_for_spec
     from flashgen.verify.runner import load_kernel
     from flashgen.verify.runner_bwd import load_bwd_kernel
+    from flashgen.verify.strategies import fixed_score_args
 
     i, n = (int(x) for x in shard.split("/"))
     rng = np.random.default_rng(i)
@@ -88,6 +96,8 @@ def run(shard: str = "0/1") -> None:
             kw["layout"] = compact_layout_for_spec(
                 mask, spec, seqlen_q=sq, seqlen_k=sk, window=kw.get("window", (-1, -1))
             )
+        heads = q.shape[-2]
+        kw.update(fixed_score_args(spec, 2, heads).kwargs())
         if backward:
             # O and LSE need not be a forward's for memory and race checking: any finite
             # values exercise every load, atomic and store of the three kernels.

@@ -149,6 +149,29 @@ def test_io_model_counts_pages_per_tile_and_the_combine():
     assert split["O_PARTS"] == 2 * 3 * 4 * 128 * 4  # every split sees a key: all read
 
 
+def test_io_model_counts_one_slope_per_valid_row_of_every_split_cta():
+    s = one("dtype: bf16\nhead_dim: 64\ngqa: true\nalibi: true\n")  # tile 16 x 128
+    plain = one("dtype: bf16\nhead_dim: 64\ngqa: true\n")
+    # 3 queries x group 8 = 24 rows: row tiles of 16 and 8 valid rows, 2 KV heads
+    kw = dict(batch=2, heads=16, kv_heads=2, seqlen_q=3, seqlen_k=0, cache_seqlens=[300, 0])
+    for splits in (1, 3):
+        got = io_model_decode.decode_bytes(s, num_splits=splits, **kw)
+        base = io_model_decode.decode_bytes(plain, num_splits=splits, **kw)
+        diff = {k: got[k] - base[k] for k in io_model_decode.IO_KEYS if got[k] != base[k]}
+        assert diff == {"SEQLENS": 4 * 24 * 2 * 2 * splits}  # rows x KV heads x batch x splits
+
+
+def test_io_model_counts_each_rows_sink_where_its_lse_is_formed():
+    s = one("dtype: bf16\nhead_dim: 64\ngqa: true\nsink: true\n")
+    plain = one("dtype: bf16\nhead_dim: 64\ngqa: true\n")
+    kw = dict(batch=2, heads=16, kv_heads=2, seqlen_q=3, seqlen_k=0, cache_seqlens=[300, 1])
+    for splits in (1, 2, 5):  # the split kernel with one split, else the combine
+        got = io_model_decode.decode_bytes(s, num_splits=splits, **kw)
+        base = io_model_decode.decode_bytes(plain, num_splits=splits, **kw)
+        diff = {k: got[k] - base[k] for k in io_model_decode.IO_KEYS if got[k] != base[k]}
+        assert diff == {"SEQLENS": 4 * 3 * 16 * 2}  # one per output row (b, query, head)
+
+
 def test_io_model_keys_follow_the_family_table():
     assert tuple(io_model_decode.IO_KEYS) == decode.IO_KEYS
 

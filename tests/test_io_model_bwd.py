@@ -44,9 +44,11 @@ def spec(
     sparse=False,
     debug=False,
     gqa=True,
+    features=(),
 ):
     """A duck-typed spec: only the attributes the model reads."""
     return ns(
+        features=frozenset(features),
         head_dim=d,
         dtype=ns(nbytes=2),
         tile=ns(block_m=block_m, block_n=block_n),
@@ -82,8 +84,17 @@ def emulate(sp, *, batch, heads, kv_heads, lens, window, layout=None, varlen=Fal
     causal = sp.mask.causal.yaml
     bwd = None if layout is None else transpose_layout(layout)
     group = heads // kv_heads
+    alibi, sink = "alibi" in sp.features, "sink" in sp.features
     out = dict.fromkeys(IO_KEYS, 0)
     grid = -(-max((sk for _, sk in lens), default=0) // bn)
+    if sink:  # the dsink kernel: one CTA per head
+        for _h in range(heads):
+            out["META"] += 4  # sinks[h]
+            for b in range(batch):
+                for _r in range(lens[b][0]):
+                    out["LSE"] += 4
+                    out["DSUM"] += 4
+            out["META"] += 4  # dsinks[h]
     for b in range(batch):
         sq, sk = lens[b]
         for _h in range(heads):  # preprocess, then convert
@@ -109,6 +120,8 @@ def emulate(sp, *, batch, heads, kv_heads, lens, window, layout=None, varlen=Fal
                         tiles = [m for m, _ in bwd.tiles(h, n)]
                         out["META"] += 8 + 4 * len(tiles)
                     for m in tiles:
+                        if alibi:
+                            out["META"] += 4  # the head's slope, per step
                         qr = min(bm, sq - m * bm)
                         out["Q"] += qr * d * e
                         out["DO"] += qr * d * e
@@ -160,6 +173,7 @@ def problems(draw):
         sparse=sparse,
         debug=draw(st.booleans()),
         gqa=gqa,
+        features=draw(st.frozensets(st.sampled_from(("softcap", "alibi", "sink")))),
     )
     layout = None
     if sparse:
@@ -367,6 +381,34 @@ def test_dense_bytes_scale_with_batch_and_heads():
     for key in IO_KEYS:
         per = 2 if key in ("K", "V", "DK", "DV") else 4  # kv_heads or heads
         assert many[key] == 3 * per * one[key], key
+
+
+def test_alibi_reads_one_slope_per_visited_query_tile_step():
+    kw = dict(batch=2, heads=4, kv_heads=2, seqlen_q=256, seqlen_k=256)
+    plain = backward_bytes(spec(64, 64, causal="top_left"), **kw)
+    got = backward_bytes(spec(64, 64, causal="top_left", features=("alibi", "softcap")), **kw)
+    # K/V tile n sees query tiles n..3 of each of the 4 heads: 4 + 3 + 2 + 1 steps a head
+    assert got["META"] == plain["META"] + 4 * 2 * 4 * (4 + 3 + 2 + 1)
+    assert {k: v for k, v in got.items() if k not in ("META", "total")} == {
+        k: v for k, v in plain.items() if k not in ("META", "total")
+    }
+
+
+def test_sink_adds_a_dsink_kernel_reading_lse_and_d_of_every_row_per_head():
+    kw = dict(
+        batch=3,
+        heads=4,
+        kv_heads=2,
+        seqlen_q=0,
+        seqlen_k=0,
+        cu_seqlens_q=[0, 0, 50, 57],
+        cu_seqlens_k=[0, 130, 130, 140],
+    )
+    plain = backward_bytes(spec(64, 64, varlen=True), **kw)
+    got = backward_bytes(spec(64, 64, varlen=True, features=("sink",)), **kw)
+    diff = {k: got[k] - plain[k] for k in IO_KEYS if got[k] != plain[k]}
+    # 57 valid query rows of 4 heads: LSE and D read once each; sinks[h] and dsinks[h]
+    assert diff == {"LSE": 4 * 4 * 57, "DSUM": 4 * 4 * 57, "META": 8 * 4}
 
 
 def test_io_keys_are_the_familys_counters():

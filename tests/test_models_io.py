@@ -12,9 +12,19 @@ from flashgen.verify.blocksparse import compact_layout
 from flashgen.verify.io_model import forward_bytes, paper_fwd_bound, standard_attention_bytes
 
 
-def spec(block_m=128, block_n=64, d=64, causal="none", window=False, sparse=False, debug=False):
+def spec(
+    block_m=128,
+    block_n=64,
+    d=64,
+    causal="none",
+    window=False,
+    sparse=False,
+    debug=False,
+    features=(),
+):
     ns = types.SimpleNamespace
     return ns(
+        features=frozenset(features),
         head_dim=d,
         dtype=ns(nbytes=2),
         tile=ns(block_m=block_m, block_n=block_n),
@@ -104,6 +114,43 @@ def test_sparse_meta_is_8_bytes_plus_4_per_listed_tile():
     )
     assert got["META"] == 2 * ((8 + 4) + (8 + 8))
     assert got["K"] == 2 * 3 * 16 * 16 * 2
+
+
+@pytest.mark.parametrize(
+    ("features", "per_cta"),
+    [(("alibi",), 4), (("sink",), 4), (("alibi", "sink", "softcap"), 8), (("softcap",), 0)],
+)
+def test_alibi_and_sink_read_4_bytes_each_per_cta_with_rows(features, per_cta):
+    # varlen, block_m 64: sequence 0 has 10 rows (1 of 3 query tiles), sequence 1 130 (3)
+    kw = dict(
+        batch=2,
+        heads=3,
+        kv_heads=3,
+        seqlen_q=0,
+        seqlen_k=0,
+        cu_seqlens_q=[0, 10, 140],
+        cu_seqlens_k=[0, 0, 40],  # sequence 0 sees no key: its CTA still reads slope and sink
+    )
+    plain = forward_bytes(spec(block_m=64), **kw)
+    got = forward_bytes(spec(block_m=64, features=features), **kw)
+    assert got["META"] - plain["META"] == per_cta * 3 * (1 + 3)
+    assert {k: v for k, v in got.items() if k not in ("META", "total")} == {
+        k: v for k, v in plain.items() if k not in ("META", "total")
+    }
+    assert got["total"] - plain["total"] == per_cta * 3 * 4
+
+
+def test_score_meta_counts_once_per_cta_of_a_dense_call_even_with_an_empty_schedule():
+    # bottom_right, Sq = 100 > Sk = 10, block_m 16: tiles 0..4 (rows 0..79) see no key
+    got = forward_bytes(
+        spec(block_m=16, block_n=16, causal="bottom_right", features=("alibi", "sink")),
+        batch=2,
+        heads=2,
+        kv_heads=1,
+        seqlen_q=100,
+        seqlen_k=10,
+    )
+    assert got["META"] == 8 * 2 * 2 * 7  # ceil(100 / 16) = 7 CTAs per (b, h)
 
 
 def test_standard_attention_counts_the_papers_six_passes():

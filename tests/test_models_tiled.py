@@ -9,16 +9,19 @@ from typing import Any
 
 import numpy as np
 import pytest
+from flashgen.generator.features import FEATURES
 from flashgen.verify import reference as R
 from flashgen.verify.blocksparse import compact_layout, dense_from_compact
 from flashgen.verify.dropout import keep_mask, keep_mask_varlen
 from flashgen.verify.io_model import forward_bytes
+from flashgen.verify.score_mods import ScoreArgs
 from flashgen.verify.strategies import (
     attention_inputs,
     block_layouts,
     cases_for_spec,
     cu_seqlens,
     dropout_params,
+    score_args,
     shapes,
     valid_specs,
     windows,
@@ -42,6 +45,7 @@ def stand_in_spec(
     debug_keep_mask=False,
     sparse=False,
     gqa=True,
+    features=frozenset(),
 ):
     """A duck-typed spec: only the attributes the models read."""
     ns = types.SimpleNamespace
@@ -55,6 +59,7 @@ def stand_in_spec(
         sparsity=ns(yaml="block" if sparse else "none"),
         gqa=gqa,
         instrument_io=True,
+        features=frozenset(features),
     )
 
 
@@ -75,6 +80,7 @@ class ModelCase:
     block_mask: np.ndarray | None
     keep: np.ndarray | None
     p: float
+    score: ScoreArgs = ScoreArgs()  # softcap, ALiBi slopes, sinks (the spec's features)
 
     def layout(self):
         if self.block_mask is None:
@@ -101,6 +107,7 @@ class ModelCase:
             layout=self.layout(),
             keep_mask=self.keep,
             dropout_p=self.p,
+            **self.score.kwargs(),
         )
 
     def run_reference(self):
@@ -122,6 +129,7 @@ class ModelCase:
             keep_mask=self.keep,
             dropout_p=self.p,
             **kw,
+            **self.score.kwargs(),
         )
 
     def predicted_bytes(self):
@@ -172,8 +180,24 @@ def _draw_case(draw, spec, max_seqlen, head_dims=(4, 8)):
             keep = keep_mask_varlen(dp.seed, dp.offset, heads, np.diff(cu_q), np.diff(cu_k), p)
         else:
             keep = keep_mask(dp.seed, dp.offset, batch, heads, sq, sk, p)
+    score = draw(score_args(spec, batch, heads))
     return ModelCase(
-        spec, q, k, v, batch, heads, shape.kv_heads, sq, sk, window, cu_q, cu_k, block_mask, keep, p
+        spec,
+        q,
+        k,
+        v,
+        batch,
+        heads,
+        shape.kv_heads,
+        sq,
+        sk,
+        window,
+        cu_q,
+        cu_k,
+        block_mask,
+        keep,
+        p,
+        score,
     )
 
 
@@ -191,6 +215,7 @@ def model_cases(draw, max_seqlen=24):
         debug_keep_mask=dropout and draw(st.booleans()),
         sparse=draw(st.booleans()),
         gqa=draw(st.booleans()),
+        features=draw(st.frozensets(st.sampled_from([f.name for f in FEATURES]))),
     )
     case = _draw_case(draw, spec, max_seqlen)
     spec.head_dim = case.q.shape[-1]
@@ -321,6 +346,7 @@ def test_real_specs_run_through_the_models(data):
         case.cu_seqlens_k,
         case.block_mask,
         *_keep_for(case),
+        case.score,
     )
     result = inputs.run_tiled()
     assert_model_equals_reference(inputs, result)
@@ -399,3 +425,26 @@ def test_spec_features_must_match_the_arguments():
                 np.ones((1, 1, 1), bool), block_m=2, block_n=2, seqlen_q=2, seqlen_k=2
             ),
         )
+
+
+def test_score_values_must_match_the_specs_features():
+    q = np.zeros((1, 2, 2, 4))
+    with pytest.raises(ValueError, match="sinks given but this spec has sink: false"):
+        tiled_forward(stand_in_spec(block_m=2, block_n=2, head_dim=4), q, q, q, sinks=np.zeros(2))
+    alibi = stand_in_spec(block_m=2, block_n=2, head_dim=4, features={"alibi"})
+    with pytest.raises(ValueError, match="this spec has alibi: true: pass alibi_slopes"):
+        tiled_forward(alibi, q, q, q)
+
+
+def test_a_sink_joins_after_the_last_tile_so_empty_rows_get_the_sink_as_lse():
+    spec = stand_in_spec(block_m=4, block_n=4, head_dim=8, causal="bottom_right", features={"sink"})
+    rng = np.random.default_rng(4)
+    q, k, v = rng.standard_normal((1, 13, 1, 8)), *rng.standard_normal((2, 1, 5, 1, 8))
+    sinks = np.array([2.5])
+    res = tiled_forward(spec, q, k, v, sinks=sinks)
+    o, lse = R.attention_forward(q, k, v, causal="bottom_right", sinks=sinks)
+    assert np.all(res.lse[0, 0, :8] == 2.5) and np.all(res.o[0, :8] == 0.0)
+    np.testing.assert_allclose(res.lse, lse, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(res.o, o, rtol=0, atol=1e-13)
+    # 4 bytes of META per CTA: ceil(13 / 4) = 4 query tiles, two of which read no K/V tile
+    assert res.io["META"] == 4 * 4

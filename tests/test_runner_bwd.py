@@ -97,3 +97,14 @@ def test_deterministic_builds_add_one_int32_per_query_tile():
     dq_accum, dsum = -(-rows * 256 // 256) * 256, -(-rows * 4 // 256) * 256
     assert (ws["dsum"], ws["dq_sem"]) == (dq_accum, dq_accum + dsum)
     assert ws["bytes"] == dq_accum + dsum + 256  # 3 * 2 * 3 counters, rounded up
+
+
+BWD_SINK = load_spec_text("kernel: backward\ndtype: bf16\nhead_dim: 64\nsink: true\n")[0]
+
+
+def test_the_backward_checks_the_score_values_like_the_forward():
+    validate_bwd(BWD_SINK, *_args(), sinks=np.zeros(2))
+    with pytest.raises(RunnerError, match="this spec has sink: true: pass sinks"):
+        validate_bwd(BWD_SINK, *_args())
+    with pytest.raises(RunnerError, match="alibi_slopes given but this spec has alibi: false"):
+        validate_bwd(BWD_SINK, *_args(), sinks=np.zeros(2), alibi_slopes=np.ones(2))

@@ -77,3 +77,58 @@ def test_sparse_layout_must_match_the_lengths_and_name_real_tiles():
     ok.full_count[0, 0] = max(int(ok.full_count[0, 0]), 1)
     with pytest.raises(RunnerError, match="full_idx names K/V tiles outside"):
         validate(SPARSE, q, k, k, layout=ok)
+
+
+FEATURED = load_spec_text("dtype: bf16\nhead_dim: 64\nsoftcap: true\nalibi: true\nsink: true\n")[0]
+SCORE_OK = dict(softcap=30.0, alibi_slopes=np.array([0.5, 0.25]), sinks=np.array([1.0, -1.0]))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"softcap": 30.0}, "softcap given but this spec has softcap: false"),
+        ({"alibi_slopes": np.ones(2)}, "alibi_slopes given but this spec has alibi: false"),
+        ({"sinks": np.zeros(2)}, "sinks given but this spec has sink: false"),
+    ],
+)
+def test_a_kernel_without_a_feature_refuses_its_value(kwargs, message):
+    with pytest.raises(RunnerError, match=message):
+        validate(DENSE, *_qkv(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("drop", "message"),
+    [
+        ("softcap", "this spec has softcap: true: pass softcap > 0"),
+        ("alibi_slopes", "this spec has alibi: true: pass alibi_slopes"),
+        ("sinks", "this spec has sink: true: pass sinks"),
+    ],
+)
+def test_a_kernel_with_a_feature_requires_its_value(drop, message):
+    kwargs = {k: v for k, v in SCORE_OK.items() if k != drop}
+    with pytest.raises(RunnerError, match=message):
+        validate(FEATURED, *_qkv(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"softcap": -2.0}, "softcap=-2.0 must be finite and >= 0"),
+        ({"alibi_slopes": np.ones(3)}, r"alibi_slopes must have shape \(heads,\) = \(2,\)"),
+        ({"alibi_slopes": np.ones((2, 2))}, r"\(batch, heads\) = \(1, 2\), got \(2, 2\)"),
+        ({"sinks": np.array([np.nan, 0.0])}, "sinks must be finite"),
+    ],
+)
+def test_bad_score_values_are_named(kwargs, message):
+    with pytest.raises(RunnerError, match=message):
+        validate(FEATURED, *_qkv(), **{**SCORE_OK, **kwargs})
+
+
+def test_slopes_and_sinks_are_taken_as_the_fp32_values_the_device_holds():
+    third = np.array([1 / 3, 2 / 3])
+    pb = validate(FEATURED, *_qkv(), softcap=30.0, alibi_slopes=third, sinks=third)
+    want = third.astype(np.float32).astype(np.float64)
+    np.testing.assert_array_equal(pb.score.alibi_slopes, want)
+    np.testing.assert_array_equal(pb.score.sinks, want)
+    assert pb.score.softcap == 30.0
+    assert validate(DENSE, *_qkv()).score.features == frozenset()

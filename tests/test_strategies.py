@@ -153,6 +153,9 @@ def test_valid_specs_reach_every_feature():
         lambda s: s.mask.causal.yaml == "bottom_right" and s.mask.window,
         lambda s: s.dtype.yaml == "bf16" and s.head_dim == 256,
         lambda s: s.gqa and s.instrument_io,
+        lambda s: s.has("softcap") and s.has("alibi") and s.has("sink") and s.mask.varlen,
+        lambda s: s.has("sink") and s.dropout,
+        lambda s: not s.features,
     ):
         exists(valid_specs(), pred)
 
@@ -167,6 +170,16 @@ def test_cases_for_spec_only_use_features_the_spec_has(data):
     assert (case.dropout is not None) == spec.dropout
     assert spec.mask.window or case.window == (-1, -1)
     assert spec.gqa or case.kv_heads == case.heads
+    assert case.score.features == spec.features  # every feature the spec has, no other
     if case.block_mask is not None:
         bm, bn = spec.tile.block_m, spec.tile.block_n
         assert case.block_mask.shape[1:] == (-(-case.seqlen_q // bm), -(-case.seqlen_k // bn))
+
+
+def test_valid_specs_can_pin_the_score_features():
+    @settings(max_examples=30, deadline=None)
+    @given(valid_specs(features=frozenset()))
+    def check(spec):
+        assert spec.features == frozenset()
+
+    check()

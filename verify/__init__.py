@@ -4,6 +4,8 @@ Modules (docs/verification.md says how they fit together; docs/conventions.md is
 they share with the CUDA templates):
 
 - `reference`: the one float64 reference forward/backward and the visibility mask.
+- `score_mods`: the score-stage features' values (softcap, ALiBi slopes, sinks), their checks
+  and their arithmetic in float64 and in the kernel's precision.
 - `baseline`: standard attention in the kernel's precision (fp16 / bf16), and `round_to_dtype`.
 - `passrule`: the pass rule (kernel error against twice the baseline error plus a noise floor).
 - `philox`, `dropout`: Philox4x32-10 and the dropout keep-mask the kernels draw.

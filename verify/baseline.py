@@ -7,6 +7,17 @@ Arguments and layouts are those of `verify.reference` (same plumbing, a float32 
 
 NumPy has no bfloat16, so bf16 values are float32 arrays holding bf16-representable numbers
 (`round_to_dtype`). Results are float32 arrays holding dtype values.
+
+Score-stage features (`softcap`, `alibi_slopes`, `sinks`; `verify.score_mods`) are applied as
+the reference applies them, in float32, with the roundings of an unfused softcap: the capped
+score `c * tanh(z / c)` is rounded to the dtype before the bias and the softmax, and so is
+tanh's output `t` before the multiplication by c, because an unfused implementation holds
+both tensors in the dtype (Gemma-2's eager path: `tanh(scores / c) * c` on fp16 / bf16
+tensors; flash-attn's own test reference, `attention_ref(upcast=False)`, likewise). The
+ALiBi bias `slope * |i + shift - j|` and the sink term are float32 (slopes and sinks are
+fp32 tensors); the backward's softcap factor is `1 - t^2` in float32 from that rounded `t`
+(autograd keeps tanh's output), multiplied into dS before dS is rounded; dsinks
+`-sum exp(sink - LSE) D` is a float32 sum.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from flashgen.verify import score_mods
 from flashgen.verify.numerics import round_to
 from flashgen.verify.reference import (
     SeqInputs,
@@ -22,6 +34,7 @@ from flashgen.verify.reference import (
     probabilities_from_lse,
     run_backward,
     scaled_scores,
+    score_logits,
 )
 from flashgen.verify.reference import run_forward as _run_forward
 
@@ -56,7 +69,8 @@ def round_to_dtype(x: Any, dtype: Any) -> np.ndarray:
 
 def _forward_core(name: str):
     def core(inp: SeqInputs) -> tuple[np.ndarray, np.ndarray]:
-        p, lse = masked_softmax(scaled_scores(inp), inp.visible)  # float32
+        z = score_logits(inp, capped_dtype=name)  # float32, the capped score rounded
+        p, lse = masked_softmax(z, inp.visible, inp.sinks)
         if inp.keep is not None:
             p = p * inp.keep * np.float32(1.0 / (1.0 - inp.dropout_p))
         p = round_to_dtype(p, name)
@@ -69,8 +83,9 @@ def _forward_core(name: str):
 def _backward_core(name: str):
     def core(
         inp: SeqInputs, o: np.ndarray, lse: np.ndarray, do: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        p = probabilities_from_lse(scaled_scores(inp), inp.visible, lse)  # float32
+    ) -> tuple[np.ndarray, ...]:
+        s = scaled_scores(inp)  # float32
+        p = probabilities_from_lse(score_logits(inp, s, capped_dtype=name), inp.visible, lse)
         z = None
         if inp.keep is not None:
             z = inp.keep * np.float32(1.0 / (1.0 - inp.dropout_p))
@@ -81,15 +96,21 @@ def _backward_core(name: str):
         if z is not None:
             dp = dp * z
         delta = np.sum(do_h * o.transpose(1, 0, 2), axis=-1, dtype=np.float32)
-        ds = round_to_dtype(p * (dp - delta[..., None]), name)
+        ds = p * (dp - delta[..., None])
+        cap = score_mods.softcap_factor(s, inp.softcap, capped_dtype=name)  # 1 - t^2
+        if cap is not None:
+            ds = ds * cap
+        ds = round_to_dtype(ds, name)
         sc = np.float32(inp.scale)
         dq = (ds @ inp.k.transpose(1, 0, 2)) * sc
         dk = (ds.transpose(0, 2, 1) @ inp.q.transpose(1, 0, 2)) * sc
+        dsink = None if inp.sinks is None else score_mods.dsink_terms(inp.sinks, lse, delta)
         # dk, dv stay float32 here: the GQA group sum happens in float32, rounding follows.
         return (
             round_to_dtype(dq.transpose(1, 0, 2), name),
             dk.transpose(1, 0, 2),
             dv.transpose(1, 0, 2),
+            dsink,
         )
 
     return core
@@ -111,11 +132,15 @@ def attention_forward(
     block_mask: Any = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Standard attention in `dtype` ('fp16' / 'bf16'): `(o, lse)` as float32 arrays.
 
     o holds dtype values with q's layout; lse is float32 `(batch, heads, Sq)` (varlen
-    `(heads, total_q)`). Arguments as `verify.reference.attention_forward`.
+    `(heads, total_q)`). Arguments as `verify.reference.attention_forward`, including
+    `softcap`, `alibi_slopes` and `sinks` (see the module doc for where they round).
     """
     name = dtype_name(dtype)
     q, k, v = (round_to_dtype(x, name) for x in (q, k, v))
@@ -135,6 +160,9 @@ def attention_forward(
         block_mask=block_mask,
         block_m=block_m,
         block_n=block_n,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
     )
 
 
@@ -157,16 +185,20 @@ def attention_backward(
     block_mask: Any = None,
     block_m: int | None = None,
     block_n: int | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
+) -> tuple[np.ndarray, ...]:
     """Standard attention backward in `dtype`: `(dq, dk, dv)` as float32 holding dtype values.
 
     P is recomputed in float32 from `lse`; P (times the dropout factor) and dS are rounded to
     the dtype before their matmuls, accumulation is float32, each gradient is rounded once at
-    the end. Pass this module's own forward outputs as `o` and `lse`.
+    the end. Pass this module's own forward outputs as `o` and `lse`. With `sinks` it returns
+    `(dq, dk, dv, dsinks)`, dsinks float32 `(heads,)`.
     """
     name = dtype_name(dtype)
     q, k, v, o, do = (round_to_dtype(x, name) for x in (q, k, v, o, do))
-    dq, dk, dv = run_backward(
+    out = run_backward(
         _backward_core(name),
         q,
         k,
@@ -185,5 +217,10 @@ def attention_backward(
         block_mask=block_mask,
         block_m=block_m,
         block_n=block_n,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
     )
-    return dq, round_to_dtype(dk, name), round_to_dtype(dv, name)
+    dq, dk, dv = out[:3]
+    grads = (dq, round_to_dtype(dk, name), round_to_dtype(dv, name))
+    return grads + tuple(out[3:])  # dsinks stays float32 (the kernels write fp32)

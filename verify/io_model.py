@@ -9,6 +9,9 @@ bytes") from the tile schedule alone, without data: per CTA `(qt, h, b)` with ro
 - Q: `valid_rows * d * elt` when the schedule is non-empty; O: `valid_rows * d * elt`;
   LSE: `4 * valid_rows` (written even by an empty schedule: O = 0, LSE = -inf);
 - META: 16 bytes per CTA for varlen, `8 + 4 * listed tiles` per CTA with rows for sparse;
+  4 bytes per CTA with rows (`r0 < Sq` of its sequence) for a spec with alibi (its head's
+  slope) and 4 more for one with sink (its head's sink), once per CTA even when its schedule
+  is empty;
 - KEEP_MASK (debug builds): `valid_rows` times the covered key rows.
 
 Sums run vectorised over query tiles; heads multiply when the schedule does not depend on the
@@ -35,6 +38,7 @@ import numpy as np
 from flashgen.generator.families.forward import IO_KEYS as FWD_IO_KEYS
 from flashgen.verify.blocksparse import CompactLayout
 from flashgen.verify.reference import causal_name, shift_for, spec_window
+from flashgen.verify.score_mods import spec_has
 
 __all__ = [
     "IO_KEYS",
@@ -108,6 +112,7 @@ def forward_bytes(
     `cu_seqlens_q`, `cu_seqlens_k` (`batch + 1` entries); `seqlen_q`, `seqlen_k` are then
     ignored (the grid uses the longest sequence). `debug_keep_mask` overrides the spec's flag
     (None: use the spec's). `kv_heads` does not change the bytes: every CTA reads its own K/V.
+    Score-stage features count by the spec (`spec.has('alibi')`, `spec.has('sink')`).
     """
     del kv_heads  # each (qt, h, b) CTA reads K/V itself; GQA shares no loads across CTAs
     bm, bn = int(spec.tile.block_m), int(spec.tile.block_n)
@@ -136,9 +141,12 @@ def forward_bytes(
     out = dict.fromkeys(IO_KEYS, 0)
     if varlen:
         out["META"] += 16 * grid_tr * heads * batch
+    # per CTA with rows: the head's ALiBi slope and its sink, 4 bytes each
+    score_meta = 4 * spec_has(spec, "alibi") + 4 * spec_has(spec, "sink")
     for sq, sk in sorted(set(lens)):
         mult = lens.count((sq, sk))  # sequences of equal lengths cost the same
         rows, dense_covered = _dense_key_rows(sq, sk, bm, bn, grid_tr, causal, win)
+        out["META"] += mult * heads * score_meta * int((rows > 0).sum())
         if layout is None:
             covered, per_head = dense_covered[None, :], heads
         else:

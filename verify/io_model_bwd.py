@@ -1,9 +1,9 @@
 """HBM bytes of a flashgen backward kernel in closed form: what `instrument_io` counts.
 
-One `<name>_launch` runs three kernels; their counters add up (IO_KEYS order: Q, K, V, O, DO,
-LSE, DSUM, DQ_ACCUM, DQ, DK, DV, META, KEEP_MASK). `d` head dim, `elt` bytes per element,
-`G = heads / kv_heads` (1 without GQA), `sq`, `sk` one sequence's lengths (varlen: per
-sequence), `Tr = ceil(sq / block_m)`.
+One `<name>_launch` runs three kernels (four with sink); their counters add up (IO_KEYS
+order: Q, K, V, O, DO, LSE, DSUM, DQ_ACCUM, DQ, DK, DV, META, KEEP_MASK). `d` head dim,
+`elt` bytes per element, `G = heads / kv_heads` (1 without GQA), `sq`, `sk` one sequence's
+lengths (varlen: per sequence), `Tr = ceil(sq / block_m)`.
 
 Main kernel, one CTA per (K/V tile `n`, KV head `hk`, batch `b`) of the grid
 `ceil(max sk / block_n) x kv_heads x batch`. Its key rows are `kr = min(block_n, sk - c0)`,
@@ -26,6 +26,11 @@ each always (zeros when nothing is visited). META: varlen 16 bytes per CTA of th
 (`cu_seqlens_q/k[b]`, `[b + 1]`); sparse `8 + 4 * listed tiles` per head of the group, in
 CTAs with `c0 < sk` (the layout's lengths are every sequence's, so that is all of them).
 
+Score-stage features: with alibi, META 4 bytes per visited `(h, m)` step (the head's slope,
+read per step); softcap reads nothing. With sink, a fourth kernel `dsink`, one CTA per query
+head h: for every sequence and every valid query row of h, LSE 4 and DSUM 4; META 4 for
+`sinks[h]` read and 4 for `dsinks[h]` written.
+
 Preprocess, every valid query row of every head: O and DO `d * elt` each, DSUM 4 (it reads
 cu_seqlens without counting). Convert, same rows: DQ_ACCUM `4 * d`, DQ `d * elt`. The
 launcher's memset of dq_accum is not counted.
@@ -45,6 +50,7 @@ from flashgen.generator.families.backward import IO_KEYS as BWD_IO_KEYS
 from flashgen.verify.blocksparse import CompactLayout
 from flashgen.verify.blocksparse_bwd import BwdLayout, transpose_layout
 from flashgen.verify.reference import causal_name, shift_for, spec_window
+from flashgen.verify.score_mods import spec_has
 
 __all__ = ["IO_KEYS", "backward_bytes", "q_tile_range", "standard_attention_bytes"]
 
@@ -139,6 +145,7 @@ def backward_bytes(
     `seqlen_q`, `seqlen_k` are then ignored (the grid uses the longest key sequence).
     `layout`: the forward's CompactLayout (transposed here) or a BwdLayout, iff the spec has
     sparsity: block. `debug_keep_mask` overrides the spec's flag (None: the spec's).
+    Score-stage features count by the spec (`spec.has('alibi')`, `spec.has('sink')`).
     """
     bm, bn = int(spec.tile.block_m), int(spec.tile.block_n)
     d, elt = int(spec.head_dim), int(spec.dtype.nbytes)
@@ -176,6 +183,9 @@ def backward_bytes(
     out = dict.fromkeys(IO_KEYS, 0)
     if varlen:
         out["META"] += 16 * grid_tc * kv_heads * batch
+    alibi, sink = spec_has(spec, "alibi"), spec_has(spec, "sink")
+    if sink:  # the dsink kernel: sinks[h] read, dsinks[h] written, per query head
+        out["META"] += 8 * heads
     row_bytes = d * elt
     for sq, sk in sorted(set(lens)):
         mult = lens.count((sq, sk))  # sequences of equal lengths cost the same
@@ -186,6 +196,9 @@ def backward_bytes(
         out["DSUM"] += rows_all * 4
         out["DQ_ACCUM"] += rows_all * 4 * d
         out["DQ"] += rows_all * row_bytes
+        if sink:  # the dsink kernel: LSE and D of every valid query row of every head
+            out["LSE"] += rows_all * 4
+            out["DSUM"] += rows_all * 4
         # main kernel: per K/V tile n (axis -1), per query head (axis 0)
         c0 = np.arange(grid_tc, dtype=np.int64) * bn
         kr = np.clip(sk - c0, 0, bn)
@@ -213,6 +226,8 @@ def backward_bytes(
             out["META"] += mult * int(((8 + 4 * visits) * active).sum())
         visits = visits * active
         rows = rows * active
+        if alibi:  # the head's slope, once per visited (h, m) step
+            out["META"] += mult * 4 * int(visits.sum())
         total_rows = int(rows.sum())
         out["Q"] += mult * total_rows * row_bytes
         out["DO"] += mult * total_rows * row_bytes

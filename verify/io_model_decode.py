@@ -20,6 +20,11 @@ Main kernel, per CTA (row tile mt, split s, KV head, sequence b) of the grid
 Combine (splits > 1), per output row (b, query i, head h): LSE_PARTS `splits * 4` read;
 O_PARTS `d * 4` read per part whose LSE is finite (a split holding a key that query i sees);
 O `d * elt`; LSE 4 when asked for.
+
+Score-stage features, counted in SEQLENS (decode's meta counter), by the spec: alibi, in the
+split kernel, 4 bytes per valid row of every CTA (a row is one (query, head) pair: its
+head's slope); sink, 4 bytes per valid row where the final LSE is formed: in the split
+kernel's CTAs when the call uses one split, else in the combine kernel, per output row.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any
 import numpy as np
 from flashgen.generator.families.decode import IO_KEYS, split_tiles
 from flashgen.verify.io_model import standard_attention_bytes
+from flashgen.verify.score_mods import spec_has
 
 __all__ = ["IO_KEYS", "decode_bytes", "key_tile_range", "standard_attention_bytes"]
 
@@ -103,6 +109,7 @@ def decode_bytes(
     num_mt = -(-rows // bm)
     ps = int(page_size or 16)
     splits = int(num_splits)
+    alibi, sink = spec_has(spec, "alibi"), spec_has(spec, "sink")
     out = dict.fromkeys(IO_KEYS, 0)
     for b in range(batch):
         sk = max(lens[b], 0)
@@ -114,6 +121,10 @@ def decode_bytes(
             for s in range(splits):
                 a, e = split_tiles(n_lo, n_hi, splits, s)
                 per_head = {"SEQLENS": 4}
+                if alibi:  # each valid row's head slope
+                    per_head["SEQLENS"] += 4 * valid
+                if sink and splits == 1:  # the final LSE is formed here: each row's sink
+                    per_head["SEQLENS"] += 4 * valid
                 if e > a:
                     keys = min(e * bn, sk) - a * bn
                     per_head["Q"] = valid * d * elt
@@ -152,6 +163,8 @@ def decode_bytes(
                 out["O_PARTS"] += n * finite * d * 4
                 out["O"] += n * d * elt
                 out["LSE"] += n * 4 if lse else 0
+                if sink:  # the final LSE is formed in the combine: the row's sink
+                    out["SEQLENS"] += n * 4
     out = {k: int(v) for k, v in out.items()}
     out["total"] = int(np.sum(list(out.values())))
     return out

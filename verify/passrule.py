@@ -32,9 +32,21 @@ from typing import Any
 import numpy as np
 from flashgen.verify.baseline import dtype_name, round_to_dtype
 
-__all__ = ["Verdict", "check", "check_all", "noise_floor", "output_dtype", "score_floor"]
+__all__ = [
+    "TANH_APPROX_REL",
+    "Verdict",
+    "alibi_floor",
+    "check",
+    "check_all",
+    "noise_floor",
+    "output_dtype",
+    "score_floor",
+    "softcap_floor",
+]
 
 _TINY = float(np.finfo(np.float64).tiny)
+# tanh.approx.f32's maximum relative error (PTX ISA: 2^-10.987), the kernels' softcap tanh
+TANH_APPROX_REL = 2.0**-10.987
 
 
 @dataclass(frozen=True)
@@ -182,3 +194,27 @@ def score_floor(q: Any, k: Any, scale: float) -> float:
     # max over (query row, key row) pairs, across batches and heads too: a slight over-estimate
     worst = float((qa @ ka.T).max())
     return d * float(np.finfo(np.float32).eps) * scale * worst
+
+
+def alibi_floor(alibi_slopes: Any, max_distance: int) -> float:
+    """The float32 error bound of the ALiBi bias, for outputs that carry a logit (the LSE).
+
+    The kernels form `slope * |dist|` in float32 in units of their own (the slope divided by
+    the softmax scale, the product times `scale * log2 e` with the scores): a few roundings,
+    each of relative `eps32`, of a bias up to `max |slope| * max_distance`, which the float32
+    baseline (one rounding) does not share. 4 eps32 of that bias is the most that may be
+    blamed on it; 0 without slopes. `max_distance` bounds `|i + shift - j|` (`Sq + Sk`)."""
+    if alibi_slopes is None:
+        return 0.0
+    slope = float(np.abs(np.asarray(alibi_slopes, dtype=np.float64)).max(initial=0.0))
+    return 4.0 * float(np.finfo(np.float32).eps) * slope * float(max_distance)
+
+
+def softcap_floor(softcap: float) -> float:
+    """The error bound of the kernels' capped logit, for outputs that carry a logit (the LSE).
+
+    The kernels take `t = tanh(scale x / c)` from tanh.approx.f32 (relative error 2^-10.987,
+    one MUFU instruction), so the logit `c t` may be off by `2^-10.987 c`; the baseline's
+    capped score is rounded to the dtype instead, an error of the same order for fp16 that
+    need not land where the kernel's does. 0 without softcap."""
+    return TANH_APPROX_REL * float(softcap) if softcap else 0.0

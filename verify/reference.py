@@ -23,6 +23,14 @@ Block sparsity is given as a boolean layout `(layout_heads, Tr, Tc)` at `block_m
 granularity, `layout_heads` 1 (shared by all heads) or `heads`; tile `(i // block_m,
 j // block_n)` of head `h` is visible iff the layout holds it. Larger layouts are allowed (the
 extra tiles are ignored), so that one layout can serve every sequence of a varlen batch.
+
+Score-stage features (`verify.score_mods` states them exactly): `softcap` (c > 0: the scaled
+score becomes `c * tanh(z / c)`; 0 = off), `alibi_slopes` (float `(heads,)` or `(batch,
+heads)`: `- slope * |i + shift - j|` is added, `shift` as the causal alignment's, per
+sequence) and `sinks` (float `(heads,)`: one logit per head in the softmax denominator; the
+LSE includes it, a row with no visible key gets LSE = sink). The LSE is then that of the
+modified logits. The backward returns `dsinks` `(heads,)` as a fourth output when sinks are
+given.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+from flashgen.verify import score_mods
+from flashgen.verify.score_mods import ScoreArgs, check_score_args
 
 __all__ = [
     "CAUSAL_ALIGNMENTS",
@@ -39,6 +49,7 @@ __all__ = [
     "attention_forward",
     "causal_name",
     "element_visible",
+    "score_logits",
     "sequence_visible",
     "shift_for",
     "spec_window",
@@ -321,7 +332,14 @@ class SeqInputs(NamedTuple):
     keep: np.ndarray | None  # bool (h, Sq, Sk)
     dropout_p: float
     scale: float
+    # score-stage features of the chunk (verify.score_mods), in the working dtype
+    softcap: float = 0.0  # 0: off
+    alibi_slopes: np.ndarray | None = None  # (h,): the chunk's heads' slopes for this sequence
+    alibi_shift: int = 0  # the distance's offset: shift_for(causal, Sq, Sk) of this sequence
+    sinks: np.ndarray | None = None  # (h,)
 
+
+_NO_SCORE = ScoreArgs()  # no score-stage feature in use
 
 # Score-sized temporaries per head chunk: about 2**24 elements (128 MiB in float64), at least
 # one head, so long sequences run in bounded memory.
@@ -350,14 +368,17 @@ def _iter_blocks(
     block_mask: Any,
     block_m: int | None,
     block_n: int | None,
+    score: ScoreArgs = _NO_SCORE,
 ) -> Iterator[tuple[_Block, SeqInputs]]:
     group = pb.heads // pb.kv_heads
+    dt = q.dtype.type
     if block_mask is not None:
         block_mask = _check_block_mask(block_mask, pb.heads, block_m, block_n)
     for seq in pb.seqs:
         qs, ks, vs = q[seq.q_rows], k[seq.k_rows], v[seq.k_rows]
         sq, sk = qs.shape[0], ks.shape[0]
         keep = _keep_for(keep_mask, pb, seq, sq, sk)
+        shift = shift_for(causal, sq, sk) if score.alibi_slopes is not None else 0
         chunk = max(1, _CHUNK_ELEMENTS // max(1, sq * sk))
         for h0 in range(0, pb.heads, chunk):
             hs = slice(h0, min(h0 + chunk, pb.heads))
@@ -375,6 +396,7 @@ def _iter_blocks(
                 block_m=block_m,
                 block_n=block_n,
             )
+            slopes, sinks = score.slopes_for(seq.b, hs), score.sinks_for(hs)
             yield (
                 _Block(seq, hs, kv_index),
                 SeqInputs(
@@ -385,6 +407,10 @@ def _iter_blocks(
                     None if keep is None else keep[hs],
                     dropout_p,
                     scale,
+                    score.softcap,
+                    None if slopes is None else slopes.astype(dt),
+                    shift,
+                    None if sinks is None else sinks.astype(dt),
                 ),
             )
 
@@ -394,9 +420,12 @@ def _default_scale(scale: float | None, d: int) -> float:
 
 
 ForwardCore = Callable[[SeqInputs], tuple[np.ndarray, np.ndarray]]
-BackwardCore = Callable[
-    [SeqInputs, np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]
-]
+# (dq, dk, dv) or (dq, dk, dv, dsink): dsink `(h,)` the chunk's heads' sink gradient terms
+BackwardCore = Callable[[SeqInputs, np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, ...]]
+
+
+def _score_args(pb: _Problem, softcap: Any, alibi_slopes: Any, sinks: Any) -> ScoreArgs:
+    return check_score_args(softcap, alibi_slopes, sinks, batch=pb.batch, heads=pb.heads)
 
 
 def run_forward(
@@ -416,14 +445,20 @@ def run_forward(
     block_mask: Any,
     block_m: int | None,
     block_n: int | None,
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Splits a batch into sequences, runs `core` on each and reassembles O and LSE.
 
-    Shared by the float64 reference and `verify.baseline` so both read the same layouts.
+    Shared by the float64 reference and `verify.baseline` so both read the same layouts. The
+    score-stage arguments are validated here (`score_mods.check_score_args`) and reach the
+    core through `SeqInputs` (each chunk's slopes, sinks and ALiBi shift).
     """
     q, k, v = (np.asarray(x, dtype=work_dtype) for x in (q, k, v))
     pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k)
     p = _check_p(dropout_p, keep_mask)
+    score = _score_args(pb, softcap, alibi_slopes, sinks)
     o = np.zeros(q.shape, dtype=work_dtype)
     lse = np.full(pb.lse_shape, -np.inf, dtype=work_dtype)
     for blk, inp in _iter_blocks(
@@ -439,6 +474,7 @@ def run_forward(
         block_mask=block_mask,
         block_m=block_m,
         block_n=block_n,
+        score=score,
     ):
         o_s, lse_s = core(inp)
         o[blk.seq.q_rows][:, blk.heads] = o_s  # views: o[b] (dense) or o[start:stop] (varlen)
@@ -466,9 +502,14 @@ def run_backward(
     block_mask: Any,
     block_m: int | None,
     block_n: int | None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
+) -> tuple[np.ndarray, ...]:
     """Like `run_forward` for the backward pass; dk, dv are summed over each GQA group
-    (in head order, in the working dtype)."""
+    (in head order, in the working dtype). With `sinks`, returns `(dq, dk, dv, dsinks)`:
+    dsinks `(heads,)` sums the cores' per-chunk terms (the core's fourth output) over the
+    sequences; without, `(dq, dk, dv)`."""
     q, k, v, o, lse, do = (np.asarray(x, dtype=work_dtype) for x in (q, k, v, o, lse, do))
     pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if o.shape != q.shape or do.shape != q.shape:
@@ -476,9 +517,11 @@ def run_backward(
     if lse.shape != pb.lse_shape:
         raise ValueError(f"lse must have shape {pb.lse_shape}, got {lse.shape}")
     p = _check_p(dropout_p, keep_mask)
+    score = _score_args(pb, softcap, alibi_slopes, sinks)
     dq = np.zeros(q.shape, dtype=work_dtype)
     dk = np.zeros(k.shape, dtype=work_dtype)
     dv = np.zeros(v.shape, dtype=work_dtype)
+    dsinks = np.zeros(pb.heads, dtype=work_dtype) if score.sinks is not None else None
     for blk, inp in _iter_blocks(
         q,
         k,
@@ -492,14 +535,20 @@ def run_backward(
         block_mask=block_mask,
         block_m=block_m,
         block_n=block_n,
+        score=score,
     ):
         seq, hs, kv_index = blk
-        dq_s, dk_s, dv_s = core(
-            inp, o[seq.q_rows][:, hs], lse[seq.lse_index][hs], do[seq.q_rows][:, hs]
-        )
+        out = core(inp, o[seq.q_rows][:, hs], lse[seq.lse_index][hs], do[seq.q_rows][:, hs])
+        dq_s, dk_s, dv_s = out[:3]
         dq[seq.q_rows][:, hs] = dq_s
         np.add.at(dk[seq.k_rows], (slice(None), kv_index), dk_s)  # views of dk, dv
         np.add.at(dv[seq.k_rows], (slice(None), kv_index), dv_s)
+        if dsinks is not None:
+            if len(out) < 4 or out[3] is None:
+                raise ValueError("sinks given, but the backward core returned no dsink terms")
+            dsinks[hs] += out[3]
+    if dsinks is not None:
+        return dq, dk, dv, dsinks
     return dq, dk, dv
 
 
@@ -515,17 +564,27 @@ def _dropout_factor(inp: SeqInputs, dtype: Any) -> np.ndarray | None:
     return inp.keep.astype(dtype) * dtype(1.0 / (1.0 - inp.dropout_p))
 
 
-def masked_softmax(s: np.ndarray, visible: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Row softmax of scaled scores over visible keys: (P, natural-log LSE), empty rows 0/-inf.
+def masked_softmax(
+    s: np.ndarray, visible: np.ndarray, sinks: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Row softmax of logits over visible keys: (P, natural-log LSE), empty rows 0/-inf.
 
+    With `sinks` `(h,)` (for `s` of shape `(h, Sq, Sk)`) each head's sink joins the
+    denominator and the LSE, so an empty row gets P = 0 and LSE = sink.
     Works in the dtype of `s` (float64 for the reference, float32 for the baseline).
     """
     s = np.where(visible, s, -np.inf)
     m = s.max(axis=-1, initial=-np.inf)
+    sink = None
+    if sinks is not None:
+        sink = np.broadcast_to(np.asarray(sinks, dtype=s.dtype)[:, None], m.shape)
+        m = np.maximum(m, sink)
     # The -inf guard: an empty row uses 0 as its base, so no (-inf) - (-inf) is ever formed.
     base = np.where(np.isfinite(m), m, 0).astype(s.dtype)
     e = np.exp(s - base[..., None])
     total = e.sum(axis=-1)
+    if sink is not None:
+        total = total + np.exp(sink - base)
     empty = ~(total > 0)
     safe = np.where(empty, 1, total).astype(s.dtype)
     lse = np.where(empty, -np.inf, base + np.log(safe)).astype(s.dtype)
@@ -533,13 +592,29 @@ def masked_softmax(s: np.ndarray, visible: np.ndarray) -> tuple[np.ndarray, np.n
 
 
 def scaled_scores(inp: SeqInputs) -> np.ndarray:
-    """Scaled scores `(heads, Sq, Sk)` in the working dtype."""
+    """Scaled scores `scale * q.k`, `(heads, Sq, Sk)` in the working dtype (no modifier)."""
     dt = inp.q.dtype.type
     return (inp.q.transpose(1, 0, 2) @ inp.k.transpose(1, 2, 0)) * dt(inp.scale)
 
 
+def score_logits(
+    inp: SeqInputs, s: np.ndarray | None = None, *, capped_dtype: str | None = None
+) -> np.ndarray:
+    """The logits `(heads, Sq, Sk)`: `scaled_scores` (or the given `s`) with the chunk's
+    softcap and ALiBi applied (`score_mods.logits`; `capped_dtype` rounds tanh's output and
+    the capped score, as the baseline does). Equal to `scaled_scores` when neither is on."""
+    s = scaled_scores(inp) if s is None else s
+    return score_mods.logits(
+        s,
+        softcap=inp.softcap,
+        alibi_slopes=inp.alibi_slopes,
+        shift=inp.alibi_shift,
+        capped_dtype=capped_dtype,
+    )
+
+
 def _forward64(inp: SeqInputs) -> tuple[np.ndarray, np.ndarray]:
-    p, lse = masked_softmax(scaled_scores(inp), inp.visible)
+    p, lse = masked_softmax(score_logits(inp), inp.visible, inp.sinks)
     z = _dropout_factor(inp, np.float64)
     if z is not None:
         p = p * z
@@ -548,6 +623,7 @@ def _forward64(inp: SeqInputs) -> tuple[np.ndarray, np.ndarray]:
 
 
 def probabilities_from_lse(s: np.ndarray, visible: np.ndarray, lse: np.ndarray) -> np.ndarray:
+    """`exp(s - lse)` on visible keys of rows with a finite LSE, else 0 (s: the logits)."""
     ok = visible & np.isfinite(lse)[..., None]
     base = np.where(np.isfinite(lse), lse, 0).astype(s.dtype)
     return np.where(ok, np.exp(np.where(ok, s, 0) - base[..., None]), 0).astype(s.dtype)
@@ -555,8 +631,9 @@ def probabilities_from_lse(s: np.ndarray, visible: np.ndarray, lse: np.ndarray) 
 
 def _backward64(
     inp: SeqInputs, o: np.ndarray, lse: np.ndarray, do: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    p = probabilities_from_lse(scaled_scores(inp), inp.visible, lse)  # (h, Sq, Sk)
+) -> tuple[np.ndarray, ...]:
+    s = scaled_scores(inp)
+    p = probabilities_from_lse(score_logits(inp, s), inp.visible, lse)  # (h, Sq, Sk)
     z = _dropout_factor(inp, np.float64)
     pz = p if z is None else p * z
     do_h = do.transpose(1, 0, 2)  # (h, Sq, d)
@@ -565,10 +642,14 @@ def _backward64(
     if z is not None:
         dp = dp * z
     delta = np.sum(do_h * o.transpose(1, 0, 2), axis=-1)  # (h, Sq) = rowsum(P * dP)
-    ds = p * (dp - delta[..., None])
+    ds = p * (dp - delta[..., None])  # dL/dz
+    cap = score_mods.softcap_factor(s, inp.softcap)
+    if cap is not None:
+        ds = ds * cap  # dL/ds, s = scale * q.k
     dq = (ds @ inp.k.transpose(1, 0, 2)) * inp.scale
     dk = (ds.transpose(0, 2, 1) @ inp.q.transpose(1, 0, 2)) * inp.scale
-    return dq.transpose(1, 0, 2), dk.transpose(1, 0, 2), dv.transpose(1, 0, 2)
+    dsink = None if inp.sinks is None else score_mods.dsink_terms(inp.sinks, lse, delta)
+    return dq.transpose(1, 0, 2), dk.transpose(1, 0, 2), dv.transpose(1, 0, 2), dsink
 
 
 def attention_forward(
@@ -586,6 +667,9 @@ def attention_forward(
     block_mask: Any = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Float64 attention forward: `(o, lse)`.
 
@@ -597,8 +681,15 @@ def attention_forward(
     `(batch, heads, Sq, Sk)` and `dropout_p` apply dropout; `block_mask` bool
     `(layout_heads, Tr, Tc)` at `block_m x block_n` tiles applies block sparsity.
 
+    Score-stage features (`verify.score_mods` has the exact order): `softcap` c > 0 caps the
+    scaled score `z = c tanh(z / c)` (0: off); `alibi_slopes` float `(heads,)` or `(batch,
+    heads)` subtracts `slope * |i + shift - j|` (shift 0 for top_left, `Sk - Sq` otherwise,
+    per sequence); `sinks` float `(heads,)` adds `exp(sink_h)` to every row's softmax
+    denominator (and LSE).
+
     Returns o float64 with q's shape and the natural-log LSE float64 `(batch, heads, Sq)`
-    (varlen `(heads, total_q)`); rows with no visible key give o = 0 and LSE = -inf.
+    (varlen `(heads, total_q)`); rows with no visible key give o = 0 and LSE = -inf (LSE =
+    sink_h with sinks).
     """
     return run_forward(
         _forward64,
@@ -616,6 +707,9 @@ def attention_forward(
         block_mask=block_mask,
         block_m=block_m,
         block_n=block_n,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
     )
 
 
@@ -637,13 +731,19 @@ def attention_backward(
     block_mask: Any = None,
     block_m: int | None = None,
     block_n: int | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Float64 attention backward: `(dq, dk, dv)` with the shapes of q, k, v.
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
+) -> tuple[np.ndarray, ...]:
+    """Float64 attention backward: `(dq, dk, dv)` with the shapes of q, k, v, and with
+    `sinks` `(dq, dk, dv, dsinks)`, dsinks float64 `(heads,)`.
 
     Takes the forward's `o` and `lse` as FlashAttention does: P is recomputed as
-    `exp(scale * q.k - lse)` on visible keys and `D_i = rowsum(dO * O)`. Same arguments and
-    layouts as `attention_forward`; with GQA, dk and dv are summed over each group of query
-    heads sharing a key/value head.
+    `exp(z - lse)` on visible keys (z the logits: scaled scores with softcap / ALiBi) and
+    `D_i = rowsum(dO * O)`; `dZ = P (dP - D)`, times `1 - tanh(s / c)^2` with softcap, gives
+    dQ and dK (times the scale). `dsinks_h = -sum_{b,i} exp(sink_h - LSE_bhi) D_bhi` (rows
+    with LSE -inf give 0). Same arguments and layouts as `attention_forward`; with GQA, dk and
+    dv are summed over each group of query heads sharing a key/value head.
     """
     return run_backward(
         _backward64,
@@ -664,4 +764,7 @@ def attention_backward(
         block_mask=block_mask,
         block_m=block_m,
         block_n=block_n,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
     )

@@ -10,6 +10,11 @@ Layouts: q `(batch, seqlen_q, heads, d)`; contiguous caches `(batch, capacity, k
 paged caches `(num_pages, page_size, kv_heads, d)` with `block_table (batch, max_pages)`
 (`gather_pages` turns them into the contiguous layout). Returns o like q and the natural-log
 LSE `(batch, heads, seqlen_q)`; rows with no visible key give 0 and -inf.
+
+The score-stage features pass through unchanged (`softcap`, `alibi_slopes` `(heads,)` or
+`(batch, heads)`, `sinks` `(heads,)`; `verify.score_mods`): sequence b of the packed call is
+decode sequence b, and its ALiBi distance `|i + cache_seqlens[b] - seqlen_q - j|` is the
+bottom_right shift of that sequence, as the kernels define it.
 """
 
 from __future__ import annotations
@@ -90,11 +95,25 @@ def _varlen_call(
     return o.reshape(batch, sq, heads, d), lse.reshape(heads, batch, sq).transpose(1, 0, 2)
 
 
-def _mask_kwargs(causal: Any, window: Sequence[int], scale: float | None) -> dict[str, Any]:
+def _mask_kwargs(
+    causal: Any,
+    window: Sequence[int],
+    scale: float | None,
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
+) -> dict[str, Any]:
     name = reference.causal_name(causal)
     if name == "top_left":
         raise ValueError("decode aligns causal masks bottom_right")
-    return {"causal": name, "window": tuple(window), "scale": scale}
+    return {
+        "causal": name,
+        "window": tuple(window),
+        "scale": scale,
+        "softcap": softcap,
+        "alibi_slopes": alibi_slopes,
+        "sinks": sinks,
+    }
 
 
 def decode_reference(
@@ -106,15 +125,19 @@ def decode_reference(
     causal: Any = "none",
     window: Sequence[int] = (-1, -1),
     scale: float | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Float64 `(o, lse)` of a decode call over contiguous caches (see the module doc)."""
+    """Float64 `(o, lse)` of a decode call over contiguous caches (see the module doc);
+    `softcap`, `alibi_slopes`, `sinks` as `verify.reference.attention_forward`."""
     return _varlen_call(
         reference.attention_forward,
         np.asarray(q),
         np.asarray(k_cache),
         np.asarray(v_cache),
         cache_seqlens,
-        **_mask_kwargs(causal, window, scale),
+        **_mask_kwargs(causal, window, scale, softcap, alibi_slopes, sinks),
     )
 
 
@@ -128,8 +151,12 @@ def decode_baseline(
     causal: Any = "none",
     window: Sequence[int] = (-1, -1),
     scale: float | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Standard attention in `dtype` for the same call (the pass rule's baseline)."""
+    """Standard attention in `dtype` for the same call (the pass rule's baseline), with the
+    same score-stage arguments (`verify.baseline` says where they round)."""
     return _varlen_call(
         baseline.attention_forward,
         np.asarray(q),
@@ -137,7 +164,7 @@ def decode_baseline(
         np.asarray(v_cache),
         cache_seqlens,
         dtype=dtype,
-        **_mask_kwargs(causal, window, scale),
+        **_mask_kwargs(causal, window, scale, softcap, alibi_slopes, sinks),
     )
 
 

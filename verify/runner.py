@@ -4,13 +4,19 @@ The public API:
 
     kernel = load_kernel(spec)                 # the cubin that `flashgen compile` built
     res = kernel.run(q, k, v, causal...)       # NumPy in, NumPy out
-    res.o, res.lse, res.keep_mask, res.io
+    res.o, res.lse, res.keep_mask, res.io, res.score
 
 Inputs are NumPy float arrays of layout `(batch, seqlen, heads, head_dim)` (varlen: packed
 `(total, heads, head_dim)` with int32 `cu_seqlens_q/k`). They are rounded to the kernel's dtype
 (fp16 or bf16, round to nearest even) on upload; `res.inputs` holds the rounded values, which
 are what a reference must be fed. Outputs come back as float32: O in Q's layout, LSE as
 `(batch, heads, seqlen_q)` (varlen: `(heads, total_q)`), natural log, `-inf` on empty rows.
+
+Score-stage features (`verify.score_mods`): `softcap` (> 0), `alibi_slopes` (float `(heads,)`
+or `(batch, heads)`) and `sinks` (float `(heads,)`) are required for a spec with the feature
+and refused for one without it; slopes and sinks are uploaded as fp32 (`res.inputs`
+'alibi_slopes' / 'sinks' hold the fp32 values, `res.score` all three as the reference takes
+them: `reference.attention_forward(..., **res.score.kwargs())`).
 
 The NumPy arguments are checked for what they mean (shapes, lengths, layouts) before any
 buffer is made; the device parameters are then checked by the kernel's own C launcher
@@ -36,10 +42,12 @@ from flashgen.generator.launch import KernelLibrary, LaunchError
 from flashgen.generator.naming import kernel_name
 from flashgen.verify.io_model import IO_KEYS
 from flashgen.verify.numerics import from_dtype_bits, to_dtype_bits
+from flashgen.verify.score_mods import ScoreArgs, check_score_args, score_args_problems
 
 MARGIN_BYTES = 512
 # the kernel's counter order (docs/conventions.md), the IO model's keys
 IO_TENSORS = IO_KEYS
+
 
 class RunnerError(ValueError):
     """A kernel argument the kernel cannot take; the message names it and what is allowed."""
@@ -53,6 +61,7 @@ class FwdResult:
     keep_mask: np.ndarray | None = None
     io: dict[str, int] | None = None
     stats: dict[str, Any] = field(default_factory=dict)
+    score: ScoreArgs = field(default_factory=ScoreArgs)  # the score-stage values as uploaded
 
 
 @dataclass
@@ -70,6 +79,53 @@ class Problem:
     window: tuple[int, int]
     cu_seqlens_q: np.ndarray | None
     cu_seqlens_k: np.ndarray | None
+    score: ScoreArgs = field(default_factory=ScoreArgs)  # fp32-rounded slopes and sinks
+
+
+def check_score(spec, softcap, alibi_slopes, sinks, *, batch: int, heads: int) -> ScoreArgs:
+    """The score-stage arguments of a call, validated against the spec: a value the spec has
+    no feature for is refused, a feature the spec has must get one (RunnerError naming the
+    argument). Slopes and sinks come back rounded to fp32, as the device holds them."""
+    try:
+        score = check_score_args(
+            0.0 if softcap is None else softcap, alibi_slopes, sinks, batch=batch, heads=heads
+        )
+    except ValueError as e:
+        raise RunnerError(str(e)) from None
+    problems = score_args_problems(spec, score)
+    if problems:
+        raise RunnerError("; ".join(problems))
+
+    def f32(a):
+        return None if a is None else a.astype(np.float32).astype(np.float64)
+
+    return ScoreArgs(score.softcap, f32(score.alibi_slopes), f32(score.sinks))
+
+
+def score_params(gpu, score: ScoreArgs, heads: int, bufs: list) -> dict[str, Any]:
+    """The `fg_score_params` fields of a call: softcap, and the fp32 slopes and sinks uploaded
+    into poisoned-margin buffers (appended to `bufs`); unused fields stay 0 (NULL)."""
+    params: dict[str, Any] = {"softcap": float(score.softcap)}
+    for nm, arr in (("alibi_slopes", score.alibi_slopes), ("sinks", score.sinks)):
+        if arr is None:
+            continue
+        host = np.ascontiguousarray(arr, dtype=np.float32)
+        buf = DeviceBuffer(gpu, host.nbytes)
+        buf.upload(host)
+        bufs.append(buf)
+        params[nm] = buf.ptr
+    if score.alibi_slopes is not None:
+        params["alibi_batch_stride"] = 0 if score.alibi_slopes.ndim == 1 else int(heads)
+    return params
+
+
+def score_inputs(score: ScoreArgs) -> dict[str, np.ndarray]:
+    """`res.inputs` entries of the slopes and sinks a call uploaded (float32)."""
+    out = {}
+    for nm, arr in (("alibi_slopes", score.alibi_slopes), ("sinks", score.sinks)):
+        if arr is not None:
+            out[nm] = arr.astype(np.float32)
+    return out
 
 
 def validate(
@@ -84,8 +140,13 @@ def validate(
     cu_seqlens_k=None,
     dropout_p=0.0,
     layout=None,
+    softcap=0.0,
+    alibi_slopes=None,
+    sinks=None,
 ) -> Problem:
-    """Check the arguments against the spec; raise RunnerError naming the first problem."""
+    """Check the arguments against the spec; raise RunnerError naming the first problem.
+
+    `softcap`, `alibi_slopes`, `sinks`: the score-stage features' values (`check_score`)."""
     d = spec.head_dim
     varlen = spec.mask.varlen
     want_ndim = 3 if varlen else 4
@@ -176,7 +237,8 @@ def validate(
             lens_q=lens_q,
             lens_k=lens_k,
         )
-    return Problem(batch, heads, kv_heads, sq, sk, d, varlen, scale, win, cu_q, cu_k)
+    score = check_score(spec, softcap, alibi_slopes, sinks, batch=batch, heads=heads)
+    return Problem(batch, heads, kv_heads, sq, sk, d, varlen, scale, win, cu_q, cu_k, score)
 
 
 def check_layout(spec, layout, *, heads, seqlen_q, seqlen_k, lens_q, lens_k) -> None:
@@ -246,7 +308,6 @@ class Gpu:
         if cls._instance is None:
             cls._instance = Gpu()
         return cls._instance
-
 
 
 def gpu_available() -> tuple[bool, str]:
@@ -358,6 +419,9 @@ class FwdKernel:
         layout=None,
         memory_layout: str = "bshd",
         pad: int = 0,
+        softcap=0.0,
+        alibi_slopes=None,
+        sinks=None,
     ) -> FwdResult:
         spec = self.spec
         pb = validate(
@@ -371,6 +435,9 @@ class FwdKernel:
             cu_seqlens_k=cu_seqlens_k,
             dropout_p=dropout_p,
             layout=layout,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            sinks=sinks,
         )
         if not 0 <= int(seed) < 2**64:
             raise RunnerError(f"seed must be in [0, 2^64), got {seed}")
@@ -384,10 +451,11 @@ class FwdKernel:
             for nm, t in (("q", q), ("k", k), ("v", v))
         }
         inputs = {nm: from_dtype_bits(b_, dt) for nm, b_ in bits.items()}
+        inputs.update(score_inputs(pb.score))
         gpu = self.gpu
         bufs: list[DeviceBuffer] = []
         try:
-            params: dict[str, Any] = {}
+            params: dict[str, Any] = score_params(gpu, pb.score, pb.heads, bufs)
             for nm in ("q", "k", "v"):
                 buf, strides = strided_upload(gpu, bits[nm], memory_layout, pad)
                 bufs.append(buf)
@@ -477,7 +545,9 @@ class FwdKernel:
             if io_buf is not None:
                 raw = io_buf.download(np.uint64, (len(IO_TENSORS),))
                 io = {nm: int(x) for nm, x in zip(IO_TENSORS, raw)}
-            return FwdResult(o=o, lse=lse, inputs=inputs, keep_mask=keep, io=io, stats=stats)
+            return FwdResult(
+                o=o, lse=lse, inputs=inputs, keep_mask=keep, io=io, stats=stats, score=pb.score
+            )
         finally:
             for b_ in bufs:
                 b_.free()

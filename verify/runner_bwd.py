@@ -4,7 +4,7 @@ The public API:
 
     kernel = load_bwd_kernel(spec)                      # the library `flashgen compile` built
     res = kernel.run(q, k, v, o, lse, dout, ...)        # NumPy in, NumPy out
-    res.dq, res.dk, res.dv, res.keep_mask, res.io
+    res.dq, res.dk, res.dv, res.dsinks, res.keep_mask, res.io
 
 Inputs as for the forward runner (`verify.runner`): q, o, dout `(batch, seqlen_q, heads, d)`,
 k, v `(batch, seqlen_k, kv_heads, d)` (varlen: packed `(total, heads, d)` with int32
@@ -20,6 +20,12 @@ Every output buffer, the workspace and the debug keep-mask are poisoned (all bit
 in fp16, bf16 and fp32; the keep-mask with 2) and surrounded by poisoned margins; after the
 launch `res.stats['margins_intact']` says whether the margins and the padding of the output
 rows are untouched.
+
+Score-stage features as in the forward runner: `softcap`, `alibi_slopes`, `sinks`, required
+for a spec with the feature and refused for one without; pass the values the forward used
+(the LSE must be the one they produced). A spec with sink also writes `dsinks`, fp32
+`(heads,)`, into a poisoned (NaN) buffer with checked margins: `res.dsinks` (None without
+sink).
 
 `layout` is the FORWARD's compact layout (`verify.blocksparse.compact_layout_for_spec` with
 this spec's block sizes and the run's window); the runner uploads its transpose
@@ -51,9 +57,12 @@ from flashgen.verify.runner import (
     Gpu,
     Problem,
     RunnerError,
+    score_inputs,
+    score_params,
     strided_upload,
     validate,
 )
+from flashgen.verify.score_mods import ScoreArgs
 
 __all__ = [
     "IO_TENSORS",
@@ -78,6 +87,8 @@ class BwdResult:
     keep_mask: np.ndarray | None = None
     io: dict[str, int] | None = None
     stats: dict[str, Any] = field(default_factory=dict)
+    dsinks: np.ndarray | None = None  # fp32 (heads,) for a spec with sink
+    score: ScoreArgs = field(default_factory=ScoreArgs)  # the score-stage values as uploaded
 
 
 def lse_shape(pb: Problem, total_q: int) -> tuple[int, ...]:
@@ -100,9 +111,13 @@ def validate_bwd(
     cu_seqlens_k=None,
     dropout_p=0.0,
     layout=None,
+    softcap=0.0,
+    alibi_slopes=None,
+    sinks=None,
 ) -> Problem:
-    """`verify.runner.validate` (q, k, v, masks, layout) plus the backward's own inputs: o and
-    dout shaped like q, lse like the forward's LSE. Raises RunnerError naming the problem."""
+    """`verify.runner.validate` (q, k, v, masks, layout, score-stage features) plus the
+    backward's own inputs: o and dout shaped like q, lse like the forward's LSE. Raises
+    RunnerError naming the problem."""
     if getattr(spec.kernel, "yaml", spec.kernel) != "backward":
         raise RunnerError(
             f"{kernel_name(spec)} is a {spec.kernel.yaml} kernel; BwdKernel runs kernel: backward"
@@ -118,6 +133,9 @@ def validate_bwd(
         cu_seqlens_k=cu_seqlens_k,
         dropout_p=dropout_p,
         layout=layout,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
     )
     for nm, t in (("o", o), ("dout", dout)):
         if not isinstance(t, np.ndarray):
@@ -242,6 +260,9 @@ class BwdKernel:
         layout=None,
         memory_layout: str = "bshd",
         pad: int = 0,
+        softcap=0.0,
+        alibi_slopes=None,
+        sinks=None,
     ) -> BwdResult:
         spec = self.spec
         pb = validate_bwd(
@@ -258,6 +279,9 @@ class BwdKernel:
             cu_seqlens_k=cu_seqlens_k,
             dropout_p=dropout_p,
             layout=layout,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            sinks=sinks,
         )
         if not 0 <= int(seed) < 2**64:
             raise RunnerError(f"seed must be in [0, 2^64), got {seed}")
@@ -278,6 +302,7 @@ class BwdKernel:
         inputs = {nm: from_dtype_bits(b_, dt) for nm, b_ in bits.items()}
         lse32 = np.ascontiguousarray(lse, dtype=np.float32)
         inputs["lse"] = lse32.copy()
+        inputs.update(score_inputs(pb.score))
         gpu = self.gpu
         bufs: list[DeviceBuffer] = []
 
@@ -289,7 +314,12 @@ class BwdKernel:
             return buf.ptr
 
         try:
-            params: dict[str, Any] = {}
+            params: dict[str, Any] = score_params(gpu, pb.score, pb.heads, bufs)
+            dsinks_buf = None
+            if pb.score.sinks is not None:  # poisoned: NaN until the dsink kernel writes it
+                dsinks_buf = DeviceBuffer(gpu, 4 * pb.heads)
+                bufs.append(dsinks_buf)
+                params["dsinks"] = dsinks_buf.ptr
             prefix = {"q": "q", "k": "k", "v": "v", "o": "o", "dout": "do"}
             for nm, pre in prefix.items():
                 buf, strides = strided_upload(gpu, bits[nm], memory_layout, pad)
@@ -387,6 +417,10 @@ class BwdKernel:
                     keep = np.zeros(keep_shape, dtype=np.uint8)
             if io_buf is not None:
                 margin_bufs.append(io_buf)
+            dsinks = None
+            if dsinks_buf is not None:
+                margin_bufs.append(dsinks_buf)
+                dsinks = dsinks_buf.download(np.float32, (pb.heads,))
             stats["margins_intact"] = pads_ok and all(b_.margins_intact() for b_ in margin_bufs)
             io = None
             if io_buf is not None:
@@ -400,6 +434,8 @@ class BwdKernel:
                 keep_mask=keep,
                 io=io,
                 stats=stats,
+                dsinks=dsinks,
+                score=pb.score,
             )
         finally:
             for b_ in bufs:

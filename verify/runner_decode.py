@@ -13,6 +13,12 @@ back float32: O like q, LSE `(batch, heads, seqlen_q)`. Every buffer has poisone
 (checked after the launch), outputs and the workspace's parts are poisoned too, the cache's
 padding rows and unused pages hold NaN, so a stray read or write shows.
 
+Score-stage features (`verify.score_mods`): `softcap`, `alibi_slopes` (float `(heads,)` or
+`(batch, heads)`) and `sinks` (float `(heads,)`) are required for a spec with the feature and
+refused for one without; slopes and sinks are uploaded as fp32 (`res.inputs` and `res.score`
+hold what the device saw). `merge_states` takes no score arguments (its parts are finished
+partial results).
+
 `DecodeLibrary` is the pointer-level API (torch tensors' `data_ptr()` work): `launch`,
 `check`, `workspace_bytes` as every `KernelLibrary`, plus `num_splits(values)` (what a launch
 picks) and `merge_states(values, stream)` / `merge_check(values)`.
@@ -29,7 +35,15 @@ import numpy as np
 from flashgen.generator.families.decode import ERR_PAGE_ID, ERR_SEQLEN, IO_KEYS
 from flashgen.generator.launch import KernelLibrary, LaunchError
 from flashgen.verify.numerics import from_dtype_bits, to_dtype_bits
-from flashgen.verify.runner import DeviceBuffer, Gpu, RunnerError
+from flashgen.verify.runner import (
+    DeviceBuffer,
+    Gpu,
+    RunnerError,
+    check_score,
+    score_inputs,
+    score_params,
+)
+from flashgen.verify.score_mods import ScoreArgs
 
 __all__ = [
     "DecResult",
@@ -83,6 +97,7 @@ class DecResult:
     errors: int  # the workspace's error word
     io: dict[str, int] | None = None
     stats: dict[str, Any] = field(default_factory=dict)
+    score: ScoreArgs = field(default_factory=ScoreArgs)  # the score-stage values as uploaded
 
 
 def _upload(gpu: Gpu, arr: np.ndarray, bufs: list) -> DeviceBuffer:
@@ -124,10 +139,14 @@ class DecodeKernel:
         return_lse: bool = True,
         row_pad: int = 0,
         overrides: dict[str, Any] | None = None,
+        softcap: float = 0.0,
+        alibi_slopes=None,
+        sinks=None,
     ) -> DecResult:
         """One decode call. `row_pad` extra elements (a multiple of 8) end every row of q, the
         caches and o (strided layouts); `overrides` replaces launch parameters after they are
-        built (hostile-input tests)."""
+        built (hostile-input tests); `softcap`, `alibi_slopes`, `sinks` the score-stage
+        features' values (see the module doc)."""
         spec = self.spec
         q = np.asarray(q, dtype=np.float32)
         if q.ndim != 4 or q.shape[-1] != spec.head_dim:
@@ -141,13 +160,15 @@ class DecodeKernel:
             raise RunnerError("a paged spec needs block_table")
         if row_pad % 8:
             raise RunnerError("row_pad must be a multiple of 8 elements")
+        score = check_score(spec, softcap, alibi_slopes, sinks, batch=batch, heads=heads)
         dt = spec.dtype.yaml
         bits = {"q": self._bits(q), "k": self._bits(k_cache), "v": self._bits(v_cache)}
         inputs = {nm: from_dtype_bits(b_, dt) for nm, b_ in bits.items()}
+        inputs.update(score_inputs(score))
         gpu = self.gpu
         bufs: list[DeviceBuffer] = []
         try:
-            params: dict[str, Any] = {}
+            params: dict[str, Any] = score_params(gpu, score, heads, bufs)
             for nm in ("q", "k", "v"):
                 x = bits[nm]
                 store = np.full((*x.shape[:-1], d + row_pad), 0xFFFF, dtype=np.uint16)
@@ -226,7 +247,7 @@ class DecodeKernel:
             if io_buf is not None:
                 raw = io_buf.download(np.uint64, (len(IO_KEYS),))
                 io = {nm: int(x) for nm, x in zip(IO_KEYS, raw)}
-            return DecResult(o[..., :d], lse, inputs, splits, err, io, stats)
+            return DecResult(o[..., :d], lse, inputs, splits, err, io, stats, score)
         finally:
             for b_ in bufs:
                 b_.free()

@@ -7,6 +7,11 @@ so a failing example replays exactly.
 
 Varlen lengths are at least 1 by default; `allow_empty=True` also draws zero-length sequences
 (the reference and the models handle them: an empty key sequence gives O = 0, LSE = -inf).
+
+Score-stage features (`score_args`): the runtime values of the features a spec has (softcap,
+ALiBi slopes, attention sinks; `verify.score_mods`), float32-representable as the kernels
+take them; `cases_for_spec` draws them into every `Case`, so a test of a spec with a feature
+exercises it together with every other feature of the spec.
 """
 
 from __future__ import annotations
@@ -18,18 +23,22 @@ from typing import Any
 
 import numpy as np
 from flashgen.verify.baseline import round_to_dtype
+from flashgen.verify.score_mods import ScoreArgs, check_score_args, spec_has
 from hypothesis import strategies as st
 
 __all__ = [
     "VALUE_KINDS",
     "Case",
     "DropoutParams",
+    "ScoreArgs",
     "Shape",
     "attention_inputs",
     "block_layouts",
     "cases_for_spec",
     "cu_seqlens",
     "dropout_params",
+    "fixed_score_args",
+    "score_args",
     "seqlens",
     "shapes",
     "valid_specs",
@@ -37,6 +46,9 @@ __all__ = [
 ]
 
 VALUE_KINDS = ("normal", "large", "one_hot", "duplicate_keys")
+SOFTCAP_REGIMES = ("small", "typical")  # 0.5 .. 5: normal scores saturate; 10 .. 50: Gemma-2's
+SLOPE_KINDS = ("geometric", "random", "mixed", "zero")
+SINK_KINDS = ("uniform", "dominant", "mixed", "zero")
 
 
 @dataclass(frozen=True)
@@ -153,6 +165,89 @@ def dropout_params(*, max_offset: int = 2**32 - 1) -> st.SearchStrategy[DropoutP
     )
 
 
+def _f32(x: Any) -> Any:
+    """float32-representable float64 (what an fp32 device buffer holds)."""
+    return np.asarray(x, dtype=np.float32).astype(np.float64)
+
+
+def alibi_geometric(heads: int) -> np.ndarray:
+    """ALiBi's slopes `2^(-8 (k + 1) / H)`, k = 0 .. H - 1 (the paper's geometric sequence)."""
+    return 2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)
+
+
+@st.composite
+def softcaps(draw: Any) -> float:
+    """A softcap c: 'small' (0.5 .. 5: ordinary scores of a few units saturate tanh) or
+    'typical' (10 .. 50, Gemma-2 uses 50 for attention; scores of ~1e4 saturate it), with
+    the round values 0.5, 1, 5, 10, 20, 30, 50 drawn often; float32-representable."""
+    regime = draw(st.sampled_from(SOFTCAP_REGIMES))
+    lo, hi = (0.5, 5.0) if regime == "small" else (10.0, 50.0)
+    special = [x for x in (0.5, 1.0, 5.0, 10.0, 20.0, 30.0, 50.0) if lo <= x <= hi]
+    c = draw(st.one_of(st.sampled_from(special), st.floats(lo, hi)))
+    return float(_f32(c))
+
+
+@st.composite
+def alibi_slopes(draw: Any, batch: int, heads: int) -> np.ndarray:
+    """float32-representable slopes of shape `(heads,)` or `(batch, heads)`: ALiBi's geometric
+    sequence (per batch row times a random factor in the 2-D form), random positive, mixed
+    signs with zeros, or all zero."""
+    kind = draw(st.sampled_from(SLOPE_KINDS))
+    two_d = draw(st.booleans())
+    shape = (batch, heads) if two_d else (heads,)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if kind == "geometric":
+        out = np.broadcast_to(alibi_geometric(heads), shape).copy()
+        if two_d:
+            out = out * rng.uniform(0.25, 4.0, size=(batch, 1))
+    elif kind == "random":
+        out = rng.uniform(0.0, 1.0, size=shape) * 10.0 ** rng.uniform(-3, 0.3, size=shape)
+    elif kind == "mixed":
+        out = rng.uniform(-1.0, 1.0, size=shape)
+        out[rng.random(shape) < 0.3] = 0.0
+    else:
+        out = np.zeros(shape)
+    return _f32(out)
+
+
+@st.composite
+def sink_values(draw: Any, heads: int) -> np.ndarray:
+    """float32-representable sinks `(heads,)` in [-5, 10]: uniform, dominant (6 .. 10: larger
+    than ordinary rows' log-sum-exp, so the sink takes most of the weight), mixed, or zero."""
+    kind = draw(st.sampled_from(SINK_KINDS))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if kind == "uniform":
+        out = rng.uniform(-5.0, 10.0, size=heads)
+    elif kind == "dominant":
+        out = rng.uniform(6.0, 10.0, size=heads)
+    elif kind == "mixed":
+        out = rng.choice(np.array([-5.0, 0.0, 0.5, 10.0]), size=heads)
+        out = np.where(rng.random(heads) < 0.5, out, rng.uniform(-5.0, 10.0, size=heads))
+    else:
+        out = np.zeros(heads)
+    return _f32(out)
+
+
+def fixed_score_args(spec: Any, batch: int, heads: int) -> ScoreArgs:
+    """Deterministic values for the features `spec` has, for hand-picked cases: softcap 20,
+    ALiBi's geometric slopes `(heads,)`, sinks spread over [-2, 4]; off otherwise."""
+    c = 20.0 if spec_has(spec, "softcap") else 0.0
+    slopes = alibi_geometric(heads) if spec_has(spec, "alibi") else None
+    sinks = _f32(np.linspace(-2.0, 4.0, heads)) if spec_has(spec, "sink") else None
+    return check_score_args(c, slopes, sinks, batch=batch, heads=heads)
+
+
+@st.composite
+def score_args(draw: Any, spec: Any, batch: int, heads: int) -> ScoreArgs:
+    """The runtime values of the score-stage features `spec` has (`spec.has(...)`), for a call
+    of `batch` sequences and `heads` query heads; features the spec lacks stay off. Values
+    are validated (`score_mods.check_score_args`) and float32-representable."""
+    c = draw(softcaps()) if spec_has(spec, "softcap") else 0.0
+    slopes = draw(alibi_slopes(batch, heads)) if spec_has(spec, "alibi") else None
+    sinks = draw(sink_values(heads)) if spec_has(spec, "sink") else None
+    return check_score_args(c, slopes, sinks, batch=batch, heads=heads)
+
+
 def _values(
     rng: np.random.Generator, kind: str, q_shape: tuple, k_shape: tuple
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -235,10 +330,13 @@ def _fitting_tiles(target: Any, dtype: Any, head_dim: int) -> tuple[Any, ...]:
 def valid_specs(draw: Any, *, head_dims: Sequence[int] | None = None, **fixed: Any) -> Any:
     """Valid forward `generator.spec.KernelSpec` objects over every spec axis.
 
-    `fixed` pins fields (e.g. `dtype=Dtype.BF16`, `mask=Mask(...)`, `sparsity=...`);
-    `head_dims` restricts the head dims drawn (default: all the spec allows).
+    `fixed` pins fields (e.g. `dtype=Dtype.BF16`, `mask=Mask(...)`, `sparsity=...`,
+    `features=frozenset()` for none of the score-stage features, which are drawn as any
+    subset of those the kind accepts); `head_dims` restricts the head dims drawn (default:
+    all the spec allows).
     """
     from flashgen.generator.families.forward import HEAD_DIMS
+    from flashgen.generator.features import FEATURES
     from flashgen.generator.spec import (
         Causal,
         Dtype,
@@ -263,8 +361,15 @@ def valid_specs(draw: Any, *, head_dims: Sequence[int] | None = None, **fixed: A
     )
     dropout = pick("dropout", st.booleans())
     debug_keep_mask = pick("debug_keep_mask", st.booleans() if dropout else st.just(False))
+    kernel = fixed.get("kernel", KernelKind.FORWARD)
+    names = [
+        f.name for f in FEATURES if f.kinds is None or getattr(kernel, "yaml", kernel) in f.kinds
+    ]
+    features = pick(
+        "features", st.frozensets(st.sampled_from(names)) if names else st.just(frozenset())
+    )
     return KernelSpec(
-        kernel=fixed.get("kernel", KernelKind.FORWARD),
+        kernel=kernel,
         dtype=dtype,
         head_dim=head_dim,
         tile=tile,
@@ -275,17 +380,21 @@ def valid_specs(draw: Any, *, head_dims: Sequence[int] | None = None, **fixed: A
         gqa=pick("gqa", st.booleans()),
         target=target,
         instrument_io=pick("instrument_io", st.booleans()),
+        features=features,
     )
 
 
 @dataclass(frozen=True)
 class Case:
-    """One runtime problem for a spec: sizes, lengths, window, block layout, dropout.
+    """One runtime problem for a spec: sizes, lengths, window, block layout, dropout, and the
+    values of its score-stage features.
 
     Dense: `seqlen_q`, `seqlen_k` are the lengths. Varlen: `cu_seqlens_q/k` give them and
     `seqlen_q`, `seqlen_k` are the maxima. `block_mask` is bool `(layout_heads, Tr, Tc)` (use
     `verify.blocksparse.compact_layout`); with varlen and block sparsity every sequence has
-    the same lengths (the compact layout is built for one `(Sq, Sk)`).
+    the same lengths (the compact layout is built for one `(Sq, Sk)`). `score` holds the
+    softcap, ALiBi slopes and sinks (`score.kwargs()` are the reference's, the baseline's and
+    the runners' keyword arguments; empty for a spec without features).
     """
 
     batch: int
@@ -298,6 +407,7 @@ class Case:
     cu_seqlens_k: np.ndarray | None
     block_mask: np.ndarray | None
     dropout: DropoutParams | None
+    score: ScoreArgs = ScoreArgs()
 
 
 @st.composite
@@ -331,4 +441,7 @@ def cases_for_spec(
         layout_heads = draw(st.sampled_from(sorted({1, shape.heads})))
         block_mask = draw(block_layouts(layout_heads, -(-sq // bm), -(-sk // bn)))
     dropout = draw(dropout_params()) if spec.dropout else None
-    return Case(batch, shape.heads, shape.kv_heads, sq, sk, window, cu_q, cu_k, block_mask, dropout)
+    score = draw(score_args(spec, batch, shape.heads))
+    return Case(
+        batch, shape.heads, shape.kv_heads, sq, sk, window, cu_q, cu_k, block_mask, dropout, score
+    )

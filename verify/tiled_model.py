@@ -15,6 +15,13 @@ Tiles of a dense schedule get the element-wise mask (rules 1-3); sparse *full* t
 as in the kernel, so a misclassified tile shows up as a difference from the reference.
 Bytes are counted from the slices the model actually reads and writes, per the conventions'
 counters Q, K, V, O, LSE, META, KEEP_MASK (`verify.io_model` predicts them in closed form).
+
+Score-stage features (`verify.score_mods`) run where the kernel runs them: softcap and ALiBi
+turn each tile's raw dot products into logits before the log2 scaling and the mask; a sink
+joins the row sum once, after the last tile (`m = max(m, sink * log2 e)`, `l = l * 2^(m_old -
+m) + 2^(sink log2 e - m)`, the accumulator rescaled alike). A CTA with rows of a spec with
+alibi (sink) reads its head's slope (sink) once: 4 bytes of META each, even when it visits
+no tile.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from flashgen.verify import score_mods
 from flashgen.verify.blocksparse import CompactLayout
 from flashgen.verify.io_model import IO_KEYS
 from flashgen.verify.reference import causal_name, element_visible, shift_for, spec_window
@@ -96,8 +104,14 @@ def tiled_forward(
     layout: CompactLayout | None = None,
     keep_mask: Any = None,
     dropout_p: float = 0.0,
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
 ) -> TiledResult:
     """Run the kernel's algorithm for `spec` (block sizes, causal alignment, features).
+
+    `softcap`, `alibi_slopes`, `sinks` as `verify.reference.attention_forward`; each must be
+    given iff the spec has the feature (`score_mods.score_args_problems`).
 
     Reads `spec.tile.block_m`, `spec.tile.block_n`, `spec.mask.{causal, window, varlen}`,
     `spec.dropout`, `spec.debug_keep_mask`, `spec.sparsity`, `spec.gqa`, `spec.dtype.nbytes`.
@@ -123,6 +137,12 @@ def tiled_forward(
         raise ValueError(f"heads={heads} is not a multiple of kv_heads={kv_heads}")
     group = heads // kv_heads
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    n_seqs = (np.asarray(cu_seqlens_q).size - 1) if varlen else q.shape[0]
+    score = score_mods.check_score_args(softcap, alibi_slopes, sinks, batch=n_seqs, heads=heads)
+    problems = score_mods.score_args_problems(spec, score)
+    if problems:
+        raise ValueError("; ".join(problems))
+    meta_per_cta = 4 * (score.alibi_slopes is not None) + 4 * (score.sinks is not None)
 
     if varlen:
         cq = np.asarray(cu_seqlens_q, dtype=np.int64)
@@ -162,6 +182,9 @@ def tiled_forward(
                 if r0 >= sq:
                     continue  # varlen only: this CTA has no rows of sequence b
                 r1 = min(r0 + bm, sq) - 1
+                io["META"] += meta_per_cta  # the head's slope and sink, once per CTA
+                slopes = score.slopes_for(b, slice(h, h + 1))
+                sinks_h = score.sinks_for(slice(h, h + 1))
                 if layout is not None:
                     schedule = layout.tiles(h, qt)
                     io["META"] += 8 + 4 * len(schedule)
@@ -188,6 +211,9 @@ def tiled_forward(
                     debug=dbg,
                     elt=elt,
                     io=io,
+                    softcap=score.softcap,
+                    slope=None if slopes is None else float(slopes[0]),
+                    sink=None if sinks_h is None else float(sinks_h[0]),
                 )
                 if varlen:
                     o[qs.start + r0 : qs.start + r1 + 1, h] = o_rows
@@ -216,6 +242,9 @@ def _cta(
     debug: np.ndarray | None,
     elt: int,
     io: dict[str, int],
+    softcap: float = 0.0,
+    slope: float | None = None,
+    sink: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """One CTA: rows `r0 .. r1` of one (sequence, head) against its K/V tile schedule.
 
@@ -235,7 +264,13 @@ def _cta(
         k_tile, v_tile = k[c0:c1], v[c0:c1]
         io["K"] += k_tile.size * elt
         io["V"] += v_tile.size * elt
-        s = (q_tile @ k_tile.T) * (scale * LOG2E)
+        z = (q_tile @ k_tile.T) * scale
+        if softcap:
+            z = softcap * np.tanh(z / softcap)
+        if slope is not None:
+            shift = shift_for(causal, sq, sk)
+            z = z - slope * np.abs(rows[:, None] + shift - np.arange(c0, c1)[None, :])
+        s = z * LOG2E
         if needs_mask:
             vis = element_visible(
                 rows[:, None], np.arange(c0, c1)[None, :], sq, sk, causal=causal, window=window
@@ -256,6 +291,12 @@ def _cta(
             debug[r0 : r1 + 1, c0:c1] = tile_keep
             io["KEEP_MASK"] += tile_keep.size
         acc = acc * alpha[:, None] + pt @ v_tile
+        m = m_new
+    if sink is not None:  # the sink joins the row sum once, after the last tile
+        m_new = np.maximum(m, sink * LOG2E)
+        alpha = np.exp2(m - m_new)
+        l_sum = l_sum * alpha + np.exp2(sink * LOG2E - m_new)
+        acc = acc * alpha[:, None]
         m = m_new
     empty = ~(l_sum > 0)
     safe = np.where(empty, 1.0, l_sum)

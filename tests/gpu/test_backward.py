@@ -3,13 +3,17 @@
 Every shipped `kernel: backward` spec runs FLASHGEN_GPU_EXAMPLES Hypothesis-drawn cases of the
 features it has (shapes with odd lengths, 1, seqlen_q != seqlen_k both ways, varlen batches
 with empty sequences, GQA groups, windows, memory layouts and row padding on inputs and
-outputs, block layouts, dropout). O and LSE come from the float64 reference forward (O rounded
-to the dtype, LSE in float32), as a training step would pass the forward's. Each of dq, dk, dv
+outputs, block layouts, dropout, and the score-stage values: softcap, ALiBi slopes, sinks
+drawn by verify.strategies.score_args; hand-picked cases use fixed_score_args). O and LSE
+come from the float64 reference forward (O rounded to the dtype, LSE in float32), as a
+training step would pass the forward's. Each of dq, dk, dv
 must satisfy the pass rule (max |dX - ref64| <= 2 max |dX_baseline - ref64| + floor, the floor
-for dq and dk at least the float32 error bound of dS = P (dP - D): see gradient_floors); and,
-in every case, exactly:
+for dq and dk at least the float32 error bound of dS = P (dP - D): see gradient_floors), and
+so must dsinks (fp32, against the baseline backward's, the floor at least the float32 bound
+of its sum); and, in every case, exactly:
 
-- no NaN or inf anywhere, no write outside an output (poisoned margins and row padding);
+- no NaN or inf anywhere (dsinks included), no write outside an output (poisoned margins and
+  row padding);
 - dq is exactly 0 on rows that see no key, dk and dv exactly 0 on keys no query sees;
 - debug keep-masks equal verify.dropout's bit for bit wherever written, and every visible
   element is written (the buffer is poisoned with 2);
@@ -22,7 +26,7 @@ relative) exceeds the dtype's rounding, and the pass rule would compare summatio
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import numpy as np
 import pytest
@@ -30,8 +34,10 @@ from flashgen.generator.naming import kernel_name
 from flashgen.verify import baseline, dropout, passrule, reference
 from flashgen.verify.blocksparse import compact_layout_for_spec
 from flashgen.verify.io_model_bwd import backward_bytes
+from flashgen.verify.passrule import TANH_APPROX_REL
 from flashgen.verify.runner_bwd import load_bwd_kernel
-from flashgen.verify.strategies import block_layouts
+from flashgen.verify.score_mods import softcap_factor
+from flashgen.verify.strategies import block_layouts, fixed_score_args, score_args
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -55,7 +61,7 @@ def _kernel(spec):
 @st.composite
 def bwd_case(draw, spec, max_len: int = 300):
     """A runtime problem for `spec`: sizes, lengths, window, values, memory layout, and the
-    spec's features (block mask, dropout)."""
+    spec's features (block mask, dropout, score-stage values)."""
     lens = st.one_of(st.sampled_from(LENGTHS), st.integers(1, max_len))
     if spec.gqa:
         kv_heads = draw(st.integers(1, 2))
@@ -97,6 +103,7 @@ def bwd_case(draw, spec, max_len: int = 300):
         case["p"] = draw(st.sampled_from([0.0, 0.1, 0.5, 0.9]))
         case["drop_seed"] = draw(st.integers(0, 2**64 - 1))
         case["drop_offset"] = draw(st.integers(0, 2**32 - 1))
+    case["score"] = draw(score_args(spec, case["batch"], heads))
     return case
 
 
@@ -145,6 +152,9 @@ def make_inputs(spec, case):
             keep = dropout.keep_mask(seed, offset, case["batch"], h, case["sq"], case["sk"], p)
         run_kw.update(dropout_p=p, seed=seed, offset=offset)
         ref_kw.update(keep_mask=keep, dropout_p=p)
+    score = case.get("score") or fixed_score_args(spec, case["batch"], h)
+    run_kw.update(score.kwargs())  # float32-representable: the runner uploads them as they are
+    ref_kw.update(score.kwargs())
     return q, k, v, dout, run_kw, ref_kw
 
 
@@ -159,10 +169,13 @@ def forward_outputs(spec, q, k, v, ref_kw):
 # -- checks --------------------------------------------------------------------------------------
 
 
-def _ds_bound_core(inp, o, lse, do):
+def _ds_bound_core(inp, o, lse, do, rows: int = 0):
     """`reference.run_backward` core: per element of dQ and dK, the float32 error bound of
-    dS = P (dP - D) carried through dQ = scale dS K and dK = scale dS^T Q (dV: none)."""
-    p = reference.probabilities_from_lse(reference.scaled_scores(inp), inp.visible, lse)
+    dS = P (dP - D) carried through dQ = scale dS K and dK = scale dS^T Q (dV: none); with
+    sinks, per head, the float32 bound of dsink = -sum_i exp(sink - LSE_i) D_i, a sum of
+    `rows` terms (the head's rows over the whole batch; functools.partial sets it)."""
+    s = reference.scaled_scores(inp)
+    p = reference.probabilities_from_lse(reference.score_logits(inp, s), inp.visible, lse)
     d = inp.q.shape[-1]
     gamma = (d + 2) * float(np.finfo(np.float32).eps)  # two length-d dots and a subtraction
     do_h = np.abs(do.transpose(1, 0, 2))  # (h, Sq, d)
@@ -171,9 +184,30 @@ def _ds_bound_core(inp, o, lse, do):
         dp_mag = dp_mag * inp.keep / (1.0 - inp.dropout_p)
     d_mag = np.sum(do_h * np.abs(o.transpose(1, 0, 2)), axis=-1)  # (h, Sq): sum |dO| |O|
     e_ds = gamma * p * (dp_mag + d_mag[..., None])
+    cap = softcap_factor(s, inp.softcap)  # dS = dZ (1 - t^2): the factor is at most 1
+    if cap is not None:
+        # tanh.approx (relative 2^-11 in t) moves the recomputed P by c 2^-11 relative (the
+        # logit) and 1 - t^2 by 2 2^-11 absolute: |dZ| times both, the second of which the
+        # baseline's accurate 1 - t^2 does not share where t saturates
+        dp = do.transpose(1, 0, 2) @ inp.v.transpose(1, 2, 0)
+        if inp.keep is not None:
+            dp = dp * inp.keep / (1.0 - inp.dropout_p)
+        delta = np.sum(do.transpose(1, 0, 2) * o.transpose(1, 0, 2), axis=-1)
+        dz = np.abs(p * (dp - delta[..., None]))
+        e_ds = e_ds * cap + TANH_APPROX_REL * dz * (inp.softcap * cap + 2.0)
     dq = (e_ds @ np.abs(inp.k.transpose(1, 0, 2))) * inp.scale
     dk = (e_ds.transpose(0, 2, 1) @ np.abs(inp.q.transpose(1, 0, 2))) * inp.scale
-    return dq.transpose(1, 0, 2), dk.transpose(1, 0, 2), np.zeros_like(inp.v)
+    dsink = None
+    if inp.sinks is not None:
+        # D in float32 (length-d dot), exp(sink - LSE) (the subtraction's rounding grows with
+        # |sink - LSE|, plus the exponential's), and the sum over the rows and the CTA's
+        # reduction: relative (rows + d + 8 + |sink - LSE|) eps32 of sum P_sink |dO| |O|
+        fin = np.isfinite(lse)
+        gap = np.abs(np.where(fin, inp.sinks[:, None] - np.where(fin, lse, 0.0), 0.0))
+        w = np.where(fin, np.exp(inp.sinks[:, None] - np.where(fin, lse, 0.0)), 0.0)
+        eps = float(np.finfo(np.float32).eps)
+        dsink = eps * ((rows + d + 8 + gap) * w * d_mag).sum(axis=-1)
+    return dq.transpose(1, 0, 2), dk.transpose(1, 0, 2), np.zeros_like(inp.v), dsink
 
 
 def gradient_floors(
@@ -188,6 +222,9 @@ def gradient_floors(
     block_mask=None,
     block_m=None,
     block_n=None,
+    softcap=0.0,
+    alibi_slopes=None,
+    sinks=None,
 ) -> dict[str, float]:
     """Extra pass-rule floors for dq and dk (passrule.check's `extra_floor`): the standard
     float32 bound on dS = P (dP - D), dot products of length d with eps per operation
@@ -199,9 +236,15 @@ def gradient_floors(
     baseline return float32 noise whose size depends on the summation order alone, so the
     factor 2 would compare summation orders. Elsewhere the bound is at most of the order of
     the fp16 noise floor (far below it for bf16), so the rule stays the dtype-rounding rule.
+    With softcap the bound adds tanh.approx's documented error (see _ds_bound_core).
+
+    dsinks (fp32 like the baseline's, a sum over every row of a head) gets the float32 bound
+    of that sum ('dsinks', the largest over the heads): kernel and baseline sum in different
+    orders, and D_i = rowsum(dO O) cancels to float32 noise exactly where dsink is ~0.
     """
-    bq, bk, _ = reference.run_backward(
-        _ds_bound_core,
+    heads = args[0].shape[-2]
+    out = reference.run_backward(
+        partial(_ds_bound_core, rows=np.asarray(args[4]).size // heads),
         *args,
         work_dtype=np.float64,
         scale=None,
@@ -214,23 +257,38 @@ def gradient_floors(
         block_mask=block_mask,
         block_m=block_m,
         block_n=block_n,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
     )
-    return {"dq": float(bq.max(initial=0.0)), "dk": float(bk.max(initial=0.0)), "dv": 0.0}
+    bq, bk = out[0], out[1]
+    floors = {"dq": float(bq.max(initial=0.0)), "dk": float(bk.max(initial=0.0)), "dv": 0.0}
+    if sinks is not None:
+        floors["dsinks"] = float(out[3].max(initial=0.0))
+    return floors
 
 
 def bwd_verdicts(spec, res, ref_kw) -> dict:
-    """Pass-rule verdicts of dq, dk, dv against the reference and the same-precision baseline,
-    both fed the kernel's (rounded) inputs, with `gradient_floors` as extra floors."""
+    """Pass-rule verdicts of dq, dk, dv (and dsinks, fp32, for a spec with sink) against the
+    reference and the same-precision baseline, both fed the kernel's (rounded) inputs, with
+    `gradient_floors` as extra floors."""
     i = res.inputs
     args = (i["q"], i["k"], i["v"], i["o"], i["lse"], i["dout"])
     ref = reference.attention_backward(*args, **ref_kw)
     base = baseline.attention_backward(*args, dtype=spec.dtype.yaml, **ref_kw)
     floors = gradient_floors(args, **ref_kw)
-    got = (res.dq, res.dk, res.dv)
-    return {
+    found = {
         nm: passrule.check(g, r, b_, spec.dtype.yaml, extra_floor=floors[nm])
-        for nm, g, r, b_ in zip(("dq", "dk", "dv"), got, ref, base)
+        for nm, g, r, b_ in zip(("dq", "dk", "dv"), (res.dq, res.dk, res.dv), ref, base)
     }
+    if spec.has("sink"):
+        assert res.dsinks is not None and res.dsinks.shape == (i["q"].shape[-2],)
+        found["dsinks"] = passrule.check(
+            res.dsinks, ref[3], base[3], "fp32", extra_floor=floors["dsinks"]
+        )
+    else:
+        assert res.dsinks is None
+    return found
 
 
 def _packed(per_seq: np.ndarray, cu: np.ndarray | None) -> np.ndarray:
@@ -260,7 +318,7 @@ def visibility(spec, case, ref_kw) -> np.ndarray:
 
 def check_exact(spec, case, res, run_kw, ref_kw, vis) -> None:
     """The checks that need no tolerance (see the module docstring)."""
-    for nm in ("dq", "dk", "dv"):
+    for nm in ("dq", "dk", "dv") + (("dsinks",) if spec.has("sink") else ()):
         assert np.all(np.isfinite(getattr(res, nm))), f"{nm} holds NaN or inf"
     batch, heads, kv = case["batch"], case["heads"], case["kv_heads"]
     empty_rows = ~vis.any(axis=-1)  # (batch, heads, Sq)
@@ -448,13 +506,14 @@ REPEAT_SPECS += [s for s in SPECS if _plain(s) and not s.deterministic][:2] + DE
 @pytest.mark.parametrize("spec", REPEAT_SPECS, ids=kernel_name)
 def test_repeated_runs_are_bitwise_identical_where_promised(spec, specs):  # noqa: ARG001
     """dK and dV are summed in a fixed order (no atomics): repeated runs agree bit for bit;
-    deterministic builds order the dQ adds too, so dQ agrees as well."""
+    deterministic builds order the dQ adds too, so dQ agrees as well; dsinks always."""
     case = _fixed_case(spec, sq=300, sk=257, lens_q=[5, 300], lens_k=[257, 1], window=(40, 7))
     q, k, v, dout, run_kw, ref_kw = make_inputs(spec, case)
     o, lse = forward_outputs(spec, q, k, v, ref_kw)
     kernel = _kernel(spec)
     first = kernel.run(q, k, v, o, lse, dout, **run_kw)
     same = ("dq", "dk", "dv") if spec.deterministic else ("dk", "dv")
+    same += ("dsinks",) if spec.has("sink") else ()  # the dsink kernel sums in a fixed order
     for _ in range(2 if not spec.deterministic else 4):
         again = kernel.run(q, k, v, o, lse, dout, **run_kw)
         for nm in same:

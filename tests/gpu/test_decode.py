@@ -2,6 +2,10 @@
 paged == contiguous bitwise for one split count, merge_states of a split call vs the unsplit
 kernel, counted IO vs the model to the byte, and hostile inputs (flags and check messages).
 
+Drawn cases carry the values of the score-stage features the spec has (softcap, ALiBi slopes
+of shape (heads,) or (batch, heads), sinks: verify.strategies.score_args); hand-picked cases
+use fixed ones (`fixed_score_args`), and IO counts include the slope and sink reads.
+
 One command: `python -m pytest -q tests/gpu/test_decode.py` (FLASHGEN_GPU_EXAMPLES examples
 per shipped spec). Failures print the kernel, the case and the pass rule's errors.
 """
@@ -18,6 +22,7 @@ from flashgen.verify import passrule, reference_decode
 from flashgen.verify.io_model_decode import decode_bytes
 from flashgen.verify.runner import RunnerError
 from flashgen.verify.runner_decode import load_decode_kernel
+from flashgen.verify.strategies import fixed_score_args, score_args
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -65,7 +70,15 @@ def decode_case(draw, spec, max_len: int = 700):
         if spec.mask.window
         else (-1, -1),
     }
+    case["score"] = draw(score_args(spec, batch, case["heads"]))
     return case
+
+
+def case_score(spec, case):
+    """The case's score-stage values, or fixed ones for a hand-picked case."""
+    if "score" in case:
+        return case["score"]
+    return fixed_score_args(spec, len(case["lens"]), case["heads"])
 
 
 def make_problem(spec, case):
@@ -85,6 +98,7 @@ def make_problem(spec, case):
 def run_case(kernel, spec, case, **extra):
     rng, q, k, v = make_problem(spec, case)
     kw = dict(window=case["window"], num_splits=case["splits"], row_pad=case["row_pad"], **extra)
+    kw.update(case_score(spec, case).kwargs())
     if spec.paged:
         kp, table = reference_decode.to_paged(k, case["lens"], case["page"], rng)
         vp = np.full_like(kp, np.nan)
@@ -98,7 +112,7 @@ def run_case(kernel, spec, case, **extra):
 
 def check_reference(spec, case, res, recorder, test):
     qi, ki, vi = res.inputs["q"], res.inputs["k"], res.inputs["v"]  # contiguous (see below)
-    kw = dict(causal=spec.mask.causal.yaml, window=case["window"])
+    kw = dict(causal=spec.mask.causal.yaml, window=case["window"], **res.score.kwargs())
     o64, lse64 = reference_decode.decode_reference(qi, ki, vi, case["lens"], **kw)
     ob, lseb = reference_decode.decode_baseline(
         qi, ki, vi, case["lens"], dtype=spec.dtype.yaml, **kw
@@ -110,7 +124,9 @@ def check_reference(spec, case, res, recorder, test):
             lse64,
             lseb,
             "fp32",
-            extra_floor=passrule.score_floor(qi, np.nan_to_num(ki), 1 / np.sqrt(spec.head_dim)),
+            extra_floor=passrule.score_floor(qi, np.nan_to_num(ki), 1 / np.sqrt(spec.head_dim))
+            + passrule.alibi_floor(res.score.alibi_slopes, case["sq"] + max(case["lens"]))
+            + passrule.softcap_floor(res.score.softcap),
         ),
     }
     recorder.add(spec, found, test)
@@ -126,7 +142,12 @@ def _reference_inputs(spec, case, res, q, k, v):
     from flashgen.verify.numerics import round_to
 
     dt = spec.dtype.yaml
-    res.inputs = {"q": round_to(q, dt), "k": round_to(k, dt), "v": round_to(v, dt)}
+    res.inputs = {
+        **res.inputs,  # the score-stage fp32 arrays, if any
+        "q": round_to(q, dt),
+        "k": round_to(k, dt),
+        "v": round_to(v, dt),
+    }
     return res
 
 
@@ -181,7 +202,12 @@ def test_paged_and_contiguous_caches_give_bitwise_equal_outputs(pair):
         assert np.array_equal(a.lse.view(np.uint32), b.lse.view(np.uint32)), case
 
 
-@pytest.mark.parametrize("spec", SPECS[:4], ids=kernel_name)
+# ALiBi's distance and a sink belong to the whole cache, not to a part of it: merging parts
+# run as separate calls is a different problem for those specs
+MERGE_SPECS = [s for s in SPECS if not (s.has("alibi") or s.has("sink"))][:4]
+
+
+@pytest.mark.parametrize("spec", MERGE_SPECS, ids=kernel_name)
 def test_merge_states_of_split_parts_matches_the_unsplit_kernel(spec, recorder):
     """Parts = the kernel run on disjoint key ranges (as context parallelism makes them),
     merged by merge_states, against the unsplit kernel and the reference, by the pass rule."""
@@ -235,7 +261,7 @@ def test_merge_states_of_split_parts_matches_the_unsplit_kernel(spec, recorder):
             v,
         )
         qi, ki, vi = whole.inputs["q"], whole.inputs["k"], whole.inputs["v"]
-        o64, lse64 = reference_decode.decode_reference(qi, ki, vi, [n] * b)
+        o64, lse64 = reference_decode.decode_reference(qi, ki, vi, [n] * b, **whole.score.kwargs())
         found = {
             "o": passrule.check(o, o64, whole.o, spec.dtype.yaml),
             "lse": passrule.check(lse, lse64, whole.lse, "fp32"),
@@ -249,6 +275,7 @@ def test_merge_states_of_split_parts_matches_the_unsplit_kernel(spec, recorder):
 
 def run_case_arrays(kernel, spec, case, q, k, v):
     """run_case with given arrays (no NaN rows past the lengths: the lengths are full)."""
+    score = case_score(spec, case).kwargs()
     if spec.paged:
         rng = np.random.default_rng(case["seed"])
         kp, table = reference_decode.to_paged(k, case["lens"], case["page"], rng)
@@ -257,9 +284,11 @@ def run_case_arrays(kernel, spec, case, q, k, v):
             for p in range(-(-n // case["page"])):
                 rows = min(case["page"], n - p * case["page"])
                 vp[table[bi, p], :rows] = v[bi, p * case["page"] : p * case["page"] + rows]
-        res = kernel.run(q, kp, vp, case["lens"], block_table=table, num_splits=case["splits"])
+        res = kernel.run(
+            q, kp, vp, case["lens"], block_table=table, num_splits=case["splits"], **score
+        )
     else:
-        res = kernel.run(q, k, v, case["lens"], num_splits=case["splits"])
+        res = kernel.run(q, k, v, case["lens"], num_splits=case["splits"], **score)
     return _reference_inputs(spec, case, res, q, k, v)
 
 
@@ -330,10 +359,11 @@ def test_out_of_range_page_ids_are_flagged_and_never_read():
     rng, q, k, v = make_problem(spec, case)
     kp, table = reference_decode.to_paged(k, case["lens"], 16, rng)
     vp = np.zeros_like(kp)
+    score = case_score(spec, case).kwargs()
     for bad in (kp.shape[0], 1 << 30, -1):
         t = table.copy()
         t[1, 2] = bad
-        res = kernel.run(q, kp, vp, case["lens"], block_table=t)
+        res = kernel.run(q, kp, vp, case["lens"], block_table=t, **score)
         assert res.errors & ERR_PAGE_ID, f"page id {bad}: error word {res.errors}"
         assert res.stats["margins_intact"]
 
@@ -359,11 +389,12 @@ def test_cache_seqlens_past_the_capacity_are_flagged_and_clamped():
         rng, q, k, v = make_problem(spec, case)
         k = np.nan_to_num(k)
         v = np.nan_to_num(v)
+        score = case_score(spec, case).kwargs()
         if spec.paged:
             kp, table = reference_decode.to_paged(k, [32], 16, rng, spare_columns=0)
-            res = kernel.run(q, kp, kp, [10_000], block_table=table)
+            res = kernel.run(q, kp, kp, [10_000], block_table=table, **score)
         else:
-            res = kernel.run(q, k, v, [10_000])
+            res = kernel.run(q, k, v, [10_000], **score)
         assert res.errors & ERR_SEQLEN and np.all(np.isfinite(res.o))
 
 

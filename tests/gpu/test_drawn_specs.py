@@ -2,9 +2,10 @@
 
 Hypothesis draws a spec over every axis the spec allows on sm_90 (dtype, head dim, tile,
 causal alignment, window, varlen, GQA, dropout with or without the debug keep-mask, block
-sparsity, IO counting), nvcc builds it, and each drawn runtime case must pass the pass rule;
-debug keep-masks must equal verify.dropout's bit for bit and IO counters verify.io_model's to
-the byte. FLASHGEN_DRAWN_SPECS (default 6) sets how many specs a run draws.
+sparsity, IO counting, the score-stage features softcap / ALiBi / sinks), nvcc builds it,
+and each drawn runtime case must pass the pass rule; debug keep-masks must equal
+verify.dropout's bit for bit and IO counters verify.io_model's to the byte.
+FLASHGEN_DRAWN_SPECS (default 6) sets how many specs a run draws.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def _check_case(spec, kernel, data) -> None:
             keep_mask=keep,
             dropout_p=kw["dropout_p"],
             **{key: kw[key] for key in ("cu_seqlens_q", "cu_seqlens_k", "window") if key in kw},
+            **res.score.kwargs(),
         )
         np.testing.assert_array_equal(res.keep_mask, model.debug_keep_mask)
     if spec.instrument_io:

@@ -1,7 +1,8 @@
 """Dropout, block sparsity and IO counting on a GPU, each checked exactly where it can be:
 keep-masks bit for bit against verify.dropout, p = 0 bitwise equal to the dense kernel,
 block-sparse outputs by the pass rule under the same layout, and IO byte counts to the byte
-against verify.io_model."""
+against verify.io_model. Drawn cases carry the spec's score-stage values (softcap, ALiBi,
+sinks: test_forward.runtime_case), which checks.verdicts hands the reference."""
 
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ from flashgen.generator.naming import kernel_name
 from flashgen.verify import dropout, io_model
 from flashgen.verify.blocksparse import compact_layout_for_spec
 from flashgen.verify.runner import load_kernel
-from flashgen.verify.strategies import block_layouts
+from flashgen.verify.strategies import block_layouts, fixed_score_args
 from flashgen.verify.tiled_model import tiled_forward
 from hypothesis import given
 from hypothesis import strategies as st
 
 from .checks import assert_pass, verdicts
 from .conftest import CUBIN_DIR, ensure_cubins, shipped_specs
-from .test_forward import SETTINGS, make_inputs, runtime_case
+from .test_forward import SETTINGS, make_inputs, reference_kwargs, runtime_case
 
 SPECS = [s for s in shipped_specs() if s.kernel.yaml == "forward"]
 DROPOUT = [s for s in SPECS if s.dropout]
@@ -53,15 +54,25 @@ def test_dropout_keep_mask_is_bit_exact_and_output_passes(spec, specs, recorder)
             pad=case["pad"],
             **kw,
         )
-        b, sq, h, _ = q.shape
-        sk = k.shape[1]
-        keep = dropout.keep_mask(seed, offset, b, h, sq, sk, p)
+        ref = reference_kwargs(spec, kw)  # causal, window, cu_seqlens
+        h = q.shape[-2]
+        if spec.mask.varlen:
+            keep = dropout.keep_mask_varlen(seed, offset, h, case["lens_q"], case["lens_k"], p)
+        else:
+            keep = dropout.keep_mask(seed, offset, q.shape[0], h, q.shape[1], k.shape[1], p)
         if spec.debug_keep_mask:  # every element of every visited tile, and nothing else
             model = tiled_forward(
-                spec, res.inputs["q"], res.inputs["k"], res.inputs["v"], keep_mask=keep, dropout_p=p
+                spec,
+                res.inputs["q"],
+                res.inputs["k"],
+                res.inputs["v"],
+                keep_mask=keep,
+                dropout_p=p,
+                **{key: val for key, val in ref.items() if key != "causal"},
+                **res.score.kwargs(),
             )
             np.testing.assert_array_equal(res.keep_mask, model.debug_keep_mask)
-        found = verdicts(spec, res, causal=spec.mask.causal.yaml, keep_mask=keep, dropout_p=p)
+        found = verdicts(spec, res, keep_mask=keep, dropout_p=p, **ref)
         assert_pass(spec, found, recorder, "dropout", res)
 
     try:
@@ -77,7 +88,8 @@ def test_keep_rate_is_within_binomial_bounds(spec, p, specs):  # noqa: ARG001
     kernel = load_kernel(spec, CUBIN_DIR)
     rng = np.random.default_rng(5)
     q, k, v = (rng.standard_normal((2, 300, 2, spec.head_dim)).astype(np.float32) for _ in range(3))
-    res = kernel.run(q, k, v, dropout_p=p, seed=1234567890123, offset=77)
+    score = fixed_score_args(spec, 2, 2).kwargs()
+    res = kernel.run(q, k, v, dropout_p=p, seed=1234567890123, offset=77, **score)
     n = res.keep_mask.size
     kept = int((res.keep_mask == 1).sum())
     assert int((res.keep_mask == 2).sum()) == 0
@@ -85,28 +97,39 @@ def test_keep_rate_is_within_binomial_bounds(spec, p, specs):  # noqa: ARG001
     assert abs(kept - mean) < 5 * sd, (kept, mean, sd)
 
 
+def _dense_twin(spec):
+    """The shipped forward kernel that differs from `spec` only in dropout: no window,
+    varlen, GQA, sparsity or IO counting, the same score-stage features (None if none)."""
+    for s in shipped_specs(sharded=False):
+        if (
+            s.kernel.yaml == "forward"
+            and s.target is spec.target
+            and s.replace(features=frozenset()).plain
+            and s.features == spec.features
+            and s.mask.causal == spec.mask.causal
+            and s.head_dim == spec.head_dim
+            and s.dtype == spec.dtype
+            and s.tile == spec.tile
+        ):
+            return s
+    return None
+
+
 @pytest.mark.parametrize("spec", [s for s in DROPOUT if not s.debug_keep_mask], ids=kernel_name)
 def test_dropout_p0_is_bitwise_the_dense_kernel(spec, specs, recorder):  # noqa: ARG001
-    dense = [
-        s
-        for s in shipped_specs(sharded=False)
-        if s.kernel.yaml == "forward"
-        and s.target is spec.target
-        and s.plain
-        and s.mask.causal == spec.mask.causal
-        and s.head_dim == spec.head_dim
-        and s.dtype == spec.dtype
-        and s.tile == spec.tile
-    ]
-    assert dense, "no dense kernel with the same tile to compare with"
-    ensure_cubins(dense[:1])
-    kd, kp = load_kernel(dense[0], CUBIN_DIR), load_kernel(spec, CUBIN_DIR)
+    twin = _dense_twin(spec)
+    if twin is None and spec.features:
+        pytest.skip("no shipped dense twin with the same score-stage features")
+    assert twin is not None, "no dense kernel with the same tile to compare with"
+    ensure_cubins([twin])
+    kd, kp = load_kernel(twin, CUBIN_DIR), load_kernel(spec, CUBIN_DIR)
     rng = np.random.default_rng(11)
+    score = fixed_score_args(spec, 2, 2).kwargs()
     for sq, sk in ((1, 1), (97, 300), (513, 129)):
         q = rng.standard_normal((2, sq, 2, spec.head_dim)).astype(np.float32)
         k = rng.standard_normal((2, sk, 2, spec.head_dim)).astype(np.float32)
         v = rng.standard_normal((2, sk, 2, spec.head_dim)).astype(np.float32)
-        a, b = kd.run(q, k, v), kp.run(q, k, v, dropout_p=0.0, seed=99)
+        a, b = kd.run(q, k, v, **score), kp.run(q, k, v, dropout_p=0.0, seed=99, **score)
         assert np.array_equal(a.o.view(np.uint32), b.o.view(np.uint32))
         assert np.array_equal(a.lse.view(np.uint32), b.lse.view(np.uint32))
         assert_pass(spec, verdicts(spec, b, causal=spec.mask.causal.yaml), recorder, "p0", b)

@@ -2,7 +2,10 @@
 
 Each shipped spec gets FLASHGEN_GPU_EXAMPLES Hypothesis-drawn runtime cases (shapes with odd
 lengths, 1, seqlen_q != seqlen_k both ways, memory layouts, values from normal to scores of
-1e4, one-hot rows); outputs and margins are poisoned before every launch.
+1e4, one-hot rows, and the values of the score-stage features the spec has: softcap, ALiBi
+slopes, sinks, drawn by verify.strategies.score_args); outputs and margins are poisoned
+before every launch. Hand-picked cases give a featured spec fixed values
+(`fixed_score_args`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import numpy as np
 import pytest
 from flashgen.generator.naming import kernel_name
 from flashgen.verify.runner import load_kernel
+from flashgen.verify.strategies import fixed_score_args, score_args
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -36,7 +40,8 @@ def _kernel(spec):
 
 @st.composite
 def runtime_case(draw, spec, max_len: int = 160):
-    """A runtime problem for `spec`: shapes, lengths, window, values, memory layout."""
+    """A runtime problem for `spec`: shapes, lengths, window, values, memory layout, and the
+    values of its score-stage features (`case["score"]`)."""
     rng_seed = draw(st.integers(0, 2**32 - 1))
     lens = st.one_of(
         st.sampled_from([1, 2, 7, 15, 16, 17, 63, 64, 65, 97, 128, 129]), st.integers(1, max_len)
@@ -63,7 +68,17 @@ def runtime_case(draw, spec, max_len: int = 160):
     case["values"] = draw(st.sampled_from(["normal", "normal", "large", "wide"]))
     case["memory_layout"] = draw(st.sampled_from(["bshd", "bhsd"]))
     case["pad"] = draw(st.sampled_from([0, 0, 8, 24]))
+    batch = len(case["lens_q"]) if spec.mask.varlen else case["batch"]
+    case["score"] = draw(score_args(spec, batch, heads))
     return case
+
+
+def case_score(spec, case):
+    """The case's score-stage values, or fixed ones for a hand-picked case without them."""
+    if "score" in case:
+        return case["score"]
+    batch = len(case["lens_q"]) if spec.mask.varlen else case["batch"]
+    return fixed_score_args(spec, batch, case["heads"])
 
 
 def make_inputs(spec, case):
@@ -88,10 +103,12 @@ def make_inputs(spec, case):
         kwargs["cu_seqlens_k"] = np.concatenate([[0], np.cumsum(case["lens_k"])]).astype(np.int32)
     if spec.mask.window:
         kwargs["window"] = case["window"]
+    kwargs.update(case_score(spec, case).kwargs())  # softcap, alibi_slopes, sinks
     return q, k, v, kwargs
 
 
 def reference_kwargs(spec, kwargs):
+    """The reference's mask arguments (checks.verdicts adds the run's score-stage values)."""
     out = {"causal": spec.mask.causal.yaml}
     for key in ("cu_seqlens_q", "cu_seqlens_k", "window"):
         if key in kwargs:
@@ -184,6 +201,7 @@ def _one_hot_problem(spec, sq, sk, seed):
         and not s.mask.window
         and not s.dropout
         and not s.sparse
+        and not s.features  # softcap, ALiBi and sinks change the weights of a one-hot row
     ],
     ids=kernel_name,
 )
@@ -217,7 +235,8 @@ def test_one_hot_rows_return_their_v_row_exactly(spec, specs, recorder):  # noqa
     ids=kernel_name,
 )
 def test_fully_masked_rows_give_zero_and_minus_inf(spec, specs):  # noqa: ARG001
-    """bottom_right causal with seqlen_q > seqlen_k: the first Sq - Sk rows see no key."""
+    """bottom_right causal with seqlen_q > seqlen_k: the first Sq - Sk rows see no key (with
+    sinks their LSE is the head's sink instead of -inf)."""
     kernel = _kernel(spec)
     rng = np.random.default_rng(7)
     sq, sk = 77, 20
@@ -225,10 +244,12 @@ def test_fully_masked_rows_give_zero_and_minus_inf(spec, specs):  # noqa: ARG001
     k = rng.standard_normal((2, sk, 1, spec.head_dim)).astype(np.float32)
     v = rng.standard_normal((2, sk, 1, spec.head_dim)).astype(np.float32)
     kwargs = {"window": (-1, -1)} if spec.mask.window else {}
-    res = kernel.run(q, k, v, **kwargs)
+    score = fixed_score_args(spec, 2, 1)
+    res = kernel.run(q, k, v, **kwargs, **score.kwargs())
     empty = sq - sk
     assert np.all(res.o[:, :empty] == 0.0)
-    assert np.all(res.lse[:, :, :empty] == -np.inf)
+    want = -np.inf if score.sinks is None else np.float32(score.sinks[0])
+    assert np.all(res.lse[:, :, :empty] == want)
     assert np.all(np.isfinite(res.lse[:, :, empty:]))
 
 

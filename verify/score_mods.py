@@ -1,0 +1,276 @@
+"""The score-stage modifiers (softcap, ALiBi, attention sinks): their arguments and numerics.
+
+One module per feature lives in `generator.features` (the registry: spec field, C constant,
+parameter rows); this module is their verification side: the runtime value each feature
+takes (`ScoreArgs`), its validation, and its arithmetic in float64 (the reference) and in the
+kernel's precision (the baseline). `verify.reference` and `verify.baseline` apply it through
+the per-sequence `SeqInputs`; the runners upload the same values.
+
+Exact semantics. Let `x = q_i . k_j` be the raw dot product and `scale` the softmax scale.
+The logit is built in this order:
+
+1. `z = scale * x`;
+2. softcap `c > 0`: `z = c * tanh(z / c)` (flash-attn's `softcap`; 0 = off);
+3. ALiBi: `z = z - slope[b, h] * |i + shift - j|`, with `shift = Sk - Sq` for causal 'none'
+   and 'bottom_right' and 0 for 'top_left' (`reference.shift_for`; varlen: each sequence's
+   own Sq, Sk); `slope` is `alibi_slopes[h]` (shape `(heads,)`) or `alibi_slopes[b, h]`
+   (shape `(batch, heads)`);
+4. the masks (causal, window, varlen, block sparsity): an invisible key is excluded;
+5. the softmax, with sinks: `P_ij = exp(z_ij) / (exp(sink_h) + sum_{visible j} exp(z_ij))`
+   and `LSE_i = log(exp(sink_h) + sum_j exp(z_ij))` (natural log; the sink is in the units
+   of z, not multiplied by the scale); without sinks as before. A row with no visible key
+   gives O = 0 and LSE = -inf without sinks, LSE = sink_h with them;
+6. dropout on P as before.
+
+Backward: `dP = dO V^T`, `D_i = rowsum(dO * O)`, `dZ = P * (dP - D)` as before (unchanged by
+sinks: the LSE holds the sink). `dX = dZ * dz/dx`: `scale` for the identity and ALiBi,
+`scale * (1 - tanh(scale x / c)^2)` with softcap (so dQ = scale (dZ (1 - t^2)) K and
+dK = scale (dZ (1 - t^2))^T Q). The sink's gradient is
+`dsink_h = -sum_{b, i} exp(sink_h - LSE_bhi) * D_bhi` over every batch and every query row of
+head h (rows whose LSE is -inf contribute 0): the softmax gradient of an extra column whose
+value row is zero.
+
+The keyword argument of each feature is its first parameter row in the registry
+(`ARGUMENTS`: softcap -> `softcap`, alibi -> `alibi_slopes`, sink -> `sinks`), so the
+reference, the baseline, the runners and the kernels' parameter structs share one spelling.
+Slopes and sinks are fp32 on the device: pass float32-representable values (the strategies
+draw them so) or compare against what the runner uploaded (`res.inputs`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from flashgen.generator.features import FEATURE_BY_NAME, FEATURES
+from flashgen.verify.numerics import round_to
+
+__all__ = [
+    "ARGUMENTS",
+    "ScoreArgs",
+    "alibi_bias",
+    "check_score_args",
+    "dsink_terms",
+    "logits",
+    "score_args_problems",
+    "softcap_factor",
+    "softcapped",
+    "spec_has",
+]
+
+# feature name -> keyword argument (its first parameter row: the C field that carries it)
+ARGUMENTS: dict[str, str] = {f.name: f.params[0].name for f in FEATURES}
+_FEATURE_OF = {arg: name for name, arg in ARGUMENTS.items()}
+assert set(ARGUMENTS.values()) == {"softcap", "alibi_slopes", "sinks"}, ARGUMENTS
+
+
+def spec_has(spec: Any, feature: str) -> bool:
+    """`spec.has(feature)` for a KernelSpec; duck-typed specs (tests' stand-ins) without
+    `has` use their `features` attribute, and have none when they lack it."""
+    if feature not in FEATURE_BY_NAME:
+        raise KeyError(f"{feature!r} is not a feature (allowed: {', '.join(FEATURE_BY_NAME)})")
+    has = getattr(spec, "has", None)
+    if callable(has):
+        return bool(has(feature))
+    return feature in getattr(spec, "features", ())
+
+
+@dataclass(frozen=True, eq=False)
+class ScoreArgs:
+    """The runtime values of the score-stage features of one call (all off by default).
+
+    `softcap`: c of `c * tanh(z / c)`, 0 = off. `alibi_slopes`: float `(heads,)` or
+    `(batch, heads)`, None = off. `sinks`: float `(heads,)`, None = off. Build validated
+    values with `check_score_args`.
+    """
+
+    softcap: float = 0.0
+    alibi_slopes: np.ndarray | None = None
+    sinks: np.ndarray | None = None
+
+    def uses(self, feature: str) -> bool:
+        """Whether the call uses `feature` (a generator.features name)."""
+        arg = ARGUMENTS[feature]
+        value = getattr(self, arg)
+        return value is not None and (arg != "softcap" or value != 0.0)
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The names of the features the call uses."""
+        return frozenset(name for name in ARGUMENTS if self.uses(name))
+
+    def kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of the features in use (for the reference, the baseline and
+        the runners; empty when none is)."""
+        return {ARGUMENTS[name]: getattr(self, ARGUMENTS[name]) for name in sorted(self.features)}
+
+    def slopes_for(self, b: int, heads: slice) -> np.ndarray | None:
+        """The slopes of sequence `b`'s query heads `heads`, `(h,)`, or None."""
+        s = self.alibi_slopes
+        if s is None:
+            return None
+        return s[heads] if s.ndim == 1 else s[b, heads]
+
+    def sinks_for(self, heads: slice) -> np.ndarray | None:
+        return None if self.sinks is None else self.sinks[heads]
+
+    def __repr__(self) -> str:  # short enough for a Hypothesis failure report
+        def arr(a: np.ndarray | None) -> str:
+            return "None" if a is None else f"array({a.tolist()!r})"
+
+        return (
+            f"ScoreArgs(softcap={self.softcap!r}, alibi_slopes={arr(self.alibi_slopes)}, "
+            f"sinks={arr(self.sinks)})"
+        )
+
+
+def _float_array(value: Any, name: str) -> np.ndarray:
+    arr = np.asarray(value)
+    if not np.issubdtype(arr.dtype, np.floating):
+        raise ValueError(f"{name} must be a float array, got dtype {arr.dtype}")
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name} must be finite (no NaN or inf)")
+    return np.array(arr, dtype=np.float64)
+
+
+def check_score_args(
+    softcap: Any = 0.0,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
+    *,
+    batch: int | None = None,
+    heads: int | None = None,
+) -> ScoreArgs:
+    """Validated `ScoreArgs` (float64 copies of the arrays); ValueError names the argument and
+    what is allowed. `batch`, `heads` (when given) fix the allowed shapes: slopes `(heads,)`
+    or `(batch, heads)`, sinks `(heads,)`."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.integer, np.floating)):
+        raise ValueError(f"softcap must be a number (0: off, else > 0), got {softcap!r}")
+    c = float(softcap)
+    if not (math.isfinite(c) and c >= 0.0):
+        raise ValueError(f"softcap={softcap!r} must be finite and >= 0 (0: off, else > 0)")
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = _float_array(alibi_slopes, "alibi_slopes")
+        allowed = "(heads,) or (batch, heads)"
+        if heads is not None:
+            allowed = f"(heads,) = ({heads},) or (batch, heads) = ({batch}, {heads})"
+        ok = slopes.ndim in (1, 2)
+        if ok and heads is not None:
+            ok = slopes.shape[-1] == heads and (slopes.ndim == 1 or slopes.shape[0] == batch)
+        if not ok:
+            raise ValueError(f"alibi_slopes must have shape {allowed}, got {slopes.shape}")
+    sk = None
+    if sinks is not None:
+        sk = _float_array(sinks, "sinks")
+        if sk.ndim != 1 or (heads is not None and sk.shape[0] != heads):
+            want = "(heads,)" if heads is None else f"(heads,) = ({heads},)"
+            raise ValueError(f"sinks must have shape {want}, got {sk.shape}")
+    return ScoreArgs(c, slopes, sk)
+
+
+def score_args_problems(spec: Any, score: ScoreArgs) -> list[str]:
+    """What a kernel of `spec` cannot take: a feature value for a feature the spec lacks, or
+    no value for one it has (softcap must then be > 0). Empty when the call fits the spec."""
+    out = []
+    for name in ARGUMENTS:
+        arg = ARGUMENTS[name]
+        has, used = spec_has(spec, name), score.uses(name)
+        if used and not has:
+            out.append(f"{arg} given but this spec has {name}: false")
+        elif has and not used:
+            what = {
+                "softcap": "softcap > 0 (finite)",
+                "alibi_slopes": "alibi_slopes, float (heads,) or (batch, heads)",
+                "sinks": "sinks, float (heads,)",
+            }[arg]
+            out.append(f"this spec has {name}: true: pass {what}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Numerics: arrays of scaled scores `s = scale * q.k`, shape (heads, Sq, Sk), any float dtype
+# ---------------------------------------------------------------------------------------------
+
+
+def _round(x: np.ndarray, dtype: str | None) -> np.ndarray:
+    """x rounded to fp16 / bf16 (kept in x's dtype); None or 'fp32' leave float32 as is."""
+    if dtype is None or dtype == "fp32":
+        return x
+    if dtype not in ("fp16", "bf16"):
+        raise ValueError(f"capped_dtype={dtype!r} is not allowed (allowed: fp16, bf16, fp32)")
+    with np.errstate(over="ignore"):
+        return round_to(x, dtype).astype(x.dtype)
+
+
+def softcapped(s: np.ndarray, softcap: float) -> np.ndarray:
+    """`c * tanh(s / c)` in the dtype of `s` (c > 0)."""
+    c = s.dtype.type(softcap)
+    return c * np.tanh(s / c)
+
+
+def softcap_factor(
+    s: np.ndarray, softcap: float, *, capped_dtype: str | None = None
+) -> np.ndarray | None:
+    """`d(c tanh(s / c)) / ds = 1 - tanh(s / c)^2` in the dtype of `s`, or None when off.
+
+    float64 (the reference) uses `1 / cosh^2`, which keeps its relative precision where tanh
+    saturates; other dtypes use `1 - t * t` (the kernel's formula), with `t` rounded to
+    `capped_dtype` when given (the baseline: autograd of an unfused tanh keeps its output
+    tensor, in the dtype, for the backward)."""
+    if not softcap:
+        return None
+    c = s.dtype.type(softcap)
+    if s.dtype == np.float64 and capped_dtype is None:
+        with np.errstate(over="ignore"):
+            return 1.0 / np.cosh(s / c) ** 2
+    t = _round(np.tanh(s / c), capped_dtype)
+    return s.dtype.type(1) - t * t
+
+
+def alibi_bias(
+    slopes: np.ndarray, seqlen_q: int, seqlen_k: int, shift: int, dtype: Any = np.float64
+) -> np.ndarray:
+    """`-slope_h * |i + shift - j|`, shape `(h, Sq, Sk)` in `dtype` (the distance is exact,
+    the product rounded once)."""
+    dt = np.dtype(dtype).type
+    i = np.arange(seqlen_q, dtype=np.int64)[:, None]
+    j = np.arange(seqlen_k, dtype=np.int64)[None, :]
+    dist = np.abs(i + int(shift) - j).astype(dt)
+    return -(np.asarray(slopes, dtype=dt)[:, None, None] * dist[None])
+
+
+def logits(
+    s: np.ndarray,
+    *,
+    softcap: float = 0.0,
+    alibi_slopes: np.ndarray | None = None,
+    shift: int = 0,
+    capped_dtype: str | None = None,
+) -> np.ndarray:
+    """The logits z `(h, Sq, Sk)` from scaled scores `s` (steps 2-3 of the module doc), in the
+    dtype of `s`. `capped_dtype` ('fp16' / 'bf16') rounds, to that dtype, the two tensors an
+    unfused softcap holds: `t = tanh(s / c)` and the capped score `c * t` (the baseline:
+    Gemma-2's eager path and flash-attn's `attention_ref(upcast=False)` run `tanh` and `* c`
+    on dtype tensors); None keeps both in the working precision."""
+    z = s
+    if softcap and capped_dtype is not None:
+        c = s.dtype.type(softcap)
+        z = _round(c * _round(np.tanh(s / c), capped_dtype), capped_dtype)
+    elif softcap:
+        z = softcapped(s, softcap)
+    if alibi_slopes is not None:
+        z = z + alibi_bias(alibi_slopes, s.shape[-2], s.shape[-1], shift, s.dtype)
+    return z
+
+
+def dsink_terms(sinks: np.ndarray, lse: np.ndarray, delta: np.ndarray) -> np.ndarray:
+    """`-sum_i exp(sink_h - LSE_hi) * D_hi` per head `(h,)` for `lse`, `delta` `(h, Sq)`, in
+    their dtype; rows whose LSE is -inf contribute 0."""
+    dt = lse.dtype.type
+    sink = np.asarray(sinks, dtype=lse.dtype)[:, None]
+    ok = np.isfinite(lse)
+    w = np.where(ok, np.exp(sink - np.where(ok, lse, dt(0))), dt(0))
+    return -(w * delta).sum(axis=-1, dtype=lse.dtype)
