@@ -329,7 +329,12 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float lse = lse_s[frag_row(mt, e)];
-        const float base = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
+        float base = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
+        // Rows past the sequence (zero Q, dO and LSE) give P = 1 times zeros without a score
+        // modifier; a modifier can make their scores large (ALiBi with a negative slope), so
+        // they get P = 0 instead.
+        if constexpr (Mod::kTransforms)
+          if (frag_row(mt, e) >= qr) base = INFINITY;
 #pragma unroll
         for (int n8 = 0; n8 < C::kSNT; ++n8)
           acc_s[mt][n8][e] = exp2_approx(__fsub_rn(__fmul_rn(acc_s[mt][n8][e], mod.scale_log2), base));
