@@ -183,6 +183,22 @@ def forward_for(specs, bwd):
     return next((s for s in found if s.target == bwd.target), found[0])
 
 
+def plain_twin(shipped, twin):
+    """The shipped plain kernel of the twin's kind, target, dtype, head dim and mask, whatever
+    its tile and allow_spills (a modifier's tile rule may differ, e.g. softcap's on sm_90a)."""
+    for s in shipped:
+        if (s.kernel, s.target, s.dtype, s.head_dim, s.mask, s.gqa) == (
+            twin.kernel,
+            twin.target,
+            twin.dtype,
+            twin.head_dim,
+            twin.mask,
+            twin.gqa,
+        ) and s.tile_auto:
+            return s
+    return None
+
+
 def single_mod(spec) -> str | None:
     return next(iter(spec.features)) if len(spec.features) == 1 and spec.plain is False and not (
         spec.mask.window or spec.mask.varlen or spec.gqa or spec.dropout or spec.sparse
@@ -197,22 +213,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--match", default="", help="only kernels whose name matches this regex")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+
+    import re
 
     from flashgen.generator.load import load_paths
     from flashgen.generator.naming import kernel_name
     from flashgen.verify.runner import load_kernel
     from flashgen.verify.runner_bwd import load_bwd_kernel
 
-    mods = [s for s in load_paths(args.specs) if single_mod(s) and s.dtype.yaml == "bf16"]
+    mods = [
+        s for s in load_paths(args.specs)
+        if single_mod(s) and s.dtype.yaml == "bf16" and re.search(args.match, kernel_name(s))
+    ]  # fmt: skip
     every = load_paths(args.plain_specs)
     shipped = {s: s for s in every if s.plain}
     rows, checks = [], []
     for spec in mods:
         mod = single_mod(spec)
         twin = spec.replace(features=frozenset())
-        plain = shipped.get(twin)
+        plain = shipped.get(twin) or plain_twin(shipped, twin)
         fwd_spec = fwd_plain = None
         if spec.kernel.yaml == "backward":  # the forwards that make O and LSE for it
             fwd_spec, fwd_plain = forward_for(every, spec), forward_for(every, twin)
