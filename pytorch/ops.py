@@ -257,6 +257,12 @@ def as_softcap(softcap) -> float:
     """flash-attn's `softcap` argument as the ops' float (`score_features` checks its value)."""
     if isinstance(softcap, bool):
         raise UnsupportedCall(f"softcap must be a float (0.0: off), got {softcap!r}")
+    if isinstance(softcap, (str, bytes)) or not hasattr(softcap, "__float__"):
+        # a number, not text that float() would parse (flash-attn's op takes a float)
+        raise UnsupportedCall(
+            f"softcap must be a float (0.0: off, c > 0: scores become c * tanh(s / c)), got "
+            f"{type(softcap).__name__}"
+        )
     try:
         return float(softcap)
     except (TypeError, ValueError):

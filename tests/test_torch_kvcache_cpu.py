@@ -439,3 +439,16 @@ def test_without_torch_the_names_say_how_to_install_it():
     for name in ("flash_attn_with_kvcache", "merge_states"):
         with pytest.raises(ImportError, match=r"needs PyTorch.*pip install 'flashgen\[torch\]'"):
             getattr(flashgen.torch, name)
+
+
+def test_softcap_must_be_a_number_not_text():
+    """flash-attn's softcap is a float: text that float() would parse is refused, numbers are
+    taken as they are (found by the GPU kvcache refusal test: "30" used to pass)."""
+    pytest.importorskip("torch")
+    from flashgen.torch.ops import as_softcap
+    from flashgen.torch.selection import UnsupportedCall
+
+    assert as_softcap(30) == 30.0 and as_softcap(2.5) == 2.5
+    for bad in ("30", b"30", None, [30.0], True):
+        with pytest.raises(UnsupportedCall, match="softcap must be a float"):
+            as_softcap(bad)

@@ -286,8 +286,8 @@ def bwd_verdicts(spec, res, ref_kw) -> dict:
         found["dsinks"] = passrule.check(
             res.dsinks, ref[3], base[3], "fp32", extra_floor=floors["dsinks"]
         )
-    else:
-        assert res.dsinks is None
+    else:  # (results of other front ends, e.g. flashgen.torch's, carry no dsinks at all)
+        assert getattr(res, "dsinks", None) is None
     return found
 
 
