@@ -38,6 +38,7 @@ from typing import Optional, Union
 import torch
 from flashgen.generator.families.decode import WORKSPACE_HEADER
 from flashgen.generator.spec import Dtype
+from flashgen.runtime import DecodeLibrary
 from flashgen.torch import cache
 from flashgen.torch import kvcache_select as ks
 from flashgen.torch.kvcache_select import CacheInputError, DecodeCall, KvProblem
@@ -52,7 +53,6 @@ from flashgen.torch.ops import (
 )
 from flashgen.torch.ops import score_params as _score_params
 from flashgen.torch.selection import UnsupportedCall
-from flashgen.verify.runner_decode import DecodeLibrary
 from torch import Tensor
 
 __all__ = [

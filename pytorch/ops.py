@@ -37,6 +37,7 @@ from typing import Optional
 
 import torch
 from flashgen.generator.features import FEATURES
+from flashgen.runtime import workspace_layout
 from flashgen.torch import cache, selection
 from flashgen.torch.selection import (
     NO_FEATURES,
@@ -46,7 +47,6 @@ from flashgen.torch.selection import (
     TensorMeta,
     UnsupportedCall,
 )
-from flashgen.verify.runner_bwd import workspace_layout
 from torch import Tensor
 
 __all__ = ["PHILOX_OFFSET_STEP", "bwd", "fwd", "philox_state", "score_features"]

@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 from flashgen.generator.launch import KernelLibrary, LaunchError
 from flashgen.generator.naming import kernel_name
+from flashgen.runtime.workspace import WORKSPACE_ALIGN, workspace_layout  # noqa: F401
 from flashgen.verify.blocksparse_bwd import transpose_layout
 from flashgen.verify.io_model_bwd import IO_KEYS
 from flashgen.verify.numerics import from_dtype_bits, to_dtype_bits
@@ -75,7 +76,6 @@ __all__ = [
 ]
 
 IO_TENSORS = IO_KEYS  # the kernel's counter order (FgBwdIo in bwd_kernel.cuh)
-WORKSPACE_ALIGN = 256
 
 
 @dataclass
@@ -155,38 +155,6 @@ def validate_bwd(
     if np.any(np.isnan(lse)) or np.any(lse == np.inf):
         raise RunnerError("lse must be finite, or -inf on rows with no visible key (no NaN, +inf)")
     return pb
-
-
-def _round_up(n: int, align: int = WORKSPACE_ALIGN) -> int:
-    return -(-int(n) // align) * align
-
-
-def workspace_layout(
-    batch: int,
-    seqlen_q: int,
-    heads: int,
-    head_dim: int,
-    *,
-    block_m: int = 1,
-    deterministic: bool = False,
-) -> dict[str, int]:
-    """Byte offsets of the caller-carved workspace: fp32 dq_accum at 0, fp32 dsum after it,
-    then (deterministic builds) int32 dq_sem, one per (batch, head, query tile of `block_m`
-    rows); each part rounded up to 256 bytes. 'bytes' is what `<name>_workspace_bytes` must
-    return at least; 'dq_sem' is None without the third part."""
-    rows = int(batch) * int(seqlen_q) * int(heads)
-    dq_accum = _round_up(rows * int(head_dim) * 4)
-    dsum = _round_up(rows * 4)
-    sem = 0
-    if deterministic:
-        tiles = -(-int(seqlen_q) // int(block_m))
-        sem = _round_up(int(batch) * int(heads) * tiles * 4)
-    return {
-        "dq_accum": 0,
-        "dsum": dq_accum,
-        "dq_sem": dq_accum + dsum if deterministic else None,
-        "bytes": dq_accum + dsum + sem,
-    }
 
 
 def _output_buffer(gpu, shape: tuple[int, ...], memory_layout: str, pad: int):

@@ -26,14 +26,14 @@ picks) and `merge_states(values, stream)` / `merge_check(values)`.
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from flashgen.generator.families.decode import ERR_PAGE_ID, ERR_SEQLEN, IO_KEYS
-from flashgen.generator.launch import KernelLibrary, LaunchError
+from flashgen.generator.launch import LaunchError
+from flashgen.runtime.decode import DecodeLibrary
 from flashgen.verify.numerics import from_dtype_bits, to_dtype_bits
 from flashgen.verify.runner import (
     DeviceBuffer,
@@ -54,38 +54,6 @@ __all__ = [
 ]
 
 ERRORS = {ERR_PAGE_ID: "page id out of range", ERR_SEQLEN: "cache_seqlens out of range"}
-
-
-class DecodeLibrary(KernelLibrary):
-    """A decode kernel's host library: the generic launch path plus its extra entry points."""
-
-    def _fn(self, suffix: str, restype: Any) -> Any:
-        fn = getattr(self._lib, f"{self.name}_{suffix}")
-        fn.argtypes = [ctypes.POINTER(self.Params)] + (
-            [ctypes.c_void_p] if suffix == "merge_states" else []
-        )
-        fn.restype = restype
-        return fn
-
-    def num_splits(self, values: dict[str, Any]) -> int:
-        """The split count a launch with these values uses (heuristic when num_splits is 0)."""
-        return int(self._fn("num_splits", ctypes.c_int64)(ctypes.byref(self.pack(values))))
-
-    def merge_check(self, values: dict[str, Any]) -> str | None:
-        msg = self._fn("merge_check", ctypes.c_char_p)(ctypes.byref(self.pack(values)))
-        return None if msg is None else msg.decode()
-
-    def merge_states(self, values: dict[str, Any], stream: int = 0) -> None:
-        """merge_states on `stream`: o (and lse) from o_parts / lse_parts (see decode_params.h)."""
-        params = self.pack(values)
-        msg = self._fn("merge_check", ctypes.c_char_p)(ctypes.byref(params))
-        if msg is not None:
-            raise LaunchError(f"{self.name}: {msg.decode()}")
-        err = self._fn("merge_states", ctypes.c_int)(
-            ctypes.byref(params), ctypes.c_void_p(int(stream) or None)
-        )
-        if err != 0:
-            raise LaunchError(f"{self.name}: merge_states failed with cudaError {err}")
 
 
 @dataclass
