@@ -75,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.nn.functional as F
     from flashgen.generator.families import family
-    from flashgen.generator.launch import params_struct
     from flashgen.generator.load import load_paths
     from flashgen.generator.naming import readable_parts
+    from flashgen.runtime import params_struct
     from flashgen.verify.runner import load_kernel
     from flashgen.verify.runner_bwd import load_bwd_kernel
     from torch.nn.attention import SDPBackend, sdpa_kernel

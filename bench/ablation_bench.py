@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from flashgen.bench.fwd_bench import bench_case, environment
-    from flashgen.generator.launch import KernelLibrary
+    from flashgen.runtime import KernelLibrary
 
     keep = ("variant", "kernel", "flags", "registers", "spill_stores", "spill_loads")
     rows = []

@@ -31,9 +31,9 @@ from typing import Any, TextIO
 
 from flashgen.generator import __version__, paths
 from flashgen.generator.compile import LIB_SUFFIX, library_path
-from flashgen.generator.launch import KernelLibrary
 from flashgen.generator.naming import kernel_name
 from flashgen.generator.spec import KernelSpec
+from flashgen.runtime import KernelLibrary
 
 __all__ = ["CompileFailed", "cache_dir", "clear", "find_library", "kernel_library", "library_for"]
 

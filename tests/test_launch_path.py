@@ -1,5 +1,5 @@
 """The one launch path without a GPU: a kernel built into its host library, loaded through
-ctypes, and its C launcher's checks called from Python (`generator.launch`)."""
+ctypes, and its C launcher's checks called from Python (`flashgen.runtime`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 from flashgen.generator.compile import compile_specs
-from flashgen.generator.launch import KernelLibrary, LaunchError
 from flashgen.generator.load import load_spec_text
+from flashgen.runtime import KernelLibrary, LaunchError
 
 pytestmark = [
     pytest.mark.nvcc,

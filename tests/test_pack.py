@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from flashgen.generator.families import family
-from flashgen.generator.launch import KernelLibrary, _packing, params_struct
 from flashgen.generator.load import load_spec_text
+from flashgen.runtime.library import KernelLibrary, _packing, params_struct
 
 SPECS = {
     "forward": load_spec_text("dtype: bf16\nhead_dim: 64\n")[0],

@@ -7,8 +7,8 @@ import ctypes
 import numpy as np
 import pytest
 from flashgen.generator.families import family
-from flashgen.generator.launch import params_struct
 from flashgen.generator.load import load_spec_text
+from flashgen.runtime import params_struct
 from flashgen.verify.runner import RunnerError, validate
 
 DENSE = load_spec_text("dtype: bf16\nhead_dim: 64\n")[0]

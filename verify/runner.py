@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flashgen.generator.launch import KernelLibrary, LaunchError
 from flashgen.generator.naming import kernel_name
+from flashgen.runtime import KernelLibrary, LaunchError
 from flashgen.verify.io_model import IO_KEYS
 from flashgen.verify.numerics import from_dtype_bits, to_dtype_bits
 from flashgen.verify.score_mods import ScoreArgs, check_score_args, score_args_problems

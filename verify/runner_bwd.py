@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flashgen.generator.launch import KernelLibrary, LaunchError
 from flashgen.generator.naming import kernel_name
+from flashgen.runtime import KernelLibrary, LaunchError
 from flashgen.runtime.workspace import WORKSPACE_ALIGN, workspace_layout  # noqa: F401
 from flashgen.verify.blocksparse_bwd import transpose_layout
 from flashgen.verify.io_model_bwd import IO_KEYS

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 from flashgen.generator.families.decode import ERR_PAGE_ID, ERR_SEQLEN, IO_KEYS
-from flashgen.generator.launch import LaunchError
+from flashgen.runtime import LaunchError
 from flashgen.runtime.decode import DecodeLibrary
 from flashgen.verify.numerics import from_dtype_bits, to_dtype_bits
 from flashgen.verify.runner import (
