@@ -35,15 +35,7 @@ FULL_EXAMPLES = 200  # FLASHGEN_GPU_EXAMPLES' default: a full verification run
 # intra-warpgroup overlap, shipped as the dense twin of the dropout kernels); the headline
 # rows are the auto tiles (m128n128w8s3 at d = 128, m192n128w12s3 at d = 64).
 PLAIN_SM90A = "m128n128w8s2"
-ABLATION_ORDER = (
-    "full",
-    "no_pingpong",
-    "no_overlap",
-    "no_setmaxnreg",
-    "stages2",
-    "stages1",
-    "sdpa_cudnn",
-)
+ABLATION_ORDER = ("full", "no_pingpong", "no_overlap", "no_setmaxnreg", "stages2", "stages1", "sdpa_cudnn")
 ABLATION_NAMES = {
     "full": "full (3 stages)",
     "no_pingpong": "no ping-pong",
@@ -90,9 +82,7 @@ def _yn(causal: bool) -> str:
 
 def _env(env: dict) -> str:
     cudnn = env["cudnn"]
-    cudnn_s = (
-        f"{cudnn // 10000}.{cudnn // 100 % 100}.{cudnn % 100}" if isinstance(cudnn, int) else cudnn
-    )
+    cudnn_s = f"{cudnn // 10000}.{cudnn // 100 % 100}.{cudnn % 100}" if isinstance(cudnn, int) else cudnn
     return (
         f"{env['gpu']} ({env['sm_count']} SMs; torch {env['torch']}, CUDA {env['cuda']}, "
         f"cuDNN {cudnn_s}; {env['date'][:10]})"
@@ -200,11 +190,7 @@ def sm90a() -> tuple[str, dict]:
     kernels = sorted({r["kernel"] for r in auto})
     plain_rows = []
     for p in sorted(plain, key=lambda r: (r["d"], r["causal"], r["seqlen"])):
-        a = next(
-            r
-            for r in auto
-            if (r["d"], r["causal"], r["seqlen"]) == (p["d"], p["causal"], p["seqlen"])
-        )
+        a = next(r for r in auto if (r["d"], r["causal"], r["seqlen"]) == (p["d"], p["causal"], p["seqlen"]))
         plain_rows.append(
             f"| {p['d']} | {_yn(p['causal'])} | {p['seqlen']} | {_f(a['tflops']['flashgen'])} | "
             f"{_f(p['tflops']['flashgen'])} | {_x(a['tflops']['flashgen'] / p['tflops']['flashgen'])} | "
@@ -264,13 +250,7 @@ def portable() -> tuple[str, dict]:
     big = [r for r in fwd["rows"] if r["seqlen"] >= 4096]
 
     def span(d, causal=None, key="FLASH"):
-        return _rng(
-            [
-                r["ratio"][key]
-                for r in big
-                if r["d"] == d and (causal is None or r["causal"] == causal)
-            ]
-        )
+        return _rng([r["ratio"][key] for r in big if r["d"] == d and (causal is None or r["causal"] == causal)])
 
     cudnn = [r["tflops"]["CUDNN"] / r["tflops"]["flashgen"] for r in big]
     flex_min = min(r["seqlen"] for r in fwd["rows"] if r["tflops"].get("FLEX"))
@@ -282,10 +262,7 @@ def portable() -> tuple[str, dict]:
         rs = {r["round"]: r for r in ab["rows"] if (r["d"], r["causal"], r["seqlen"]) == s}
         abrows.append(
             f"| {s[0]} | {_yn(s[1])} | {s[2]} | "
-            + " | ".join(
-                f"{_f(rs[i]['tflops']['old'])} / {_f(rs[i]['tflops']['new'])} | {_x(rs[i]['new_over_old'])}"
-                for i in rounds
-            )
+            + " | ".join(f"{_f(rs[i]['tflops']['old'])} / {_f(rs[i]['tflops']['new'])} | {_x(rs[i]['new_over_old'])}" for i in rounds)
             + " |"
         )
     ratios = [r["new_over_old"] for r in ab["rows"]]
@@ -355,9 +332,7 @@ def backward() -> tuple[str, dict]:
             fb_ratio.append((r["d"], fbr))
         brows.append(
             f"| {r['d']} | {_yn(r['causal'])} | {r['seqlen']} | "
-            + " | ".join(
-                _f(r["tflops"].get(c)) for c in ("flashgen", "FLASH", "CUDNN", "EFFICIENT")
-            )
+            + " | ".join(_f(r["tflops"].get(c)) for c in ("flashgen", "FLASH", "CUDNN", "EFFICIENT"))
             + f" | {_x(r['ratio']['FLASH'])} | {_x(r['ratio']['CUDNN'])} | "
             + (f"{_x(fbr)} |" if fbr else "- |")
         )
@@ -374,14 +349,7 @@ def backward() -> tuple[str, dict]:
     ]
     cost = []
     for r in sorted(det["rows"], key=lambda r: (r["d"], r["causal"], r["seqlen"])):
-        nd = next(
-            (
-                x
-                for x in v2["rows"]
-                if (x["d"], x["causal"], x["seqlen"]) == (r["d"], r["causal"], r["seqlen"])
-            ),
-            None,
-        )
+        nd = next((x for x in v2["rows"] if (x["d"], x["causal"], x["seqlen"]) == (r["d"], r["causal"], r["seqlen"])), None)
         rel = r["tflops"]["flashgen"] / nd["tflops"]["flashgen"] if nd else None
         if rel:
             cost.append((r["d"], r["causal"], rel))
@@ -391,9 +359,7 @@ def backward() -> tuple[str, dict]:
         )
 
     def c(d=None, causal=None):
-        return _rng(
-            [v for dd, cc, v in cost if (d is None or dd == d) and (causal is None or cc == causal)]
-        )
+        return _rng([v for dd, cc, v in cost if (d is None or dd == d) and (causal is None or cc == causal)])
 
     verdict = "meeting the 1.0x bar" if met else "short of the 1.0x bar (not met)"
     worst = max(max(r["max_abs_diff_vs_flash"].values()) for r in bwd["rows"])
@@ -454,13 +420,7 @@ def decode() -> tuple[str, dict]:
     bar1 = []
     for b in batches:
         for paged in (False, True):
-            sel = [
-                r
-                for r in rows
-                if r["batch"] == b
-                and r["context"] >= DECODE_BAR_CONTEXT
-                and (r["page_size"] > 0) == paged
-            ]
+            sel = [r for r in rows if r["batch"] == b and r["context"] >= DECODE_BAR_CONTEXT and (r["page_size"] > 0) == paged]
             v = [r["gbps"]["flashgen"] / r["gbps"]["copy"] for r in sel]
             low = [r for r in sel if r["gbps"]["flashgen"] / r["gbps"]["copy"] < 0.8]
             bar1.append((b, paged, v, sorted({r["context"] for r in low})))
@@ -493,55 +453,23 @@ def decode() -> tuple[str, dict]:
 
     fg_big = [r["gbps"]["flashgen"] for r in copy_big if r["page_size"] == 0]
     cu_big = [r["gbps"]["CUDNN"] for r in copy_big if "CUDNN" in r["gbps"]]
-    small_sel = [
-        r
-        for r in rows
-        if (r["batch"], r["context"], r["page_size"]) == (small["batch"], small["context"], 0)
-    ]
+    small_sel = [r for r in rows if (r["batch"], r["context"], r["page_size"]) == (small["batch"], small["context"], 0)]
     small_us = [kv_bytes(r) / r["gbps"]["flashgen"] / 1e3 for r in small_sel]
     small_cu = [kv_bytes(r) / r["gbps"]["CUDNN"] / 1e3 for r in small_sel if "CUDNN" in r["gbps"]]
     paged_cost = [
-        100
-        * (
-            1
-            - r["gbps"]["flashgen"]
-            / next(
-                x
-                for x in rows
-                if (x["batch"], x["heads"], x["context"], x["page_size"])
-                == (r["batch"], r["heads"], r["context"], 0)
-            )["gbps"]["flashgen"]
-        )
-        for r in rows
-        if r["page_size"] > 0 and big(r)
+        100 * (1 - r["gbps"]["flashgen"] / next(x for x in rows if (x["batch"], x["heads"], x["context"], x["page_size"]) == (r["batch"], r["heads"], r["context"], 0))["gbps"]["flashgen"])
+        for r in rows if r["page_size"] > 0 and big(r)
     ]
-    missed = [
-        r
-        for r in rows
-        if r["context"] >= DECODE_BAR_CONTEXT and r["gbps"]["flashgen"] < 0.8 * r["gbps"]["copy"]
-    ]
+    missed = [r for r in rows if r["context"] >= DECODE_BAR_CONTEXT and r["gbps"]["flashgen"] < 0.8 * r["gbps"]["copy"]]
     missed_s = (
         f"where it is missed (batch {', '.join(sorted({str(r['batch']) for r in missed}))}, {_mb(missed)} of K/V) the copy reads "
         f"{_rng([r['gbps']['copy'] for r in missed], _f)} GB/s and flashgen {_rng([r['gbps']['flashgen'] for r in missed], _f)} GB/s."
-        if missed
-        else "it is met everywhere."
+        if missed else "it is met everywhere."
     )
     h0 = heads_all[0]
     trows = []
-    for r in sorted(
-        (r for r in rows if r["heads"] == h0 and r["page_size"] == 0),
-        key=lambda r: (r["batch"], r["context"]),
-    ):
-        pg = {
-            p: next(
-                x
-                for x in rows
-                if (x["batch"], x["heads"], x["context"], x["page_size"])
-                == (r["batch"], h0, r["context"], p)
-            )["gbps"]["flashgen"]
-            for p in pages
-            if p
-        }
+    for r in sorted((r for r in rows if r["heads"] == h0 and r["page_size"] == 0), key=lambda r: (r["batch"], r["context"])):
+        pg = {p: next(x for x in rows if (x["batch"], x["heads"], x["context"], x["page_size"]) == (r["batch"], h0, r["context"], p))["gbps"]["flashgen"] for p in pages if p}
         bv, bk = best(r)
         trows.append(
             f"| {r['batch']} | {r['context'] // 1024}k | {kv_bytes(r) / 1e6:.0f} | {_f(r['gbps']['copy'])} | {_f(r['gbps']['flashgen'])} | "
@@ -602,11 +530,7 @@ cuDNN's {_rng(small_cu, _f)} us); over all contiguous shapes {vrange(lambda r: T
     summary = {
         "bar1_met": bar1_met,
         "bar1_low": sorted({b for b, _, _, low in bar1 if low}),
-        "copy_ratio": [
-            r["gbps"]["flashgen"] / r["gbps"]["copy"]
-            for r in rows
-            if r["context"] >= DECODE_BAR_CONTEXT
-        ],
+        "copy_ratio": [r["gbps"]["flashgen"] / r["gbps"]["copy"] for r in rows if r["context"] >= DECODE_BAR_CONTEXT],
         "sdpa": [v for _, v in vs],
         "faster": len(faster),
         "n": len(rows),
@@ -636,7 +560,7 @@ flashgen's forward and backward as its attention and once with SDPA (`examples/t
 |---|---|---|---|---|---|
 | flashgen | {fg["final_loss"]:.4f} | {fg["final_loss_mean_last20"]:.4f} | {fg["eval_loss"]:.4f} | {fg["tokens_per_s"] / 1e3:.0f}k | {fg["ms_per_step"]:.2f} |
 | SDPA | {sd["final_loss"]:.4f} | {sd["final_loss_mean_last20"]:.4f} | {sd["eval_loss"]:.4f} | {sd["tokens_per_s"] / 1e3:.0f}k | {sd["ms_per_step"]:.2f} |
-{f"| SDPA, repeated | {rep["final_loss"]:.4f} | {rep["final_loss_mean_last20"]:.4f} | {rep["eval_loss"]:.4f} | {rep["tokens_per_s"] / 1e3:.0f}k | {rep["ms_per_step"]:.2f} |" if rep else ""}
+{f'| SDPA, repeated | {rep["final_loss"]:.4f} | {rep["final_loss_mean_last20"]:.4f} | {rep["eval_loss"]:.4f} | {rep["tokens_per_s"] / 1e3:.0f}k | {rep["ms_per_step"]:.2f} |' if rep else ""}
 
 The loss curves agree: the largest per-step difference between flashgen and SDPA is
 {ld["flashgen_vs_sdpa"]["max_abs"]:.4f} (mean {ld["flashgen_vs_sdpa"]["mean_abs_last100"]:.4f} over the last 100 steps), against
@@ -654,12 +578,7 @@ def hbm() -> tuple[str, dict]:
     gb = g["measured_dram_bytes"]
     m = h["measured"]
     s = h["shape"]
-    names = {
-        "flashgen": "flashgen",
-        "math": "standard (SDPA MATH)",
-        "flash": "SDPA FLASH",
-        "cudnn": "SDPA CUDNN",
-    }
+    names = {"flashgen": "flashgen", "math": "standard (SDPA MATH)", "flash": "SDPA FLASH", "cudnn": "SDPA CUDNN"}
     rows = "\n".join(
         f"| {names.get(k, k)} | {v['read_GB']:.2f} | {v['write_GB']:.2f} | {v['total_GB']:.2f} | {v['kernels']} |"
         for k, v in m.items()
@@ -694,11 +613,7 @@ flashgen moves {m["flashgen"]["total_GB"]:.2f} GB, {m["math"]["total_GB"] / m["f
 counts {h["model_GB_flashgen"]:.2f} GB, an upper bound on DRAM bytes (the K/V re-reads of the forward and the
 Q/dO re-reads of the backward hit L2).{f" The paper's Figure 2 (A100, forward + backward): {paper['standard']} GB standard against {paper['flashattention']} GB FlashAttention." if paper else ""}
 """
-    return text, {
-        "fb": m["flashgen"]["total_GB"],
-        "math": m["math"]["total_GB"],
-        "flash": m["flash"]["total_GB"],
-    }
+    return text, {"fb": m["flashgen"]["total_GB"], "math": m["math"]["total_GB"], "flash": m["flash"]["total_GB"]}
 
 
 def sparsity() -> str:
