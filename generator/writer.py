@@ -254,8 +254,11 @@ def plan_generate(
     # score_params.h is rendered from the feature registry (generator/features/): its template
     # copy is brought up to date (so kernel names hash the current struct) and vendored.
     score_h = render_score_params_h().encode("utf-8")
+    # (only the project's own templates: another templates folder is the caller's, and its
+    # kernels vendor the rendered header all the same)
     source_h = renderer.templates_dir / SCORE_PARAMS_HEADER
-    if not source_h.is_file() or source_h.read_bytes() != score_h:
+    own = renderer.templates_dir == paths.TEMPLATES_DIR.resolve()
+    if own and (not source_h.is_file() or source_h.read_bytes() != score_h):
         plan.writes[source_h] = score_h
     includes[SCORE_PARAMS_HEADER] = score_h
     for rel, data in includes.items():
