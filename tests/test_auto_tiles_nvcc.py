@@ -26,9 +26,10 @@ matrix (measurements in docs/tiles.md, nvcc 13.0):
   window/varlen with dropout and IO counters or the debug keep-mask.
 
 3 targets x 16 head dims x 9 combinations = 432 kernels: about 7 minutes from a cold cache
-on 2 cores (docs/tiles.md), seconds when warm. Kernels go to the build directory
-(`$FLASHGEN_BUILD_DIR`, default the checkout's build/kernels), the cache `flashgen compile`
-uses, so unchanged kernels are not rebuilt (a kernel's name hashes its templates).
+on 2 cores (docs/tiles.md), seconds when warm. Kernels go to a temporary folder of the test
+session (nothing is left in the checkout), or, when `$FLASHGEN_BUILD_DIR` is set, to that
+build directory, the cache `flashgen compile` uses, so unchanged kernels are not rebuilt
+across runs (a kernel's name hashes its templates).
 `FLASHGEN_AUTO_TILES=full` compiles the whole matrix instead (every feature combination, both
 dtypes, all four targets: 36,864 kernels, for a many-core machine after a kernel change).
 """
@@ -228,13 +229,21 @@ CELLS = matrix()
 
 
 @pytest.fixture(scope="module")
-def compiled() -> dict[str, Any]:
-    """Compile every cell's specs at once (all cores), into the shared kernel cache."""
+def sweep_dir(tmp_path_factory) -> Any:
+    """Where the sweep's kernels go: $FLASHGEN_BUILD_DIR (a cache kept across runs) when set,
+    else a temporary folder of the session."""
+    env = os.environ.get("FLASHGEN_BUILD_DIR")
+    return env if env else tmp_path_factory.mktemp("auto_tiles")
+
+
+@pytest.fixture(scope="module")
+def compiled(sweep_dir) -> dict[str, Any]:
+    """Compile every cell's specs at once (all cores)."""
     from flashgen.generator.compile import compile_specs
     from flashgen.generator.naming import kernel_name
 
     specs = list({s: None for _, _, cell in CELLS for s in cell})  # unique, in order
-    results = compile_specs(specs, jobs=os.cpu_count(), progress=False)
+    results = compile_specs(specs, sweep_dir, jobs=os.cpu_count(), progress=False)
     return {kernel_name(s): r for s, r in zip(specs, results)}
 
 
@@ -267,10 +276,10 @@ def test_auto_tile_compiles_without_spills(target, head_dim, specs, compiled):
     "target,head_dim,spelled", KNOWN_SPILLS, ids=[f"{t.yaml}-d{d}-{s}" for t, d, s in KNOWN_SPILLS]
 )
 @pytest.mark.xfail(strict=True, reason="spills with every tile (docs/tiles.md, Known spills)")
-def test_known_spills_still_spill(target, head_dim, spelled):
+def test_known_spills_still_spill(target, head_dim, spelled, sweep_dir):
     from flashgen.generator.compile import compile_specs
 
     (r,) = compile_specs([spec_for(target, Dtype.BF16, head_dim, features(spelled))],
-                         progress=False)  # fmt: skip
+                         sweep_dir, progress=False)  # fmt: skip
     assert r.ok, r.error
     assert not (r.stack_frame or r.spill_stores or r.spill_loads), r
