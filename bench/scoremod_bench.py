@@ -200,9 +200,11 @@ def plain_twin(shipped, twin):
 
 
 def single_mod(spec) -> str | None:
-    return next(iter(spec.features)) if len(spec.features) == 1 and spec.plain is False and not (
-        spec.mask.window or spec.mask.varlen or spec.gqa or spec.dropout or spec.sparse
-        or spec.instrument_io) else None  # fmt: skip
+    """The one score modifier of a spec that is otherwise plain (`KernelSpec.plain` of its
+    twin without the modifier), else None."""
+    if len(spec.features) != 1 or not spec.replace(features=frozenset()).plain:
+        return None
+    return next(iter(spec.features))
 
 
 def main(argv: list[str] | None = None) -> int:
