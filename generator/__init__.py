@@ -1,6 +1,6 @@
 """flashgen: YAML kernel specs -> specialised CUDA FlashAttention kernels."""
 
-__version__ = "0.1.0"
+from flashgen import __version__  # noqa: F401 - one version, set in package/__init__.py
 
 # Families register their validation rules with the spec module on import, so that every
 # KernelSpec, however constructed, is checked against its family.

@@ -949,13 +949,13 @@ def test_top_level_help_says_what_each_command_builds(capsys):
 def test_version_is_the_cli_s_and_the_package_metadata_s(capsys):
     import importlib.metadata
 
-    import flashgen.generator
+    import flashgen
 
     with pytest.raises(SystemExit) as exc:
         run("--version")
     assert exc.value.code == 0
-    assert capsys.readouterr().out.strip() == f"flashgen {flashgen.generator.__version__}"
-    assert importlib.metadata.version("flashgen") == flashgen.generator.__version__
+    assert capsys.readouterr().out.strip() == f"flashgen {flashgen.__version__}"
+    assert importlib.metadata.version("flashgen") == flashgen.__version__
 
 
 def test_the_generator_commands_import_neither_pytest_nor_hypothesis():

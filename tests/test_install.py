@@ -122,6 +122,29 @@ def flashgen(inst: Installed, *args: object) -> subprocess.CompletedProcess:
     return proc
 
 
+def _python(inst: Installed, code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [inst.python, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=inst.cwd,
+        env=inst.env,
+        timeout=TIMEOUT,
+    )
+
+
+def _installed_version(inst: Installed) -> str:
+    code = (
+        "import importlib.metadata as m, flashgen, flashgen.generator\n"
+        "print(flashgen.__version__, m.version('flashgen'), flashgen.generator.__version__)"
+    )
+    proc = _python(inst, code)
+    assert proc.returncode == 0, proc.stderr
+    version, distribution, generator = proc.stdout.split()
+    assert version == distribution == generator
+    return version
+
+
 # --------------------------------------------------------------------------------------------
 # What the wheel holds
 # --------------------------------------------------------------------------------------------
@@ -162,6 +185,8 @@ def test_installed_metadata_has_the_licence_and_only_the_generator_s_dependencie
 
 def test_installed_modules_come_from_the_installed_package(installed):
     modules = [
+        "flashgen",
+        "flashgen.torch",
         "flashgen.generator.cli",
         "flashgen.verify.gpu_cli",
         "flashgen.verify.runner",
@@ -192,6 +217,28 @@ def test_installed_modules_come_from_the_installed_package(installed):
 def test_installed_flashgen_prints_its_version(installed):
     proc = flashgen(installed, "--version")
     assert proc.returncode == 0 and proc.stdout.startswith("flashgen "), proc.stderr
+    assert proc.stdout.split() == ["flashgen", _installed_version(installed)]
+
+
+def test_installed_flashgen_version_is_the_distribution_s_and_the_checkout_s(installed):
+    import flashgen
+
+    assert _installed_version(installed) == flashgen.__version__
+
+
+def test_installed_flashgen_torch_imports_without_torch_and_fails_at_use(installed):
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None  # as if torch were not installed\n"
+        "import flashgen.torch\n"
+        "try:\n"
+        "    flashgen.torch.flash_attn_func\n"
+        "except ImportError:\n"
+        "    print('ImportError')\n"
+    )
+    proc = _python(installed, code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ImportError"
 
 
 def test_installed_flashgen_generates_the_shipped_specs(installed, tmp_path):
