@@ -45,6 +45,7 @@ from flashgen.torch.selection import (
     TensorMeta,
     UnsupportedCall,
     auto_spec,
+    misaligned,
     resolve_mask,
     target_for,
 )
@@ -53,12 +54,15 @@ __all__ = [
     "CacheInputError",
     "DecodeCall",
     "KvProblem",
+    "cache_copy",
+    "cache_layout_ok",
     "check_features",
     "check_kvcache",
     "check_merge",
     "decode_mask",
     "decode_spec",
     "describe_errors",
+    "merge_layout_ok",
     "merge_spec",
 ]
 
@@ -222,21 +226,100 @@ def used_strides(t: TensorMeta) -> tuple[int, ...]:
     return tuple(0 if n == 1 else s for n, s in zip(t.shape, t.stride))
 
 
+def _layout_message(name: str, t: TensorMeta) -> str | None:
+    """Why the decode kernels cannot read the strides of `name`, or None."""
+    if t.stride[-1] != 1 and 0 not in t.shape:
+        return (
+            f"{name}'s last dimension (head_dim) has stride {t.stride[-1]}; it must be "
+            "contiguous (stride 1): pass .contiguous()"
+        )
+    if any(s % 8 for s in used_strides(t)[:-1]):
+        return (
+            f"{name} has strides {tuple(t.stride)}; every stride but the last must be a "
+            "multiple of 8 elements (16 bytes): pass .contiguous()"
+        )
+    return None
+
+
 def _check_layout(name: str, t: TensorMeta, layout: str) -> None:
     if len(t.shape) != 4:
         raise UnsupportedCall(
             f"{name} has {len(t.shape)} dimensions {tuple(t.shape)}; it must be {layout}"
         )
-    if t.stride[-1] != 1 and 0 not in t.shape:
-        raise UnsupportedCall(
-            f"{name}'s last dimension (head_dim) has stride {t.stride[-1]}; it must be "
-            "contiguous (stride 1): pass .contiguous()"
-        )
-    if any(s % 8 for s in used_strides(t)[:-1]):
-        raise UnsupportedCall(
-            f"{name} has strides {tuple(t.stride)}; every stride but the last must be a "
-            "multiple of 8 elements (16 bytes): pass .contiguous()"
-        )
+    message = _layout_message(name, t)
+    if message is not None:
+        raise UnsupportedCall(message)
+
+
+def cache_layout_ok(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """check_kvcache's stride rule (q, k_cache, v_cache) as a predicate: the last dimension
+    has stride 1 and every other used stride (`used_strides`) is a multiple of 8 elements;
+    a tensor without elements passes. Plain loops, no strings: torch.compile traces it."""
+    for n in shape:
+        if n == 0:
+            return True
+    if len(stride) == 0 or stride[-1] != 1:
+        return False
+    for n, s in zip(shape[:-1], stride[:-1]):
+        if n != 1 and s % 8 != 0:
+            return False
+    return True
+
+
+def merge_layout_ok(shape: tuple[int, ...], stride: tuple[int, ...], vec: int) -> bool:
+    """check_merge's stride rule for o_parts (vec: 8 elements of 16 bits, 4 of float32)."""
+    if len(stride) == 0 or stride[-1] != 1:
+        return False
+    for n in shape:
+        if n == 0:
+            return True
+    for n, s in zip(shape[:-1], stride[:-1]):
+        if n != 1 and s % vec != 0:
+            return False
+    return True
+
+
+ALIGNED_MESSAGE = (
+    "{name} starts at an address that is not 16-byte aligned (a view that begins "
+    "mid-vector?): pass .contiguous()"
+)  # the decode op's (ops._check_aligned)
+
+
+def cache_copy(
+    name: str,
+    t: TensorMeta,
+    storage_offset: int,
+    head_dim: int,
+    padded: int,
+    *,
+    written: bool,
+) -> bool:
+    """Whether flash_attn_with_kvcache reads the cache `name` (k_cache or v_cache, described
+    by `t` and its storage offset) through a copy: when the call runs at a zero-padded head
+    dim (`padded` != `head_dim`, `selection.padded_head_dim`), or when the decode kernels
+    cannot read its layout (`cache_layout_ok`, or a first element off a 16-byte boundary).
+    A read-only cache may be copied (the whole tensor, per call: docs/torch.md says what it
+    costs). A cache the call writes in place (appended `k`, `v`) must not be: the new rows
+    would land in the copy, not in the caller's cache. Such a call is refused, naming the
+    head dim and the served ones, or with the layout's own message. (flashgen does not
+    append yet: `check_features` refuses `k`, `v` first, so today every cache is read-only
+    here; this rule is what an appending call will meet.)"""
+    layout = _layout_message(name, t) if len(t.shape) else None
+    aligned = not misaligned(t.shape, storage_offset)
+    if padded == head_dim and layout is None and aligned:
+        return False
+    if written:
+        if padded != head_dim:
+            dims = ", ".join(map(str, HEAD_DIMS))
+            raise UnsupportedCall(
+                f"{name} has head_dim {head_dim}, which has no decode kernel (decode kernels "
+                f"serve head dims {dims}); such a cache is read through a copy zero-padded "
+                f"to {padded}, but this call writes k, v into {name} in place, which a copy "
+                f"cannot do: allocate the caches with head_dim {padded} (zero columns past "
+                f"{head_dim}) and pad q, k, v to it"
+            )
+        raise UnsupportedCall(layout or ALIGNED_MESSAGE.format(name=name))
+    return True
 
 
 def _check_int_vector(name: str, t: TensorMeta, shape: tuple[int, ...], what: str) -> None:

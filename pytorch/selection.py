@@ -50,6 +50,7 @@ __all__ = [
     "CAPABILITIES",
     "PREFERRED",
     "DTYPES",
+    "MAX_HEAD_DIM",
     "NO_FEATURES",
     "SCORE_ARGS",
     "AttentionCall",
@@ -59,8 +60,13 @@ __all__ = [
     "backward_spec",
     "check_problem",
     "forward_spec",
+    "head_dim_served",
+    "layout_ok",
+    "misaligned",
+    "padded_head_dim",
     "resolve_mask",
     "score_features",
+    "served_head_dims",
     "target_for",
 ]
 
@@ -415,8 +421,11 @@ def _spec_for(kind: KernelKind, call: AttentionCall, target: Target) -> KernelSp
         dims = FWD_HEAD_DIMS if kind is KernelKind.FORWARD else BWD_HEAD_DIMS
         hint = ""
         if kind is KernelKind.BACKWARD:
-            hint = " (for inference only, call under torch.no_grad() or with inputs that do "
-            hint += "not require grad: the forward serves every multiple of 16 in 16..256)"
+            hint = (
+                " (flash_attn_func and flash_attn_varlen_func zero-pad such a head dim to "
+                "the next one both kinds serve; for inference only, call the operator under "
+                f"torch.no_grad(): the forward serves head dims {_head_dims(FWD_HEAD_DIMS)})"
+            )
         raise UnsupportedCall(
             f"head_dim {call.head_dim} has no {kind.yaml} kernel (supported head dims: "
             f"{_head_dims(dims)}){hint}"
@@ -461,3 +470,105 @@ def forward_spec(call: AttentionCall) -> KernelSpec:
 def backward_spec(call: AttentionCall) -> KernelSpec:
     """The backward kernel of this call (auto tile for the call's target)."""
     return _spec(KernelKind.BACKWARD, call)
+
+
+# --------------------------------------------------------------------------------------------
+# Head dims without a kernel: zero-padded to the next served one (flash-attn's approach).
+# --------------------------------------------------------------------------------------------
+
+MAX_HEAD_DIM = 256  # the largest head dim flashgen.torch takes (flash-attn's bound too)
+
+
+def head_dim_served(kind: KernelKind, capability: Sequence[int], head_dim: int) -> bool:
+    """Whether a family the selection consults for `kind` on a GPU of this capability (the
+    PREFERRED one, then the portable one of `target_for`, as `_spec` tries them) serves
+    `head_dim`. An unsupported capability is the UnsupportedCall of `target_for`."""
+    cap = tuple(int(x) for x in capability)
+    portable = target_for(cap)
+    preferred = PREFERRED.get((kind, cap))  # type: ignore[call-overload]
+    if preferred is not None and family(kind, preferred).head_dim_ok(head_dim):
+        return True
+    return family(kind, portable).head_dim_ok(head_dim)
+
+
+def served_head_dims(capability: Sequence[int], kinds: Sequence[KernelKind]) -> tuple[int, ...]:
+    """The head dims in 1..MAX_HEAD_DIM that every kind of `kinds` serves on this GPU."""
+    return tuple(
+        d
+        for d in range(1, MAX_HEAD_DIM + 1)
+        if all(head_dim_served(kind, capability, d) for kind in kinds)
+    )
+
+
+def _kinds_text(kinds: Sequence[KernelKind]) -> str:
+    return " and ".join(kind.yaml for kind in kinds)
+
+
+@lru_cache(maxsize=None)
+def padded_head_dim(
+    head_dim: int,
+    capability: tuple[int, int],
+    kinds: tuple[KernelKind, ...],
+    what: str | None = None,
+) -> int:
+    """The head dim the kernels of `kinds` run a call at whose q (and k, v, caches) have
+    `head_dim`: `head_dim` itself when every kind serves it on this GPU, else the smallest
+    larger one they all serve, searched upward in steps of 1 up to MAX_HEAD_DIM (so the
+    answer follows the families when they serve more head dims). The caller zero-pads the
+    last dimension to it and slices outputs and gradients back: zeros add nothing to q . k
+    and give zero output columns, and the softmax scale stays the caller's (default
+    1 / sqrt(head_dim) of the unpadded head dim).
+
+    `kinds`: (FORWARD,) for a call without gradients, (FORWARD, BACKWARD) when the backward
+    will run (both must run at one head dim: the backward reads the forward's output), or
+    (DECODE,). `what` names the kernels in messages (default: the kinds). Raises
+    UnsupportedCall for a head dim outside 1..MAX_HEAD_DIM, or one that no served head dim
+    >= it covers, naming the value and what is allowed."""
+    name = what or _kinds_text(kinds)
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int):
+        raise UnsupportedCall(f"head_dim must be an int, got {type(head_dim).__name__}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        dims = _head_dims(served_head_dims(capability, kinds))
+        raise UnsupportedCall(
+            f"head_dim {head_dim}: allowed 1..{MAX_HEAD_DIM} (the last dimension of q, k and "
+            f"v; {name} kernels serve head dims {dims}, and any other head dim up to "
+            f"{MAX_HEAD_DIM} is zero-padded to the next of those)"
+        )
+    for d in range(head_dim, MAX_HEAD_DIM + 1):
+        if all(head_dim_served(kind, capability, d) for kind in kinds):
+            return d
+    dims = _head_dims(served_head_dims(capability, kinds))
+    raise UnsupportedCall(
+        f"head_dim {head_dim} has no {name} kernel, nor has any head dim from {head_dim} to "
+        f"{MAX_HEAD_DIM} it could be zero-padded to ({name} kernels serve head dims "
+        f"{dims or 'none'})"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Layouts the kernels cannot read: the Python layer copies such tensors once.
+# --------------------------------------------------------------------------------------------
+
+VECTOR_BYTES = 16  # the kernels load 16-byte vectors: 8 float16/bfloat16 elements
+
+
+def layout_ok(stride: Sequence[int]) -> bool:
+    """check_problem's layout rule as a predicate: the last dimension has stride 1 and every
+    other stride is a multiple of 8 elements. (Plain loops, no strings: torch.compile traces
+    it with symbolic sizes.)"""
+    if len(stride) == 0 or stride[-1] != 1:
+        return False
+    for s in stride[:-1]:
+        if s % 8 != 0:
+            return False
+    return True
+
+
+def misaligned(shape: Sequence[int], storage_offset: int, itemsize: int = 2) -> bool:
+    """Whether a tensor with elements starts off a 16-byte boundary of its storage (a view
+    that begins mid-vector, e.g. `x[..., 3:67]`): the ops refuse such a data pointer. The
+    storage itself is taken as aligned (torch's allocators align far more)."""
+    for n in shape:
+        if n == 0:
+            return False
+    return (storage_offset * itemsize) % VECTOR_BYTES != 0
