@@ -1,12 +1,30 @@
 """flash-attn 2's Python interface over flashgen kernels: `flash_attn_func`,
 `flash_attn_varlen_func`. Same names, argument names and order, layouts and conventions, so
 switching is one import: `from flashgen.torch import flash_attn_func`.
+
+Two things happen here, before the operators (`flashgen.torch.ops`, which take only what a
+kernel reads as it is) see the tensors, as flash-attn does them in its Python layer:
+
+- a head dim d in 1..256 that the kernels of the call do not serve is zero-padded: q, k and
+  v get `F.pad` to the smallest served d' > d (`selection.padded_head_dim`, which asks the
+  families), the kernels run at d' and the output is sliced back to d; autograd slices the
+  gradients through the pad. The softmax scale stays 1 / sqrt(d) of the caller's d;
+- a tensor whose layout the kernels cannot read (a last stride other than 1, another stride
+  not a multiple of 8 elements, a first element off a 16-byte boundary) is copied once into
+  the contiguous layout (`_readable`); aligned views (e.g. `qkv.unbind(2)`) are read in
+  place.
+
+Both are differentiable torch ops decided from shapes, strides and the device only (no
+tensor values), so torch.compile(fullgraph=True) traces them and CUDA graphs capture them.
 """
 
+import operator
 from typing import Optional, Union
 
 import torch
-from flashgen.torch import ops
+import torch.nn.functional as F
+from flashgen.generator.spec import KernelKind
+from flashgen.torch import ops, selection
 from flashgen.torch.selection import UnsupportedCall
 from torch import Tensor
 
@@ -14,29 +32,116 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func"]
 
 Result = Union[Tensor, tuple[Tensor, Tensor, None]]
 
+_HALF = (torch.float16, torch.bfloat16)
+_INFERENCE = (KernelKind.FORWARD,)
+_TRAINING = (KernelKind.FORWARD, KernelKind.BACKWARD)  # one head dim: bwd reads fwd's output
+
+
+def _on_cuda(t: Tensor) -> bool:
+    """Whether t lives on a CUDA device (the mocked-CUDA CPU tests replace this)."""
+    return t.device.type == "cuda"
+
+
+@torch.compiler.assume_constant_result
+def _kernel_head_dim(head_dim: int, index: Optional[int], backward: bool) -> int:
+    """`selection.padded_head_dim` of a call on CUDA device `index` (None: the current one),
+    with the backward's kernels too when it will run. torch.compile calls it once at trace
+    time and keeps the result (it reads the device's compute capability, which it cannot
+    trace); its guards on q's head dim, device and requires_grad cover what it reads."""
+    if index is None:
+        index = torch.cuda.current_device()
+    kinds = _TRAINING if backward else _INFERENCE
+    return selection.padded_head_dim(head_dim, ops._capability(index), kinds)
+
+
+def _readable(t: Tensor) -> Tensor:
+    """t itself when the kernels can read its layout (`selection.layout_ok`, and a first
+    element on a 16-byte boundary), else one copy of it in the contiguous layout: `clone`
+    (differentiable), as `.contiguous()` would keep an odd stride of a size-1 dimension.
+    Under torch.compile the start address is not known at trace time; a view that begins
+    mid-vector is then refused by the op at run time, as before."""
+    if selection.layout_ok(t.stride()) and (
+        torch.compiler.is_compiling()
+        or not selection.misaligned(t.shape, t.storage_offset(), t.element_size())
+    ):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _padded_strides(shape) -> tuple[int, ...]:
+    """Contiguous strides of `shape` with its last dimension rounded up to a multiple of 8:
+    a layout the kernels read, as the padded copies have."""
+    shape = tuple(shape)
+    out, acc = [1], -(-int(shape[-1]) // 8) * 8
+    for n in reversed(shape[:-1]):
+        out.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(out))
+
+
+def _check_unpadded(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    """The op's checks of the caller's tensors as they will be copied (their shapes, readable
+    strides), so that a refusal names the caller's shapes and their first problem, not the
+    padded shapes or a stride only the copy would have fixed."""
+    metas = [ops._meta(t) for t in (q, k, v)]
+    q_m, k_m, v_m = (m._replace(stride=_padded_strides(m.shape)) if m.shape else m for m in metas)
+    selection.check_problem(
+        q_m, k_m, v_m,
+        cu_seqlens_q=None if cu_seqlens_q is None else ops._meta(cu_seqlens_q),
+        cu_seqlens_k=None if cu_seqlens_k is None else ops._meta(cu_seqlens_k),
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+    )  # fmt: skip
+
+
+def _kernel_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   backward: bool) -> tuple[Tensor, Tensor, Tensor, int]:  # fmt: skip
+    """(q, k, v) as the kernels read them, and the head dim they run at: zero-padded to
+    `_kernel_head_dim` when the kernels do not serve q's head dim, then copied where their
+    layout is one the kernels cannot read. Tensors the op refuses anyway (not CUDA, not
+    float16/bfloat16, head dims that differ) are passed on as they are, to its message."""
+    d = q.shape[-1]
+    if not (_on_cuda(q) and q.dtype in _HALF):
+        return q, k, v, d
+    compiling = torch.compiler.is_compiling()
+    if k.dim() == 0 or v.dim() == 0 or k.shape[-1] != d or v.shape[-1] != d:
+        if not compiling:  # refused: say the head dims differ (not that a stride is odd)
+            _check_unpadded(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        return q, k, v, d
+    padded = _kernel_head_dim(operator.index(d), q.device.index, backward)
+    if padded != d:
+        if not compiling:
+            _check_unpadded(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        pad = (0, padded - d)
+        qp = F.pad(q, pad)
+        kp = qp if k is q else F.pad(k, pad)
+        vp = qp if v is q else kp if v is k else F.pad(v, pad)
+        q, k, v = qp, kp, vp
+    return _readable(q), _readable(k), _readable(v), padded
+
 
 def _attention(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
     softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
     return_attn_probs, learnable_sink,
 ) -> Result:  # fmt: skip
-    if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
+    head_dim = q.shape[-1]
+    if softmax_scale is None:  # the caller's head dim, padded or not (0: refused below)
+        softmax_scale = head_dim**-0.5 if head_dim > 0 else 1.0
     if type(softcap) is not float:
         softcap = ops.as_softcap(softcap)
     if alibi_slopes is not None or learnable_sink is not None:
         ops.check_score_tensors(alibi_slopes, learnable_sink)
     window_left, window_right = window_size
-    if (
-        not torch.compiler.is_compiling()
-        and torch.is_grad_enabled()
-        and (
-            q.requires_grad
-            or k.requires_grad
-            or v.requires_grad
-            or (isinstance(learnable_sink, Tensor) and learnable_sink.requires_grad)
-        )
-    ):
+    backward = torch.is_grad_enabled() and (
+        q.requires_grad
+        or k.requires_grad
+        or v.requires_grad
+        or (isinstance(learnable_sink, Tensor) and learnable_sink.requires_grad)
+    )
+    q, k, v, kernel_head_dim = _kernel_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backward
+    )
+    if backward and not torch.compiler.is_compiling():
         # Refuse an unsupported backward before the forward runs (and perhaps compiles);
         # under torch.compile the op's autograd set-up does the same at trace time. A call
         # of a kind check_backward accepted before skips it: the forward then refuses
@@ -68,6 +173,8 @@ def _attention(
         alibi_slopes,
         learnable_sink,
     )
+    if kernel_head_dim != head_dim:  # zero-padded: the output's first head_dim columns
+        out = out[..., :head_dim].contiguous()
     if return_attn_probs:
         return out, lse, None
     return out
@@ -91,11 +198,16 @@ def flash_attn_func(
     """Attention over `(batch, seqlen, heads, head_dim)` tensors, as flash-attn 2's.
 
     Arguments:
-        q: `(batch, seqlen_q, heads, head_dim)`, float16 or bfloat16, on a CUDA device.
+        q: `(batch, seqlen_q, heads, head_dim)`, float16 or bfloat16, on a CUDA device;
+            head_dim in 1..256. A head dim the kernels do not serve is zero-padded to the
+            next one they serve (a copy of q, k and v; the output and the gradients are
+            sliced back), as flash-attn does; docs/torch.md, "Head dims and layouts".
         k, v: `(batch, seqlen_k, kv_heads, head_dim)`; `kv_heads` divides `heads` (GQA/MQA:
-            query head h reads k/v head `h // (heads // kv_heads)`). The last dimension must
-            be contiguous and every other stride a multiple of 8 elements; views such as
-            `qkv[:, :, 0]` of a packed projection are taken as they are, without a copy.
+            query head h reads k/v head `h // (heads // kv_heads)`). Views whose last
+            dimension is contiguous and whose other strides are multiples of 8 elements,
+            such as `qkv[:, :, 0]` of a packed projection, are read in place; any other
+            layout (e.g. `x[..., :d]` of a wider tensor with d not a multiple of 8) is
+            copied once into a contiguous buffer (differentiable, like the padding).
         dropout_p: dropout probability on the attention weights (0.0 at evaluation). Seed and
             offset come from the device's default CUDA generator (`torch.manual_seed` makes
             a forward/backward pair reproducible); refused under CUDA graph capture.
@@ -131,11 +243,11 @@ def flash_attn_func(
 
     Raises:
         UnsupportedCall (a ValueError) when no flashgen kernel serves the call: CPU tensors,
-        a dtype other than float16/bfloat16, a head_dim without a kernel (forward: multiples
-        of 16 in 16..256; backward, when an input requires grad: 16..128 step 16 and 160,
-        192, 224, 256), a GPU other than compute capability 8.0, 8.6, 8.9 or 9.0, a layout
-        the kernels cannot read, a softcap < 0, NaN or inf, alibi_slopes or learnable_sink
-        of another shape, dtype or device. It says what is allowed; nothing falls back.
+        a dtype other than float16/bfloat16, a head_dim outside 1..256 (or one that no
+        served head dim >= it covers), a GPU other than compute capability 8.0, 8.6, 8.9 or
+        9.0, a softcap < 0, NaN or inf, alibi_slopes or learnable_sink of another shape,
+        dtype, device or a strided last dimension. It says what is allowed; nothing falls
+        back.
     """
     return _attention(
         q, k, v, None, None, 0, 0, dropout_p, softmax_scale, causal, window_size, softcap,

@@ -22,6 +22,14 @@ them on tensors that require grad works and returns outputs that do not (as flas
 `flash_attn_with_kvcache`, which has no backward either); calling the raw operators on such
 tensors fails at `backward()` (no autograd formula is registered).
 
+Head dims and layouts (docs/torch.md, "Head dims and layouts"): a head dim d in 1..256 the
+decode kernels do not serve is zero-padded to the next one they serve (`_decode_inputs`: q and
+both caches are read through padded copies, the output is sliced back; `merge_states` pads
+o_parts alike), and a q or cache whose layout the kernels cannot read is copied once into the
+contiguous layout. A cache copy costs a copy of the whole cache per call. flashgen does not
+append to caches (k=, v= are refused), so every cache is read-only here and may be copied; a
+call that writes a cache in place would be refused instead (`kvcache_select.cache_copy`).
+
 Bad cache metadata (docs/decode.md, "Bad input"): a block-table entry outside `[0,
 num_pages)` for a used page, or a `cache_seqlens` entry outside `[0, capacity]`, is never
 dereferenced: the kernel sets a bit of the workspace's error word and the outputs are
@@ -36,10 +44,11 @@ import os
 from typing import Optional, Union
 
 import torch
+import torch.nn.functional as F
 from flashgen.generator.families.decode import WORKSPACE_HEADER
-from flashgen.generator.spec import Dtype
+from flashgen.generator.spec import Dtype, KernelKind
 from flashgen.runtime import DecodeLibrary
-from flashgen.torch import cache
+from flashgen.torch import cache, selection
 from flashgen.torch import kvcache_select as ks
 from flashgen.torch.kvcache_select import CacheInputError, DecodeCall, KvProblem
 from flashgen.torch.ops import _capability as _device_capability
@@ -66,6 +75,8 @@ __all__ = [
 
 CHECK_ENV = "FLASHGEN_KVCACHE_CHECK"  # "1": check_inputs=True by default
 _TORCH_DTYPES = {Dtype.FP16: torch.float16, Dtype.BF16: torch.bfloat16}
+_HALF = (torch.float16, torch.bfloat16)
+_DECODE = (KernelKind.DECODE,)
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
@@ -129,6 +140,112 @@ def _spec(q: Tensor, pb: KvProblem, causal: bool, window_left: int, window_right
         pb.dtype, int(pb.head_dim), _capability(q.device), pb.paged, mask, window, features
     )
     return ks.decode_spec(call), runtime
+
+
+# --------------------------------------------------------------------------------------------
+# Head dims without a decode kernel (zero-padded) and layouts it cannot read (copied)
+# --------------------------------------------------------------------------------------------
+
+
+def _on_cuda(t: Tensor) -> bool:
+    """Whether t lives on a CUDA device (the mocked-CUDA CPU tests replace this)."""
+    return t.device.type == "cuda"
+
+
+@torch.compiler.assume_constant_result
+def _decode_head_dim(head_dim: int, index: Optional[int], what: str) -> int:
+    """`selection.padded_head_dim` of the decode kernels on CUDA device `index` (None: the
+    current one); torch.compile calls it at trace time and keeps the result."""
+    device = torch.device("cuda") if index is None else torch.device("cuda", index)
+    return selection.padded_head_dim(head_dim, _capability(device), _DECODE, what)
+
+
+def _offset_ok(t: Tensor) -> bool:
+    """t's first element is on a 16-byte boundary of its storage (not known at trace time
+    under torch.compile: the op then refuses a misaligned view at run time, as before)."""
+    if torch.compiler.is_compiling():
+        return True
+    return not selection.misaligned(t.shape, t.storage_offset(), t.element_size())
+
+
+def _cache_readable(t: Tensor) -> bool:
+    return ks.cache_layout_ok(tuple(t.shape), tuple(t.stride())) and _offset_ok(t)
+
+
+def _padded_meta(t: Tensor):
+    """t's TensorMeta (its shape) with contiguous strides of its last dimension rounded up to
+    a multiple of 8: a layout the kernels read, as the (padded) copies have."""
+    m = _meta(t)
+    if not m.shape:
+        return m
+    stride, acc = [1], -(-m.shape[-1] // 8) * 8
+    for n in reversed(m.shape[:-1]):
+        stride.insert(0, acc)
+        acc *= max(n, 1)
+    return m._replace(stride=tuple(stride))
+
+
+def _check_unpadded(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, scale) -> None:
+    """check_kvcache of the caller's tensors as they will be copied (their shapes, readable
+    strides): a refusal names the caller's shapes and their first problem."""
+    lens = _meta(cache_seqlens) if isinstance(cache_seqlens, Tensor) else cache_seqlens
+    ks.check_kvcache(
+        _padded_meta(q),
+        _padded_meta(k_cache),
+        _padded_meta(v_cache),
+        cache_seqlens=lens,
+        block_table=None if block_table is None else _meta(block_table),
+        num_splits=num_splits,
+        softmax_scale=scale,
+    )
+
+
+def _decode_inputs(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens,
+    block_table: Optional[Tensor],
+    num_splits: int,
+    softmax_scale: float,
+    written: bool,
+) -> tuple[Tensor, Tensor, Tensor, int]:
+    """(q, k_cache, v_cache) as the decode kernels read them (detached), and the head dim
+    they run at: zero-padded copies when the kernels do not serve q's head dim, one copy in
+    the contiguous layout of a tensor they cannot read. A cache the call writes (`written`:
+    appended k, v) is never copied: `kvcache_select.cache_copy` refuses the call. Tensors the
+    op refuses anyway (not CUDA, not float16/bfloat16, not 4-D, head dims that differ) are
+    passed on as they are, to its message."""
+    one_cache = v_cache is k_cache  # (before detach() makes two tensor objects of it)
+    q, k_cache, v_cache = q.detach(), k_cache.detach(), v_cache.detach()
+    d = q.shape[-1] if q.dim() else 0
+    if not (_on_cuda(q) and q.dtype in _HALF and q.dim() == 4):
+        return q, k_cache, v_cache, d
+    compiling = torch.compiler.is_compiling()
+    args = (q, k_cache, v_cache, cache_seqlens, block_table, num_splits, softmax_scale)
+    if k_cache.dim() == 0 or v_cache.dim() == 0 or not k_cache.shape[-1] == v_cache.shape[-1] == d:
+        if not compiling:  # refused: say the head dims differ (not that a stride is odd)
+            _check_unpadded(*args)
+        return q, k_cache, v_cache, d
+    padded = _decode_head_dim(operator.index(d), q.device.index, "decode")
+    if padded != d and not compiling:  # refusals name the caller's shapes, not padded ones
+        _check_unpadded(*args)
+    if written and not compiling:
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            ks.cache_copy(name, _meta(t), t.storage_offset(), d, padded, written=True)
+    q_run, k_run = _readable_copy(q, d, padded), _readable_copy(k_cache, d, padded)
+    v_run = k_run if one_cache else _readable_copy(v_cache, d, padded)
+    return q_run, k_run, v_run, padded
+
+
+def _readable_copy(t: Tensor, head_dim: int, padded: int) -> Tensor:
+    """t zero-padded to `padded` columns, and copied once into the contiguous layout when
+    the decode kernels cannot read it (t itself when neither is needed)."""
+    if padded != head_dim:
+        t = F.pad(t, (0, padded - head_dim))
+    if not _cache_readable(t):
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
 
 
 def _outputs(q: Tensor, pb: KvProblem) -> tuple[Tensor, Tensor]:
@@ -271,8 +388,12 @@ def flash_attn_with_kvcache(
         k_cache, v_cache: contiguous cache `(batch, max_seqlen, kv_heads, head_dim)`, or, with
             `block_table`, a paged one `(num_pages, page_size, kv_heads, head_dim)` with
             page_size a power of two in 16..256. `kv_heads` divides `heads` (GQA/MQA).
-            head_dim 32, 64 or 128. Last dimension contiguous, every other stride a multiple
-            of 8 elements (dimensions of size 1 excepted), 16-byte aligned data.
+            head_dim in 1..256: one the decode kernels do not serve is zero-padded to the
+            next one they serve, which reads q and both caches through padded copies (the
+            whole cache, every call). Views with a contiguous last dimension, other strides
+            multiples of 8 elements (dimensions of size 1 excepted) and 16-byte aligned data
+            are read in place; any other layout is read through one contiguous copy. The
+            caches are only read (never written), so a copy changes nothing but the cost.
         k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad: not implemented;
             anything but the defaults raises `UnsupportedCall` (write new tokens into the
             cache before the call; `rotary_interleaved` is then ignored).
@@ -317,8 +438,9 @@ def flash_attn_with_kvcache(
         softcap = as_softcap(softcap)
     if alibi_slopes is not None or learnable_sink is not None:
         check_score_tensors(alibi_slopes, learnable_sink)
-    if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
+    head_dim = q.shape[-1]
+    if softmax_scale is None:  # the caller's head dim, padded or not (0: refused below)
+        softmax_scale = head_dim**-0.5 if head_dim > 0 else 1.0
     if check_inputs is None:
         check_inputs = os.environ.get(CHECK_ENV, "") == "1"
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
@@ -338,6 +460,11 @@ def flash_attn_with_kvcache(
                     "cache_seqlens must be an int32 tensor (batch,), an int or None; got "
                     f"{type(cache_seqlens).__name__}"
                 ) from None
+    written = k is not None or v is not None  # never today: check_features refused k and v
+    q, k_cache, v_cache, kernel_head_dim = _decode_inputs(
+        q, k_cache, v_cache, cache_seqlens, block_table, num_splits, softmax_scale, written,
+    )  # fmt: skip
+    if not isinstance(cache_seqlens, Tensor):
         pb = ks.check_kvcache(
             _meta(q),
             _meta(k_cache),
@@ -350,9 +477,9 @@ def flash_attn_with_kvcache(
         max_seqlen_k = pb.capacity if cache_seqlens is None else cache_seqlens
         cache_seqlens = torch.full((pb.batch,), max_seqlen_k, dtype=torch.int32, device=q.device)
     out, lse = torch.ops.flashgen.decode.default(
-        q.detach(),
-        k_cache.detach(),
-        v_cache.detach(),
+        q,
+        k_cache,
+        v_cache,
         cache_seqlens.detach(),
         None if block_table is None else block_table.detach(),
         float(softmax_scale),
@@ -366,6 +493,8 @@ def flash_attn_with_kvcache(
         None if alibi_slopes is None else alibi_slopes.detach(),
         None if learnable_sink is None else learnable_sink.detach(),
     )
+    if kernel_head_dim != head_dim:  # zero-padded: the output's first head_dim columns
+        out = out[..., :head_dim].contiguous()
     return (out, lse) if return_softmax_lse else out
 
 
@@ -439,12 +568,40 @@ def merge_states(
     out `(batch, seqlen_q, heads, head_dim)`, `sum_s exp(lse_s - lse) o_s`, in o_parts' dtype
     (float32 parts need `out_dtype=torch.float16` or `torch.bfloat16`), and float32 lse
     `(batch, heads, seqlen_q)`, `log sum_s exp(lse_s)`. Parts with lse -inf are skipped; a row
-    no part sees gives 0 and -inf. head_dim 32, 64 or 128; seqlen_q is not limited. No
-    gradient (inputs are detached).
+    no part sees gives 0 and -inf. head_dim in 1..256 (one the decode kernels do not serve is
+    zero-padded to the next one they serve, a copy of o_parts; a layout the kernel cannot read
+    is copied once); seqlen_q is not limited. No gradient (inputs are detached).
     """
     name = None
     if out_dtype is not None:
         name = out_dtype if isinstance(out_dtype, str) else str(out_dtype).removeprefix("torch.")
+    o_parts, head_dim, kernel_head_dim = _merge_inputs(o_parts.detach())
     dtype, _ = ks.check_merge(_meta(o_parts), _meta(lse_parts), name)
     out_name = "float16" if dtype is Dtype.FP16 else "bfloat16"
-    return torch.ops.flashgen.merge_states.default(o_parts.detach(), lse_parts.detach(), out_name)
+    out, lse = torch.ops.flashgen.merge_states.default(o_parts, lse_parts.detach(), out_name)
+    if kernel_head_dim != head_dim:  # zero-padded: the output's first head_dim columns
+        out = out[..., :head_dim].contiguous()
+    return out, lse
+
+
+def _merge_inputs(o_parts: Tensor) -> tuple[Tensor, int, int]:
+    """(o_parts as the merge kernel reads it, its head dim, the head dim the kernel runs at):
+    zero-padded to the next head dim the decode kernels serve, copied once into the
+    contiguous layout when the kernel cannot read its layout. Parts the op refuses anyway
+    are passed on as they are."""
+    d = o_parts.shape[-1] if o_parts.dim() else 0
+    if not (_on_cuda(o_parts) and o_parts.dim() == 5 and o_parts.dtype in _MERGE_DTYPES):
+        return o_parts, d, d
+    padded = _decode_head_dim(operator.index(d), o_parts.device.index, "merge_states")
+    if padded != d:
+        o_parts = F.pad(o_parts, (0, padded - d))
+    vec = 16 // o_parts.element_size()
+    if not (
+        ks.merge_layout_ok(tuple(o_parts.shape), tuple(o_parts.stride()), vec)
+        and _offset_ok(o_parts)
+    ):
+        o_parts = o_parts.clone(memory_format=torch.contiguous_format)
+    return o_parts, d, padded
+
+
+_MERGE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
