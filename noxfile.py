@@ -1,4 +1,4 @@
-"""nox sessions. Plain `nox` runs lint, tests, gen_check and compile.
+"""nox sessions. Plain `nox` runs lint, tests, gen_check, compile and nvcc_sweeps.
 
 Each session installs the project (`pip install -e '.[dev]'`) into its own virtualenv, which
 needs a package index. Offline, or to test what is already installed:
@@ -20,7 +20,7 @@ from pathlib import Path
 import nox
 from nox.command import CommandFailed
 
-nox.options.sessions = ["lint", "tests", "gen_check", "compile"]
+nox.options.sessions = ["lint", "tests", "gen_check", "compile", "nvcc_sweeps"]
 nox.options.reuse_existing_virtualenvs = True
 
 ROOT = Path(__file__).resolve().parent
@@ -81,6 +81,13 @@ def compile(session: nox.Session) -> None:
     """nvcc every kernel of specs/ (no GPU needed); fails on compile errors or spills."""
     _install(session)
     session.run("flashgen", "compile", "specs/", *session.posargs)
+
+
+@nox.session
+def nvcc_sweeps(session: nox.Session) -> None:
+    """The exhaustive nvcc sweeps the tests session leaves out (no GPU needed; minutes)."""
+    _install(session)
+    session.run("python", "-m", "pytest", "-q", "-m", "nvcc_sweep", "tests", *session.posargs)
 
 
 @nox.session

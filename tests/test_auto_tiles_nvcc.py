@@ -26,7 +26,9 @@ matrix (measurements in docs/tiles.md, nvcc 13.0):
   window/varlen with dropout and IO counters or the debug keep-mask.
 
 3 targets x 16 head dims x 9 combinations = 432 kernels: about 7 minutes from a cold cache
-on 2 cores (docs/tiles.md), seconds when warm. Kernels go to a temporary folder of the test
+on 2 cores (docs/tiles.md), seconds when warm. So the nvcc tests are marked `nvcc_sweep`,
+which the default run leaves out: `python -m pytest -m nvcc_sweep tests` runs them (CI does,
+as a step of its own, .ci/run). Kernels go to a temporary folder of the test
 session (nothing is left in the checkout), or, when `$FLASHGEN_BUILD_DIR` is set, to that
 build directory, the cache `flashgen compile` uses, so unchanged kernels are not rebuilt
 across runs (a kernel's name hashes its templates).
@@ -248,6 +250,7 @@ def compiled(sweep_dir) -> dict[str, Any]:
 
 
 @pytest.mark.nvcc
+@pytest.mark.nvcc_sweep
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize(
     "target,head_dim,specs", CELLS, ids=[f"{t.yaml}-d{d}" for t, d, _ in CELLS]
@@ -271,6 +274,7 @@ def test_auto_tile_compiles_without_spills(target, head_dim, specs, compiled):
 
 
 @pytest.mark.nvcc
+@pytest.mark.nvcc_sweep
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize(
     "target,head_dim,spelled", KNOWN_SPILLS, ids=[f"{t.yaml}-d{d}-{s}" for t, d, s in KNOWN_SPILLS]

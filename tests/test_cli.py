@@ -27,6 +27,7 @@ from flashgen.generator.tiles import auto_tile
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 TEST_COMMAND = "python -m pytest -q tests"
+SWEEP_COMMAND = "python -m pytest -q -m nvcc_sweep tests"  # .ci/run's step after it
 
 
 @pytest.fixture
@@ -1080,7 +1081,7 @@ def test_readme_opens_with_the_two_first_commands():
     assert f"pip install -e '.[dev]' && {TEST_COMMAND}" in block
 
 
-def test_ci_runs_the_readme_test_command_then_check_and_compile():
+def test_ci_runs_the_readme_test_command_then_check_compile_and_the_sweeps():
     ci = (REPO / ".ci" / "run").read_text()
     assert "set -euo pipefail" in ci
     lines = [ln.strip() for ln in ci.splitlines()]
@@ -1090,8 +1091,33 @@ def test_ci_runs_the_readme_test_command_then_check_and_compile():
         TEST_COMMAND,
         "flashgen generate specs/ --check",
         "flashgen compile specs/ -j 2",
+        SWEEP_COMMAND,
     )]  # fmt: skip
     assert order == sorted(order)
+
+
+def _collected(*args: str) -> list[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert proc.returncode in (0, 5), proc.stdout + proc.stderr  # 5: nothing selected
+    return [ln for ln in proc.stdout.splitlines() if "::" in ln]
+
+
+def test_the_nvcc_sweeps_are_left_out_of_the_test_command_and_run_with_their_marker():
+    sweeps = ["tests/test_sm90a_tiles_nvcc.py", "tests/test_auto_tiles_nvcc.py"]
+    default = _collected(*sweeps)  # the test command's selection: pyproject's addopts
+    selected = _collected("-m", "nvcc_sweep", *sweeps)  # a -m of one's own replaces it
+    assert not any("test_sm90a_tiles_nvcc.py" in t for t in default)
+    assert not any("compiles_without_spills" in t or "known_spills" in t for t in default)
+    assert any("test_auto_tile_is_legal_for_every_head_dim" in t for t in default)  # fast
+    assert sum("test_sm90a_tiles_nvcc.py" in t for t in selected) >= 16
+    assert sum("test_auto_tile_compiles_without_spills" in t for t in selected) >= 16
+    assert set(default).isdisjoint(selected)
 
 
 def test_kernel_table_doc_has_markers_and_readme_its_sections():
@@ -1112,8 +1138,9 @@ def test_readme_is_short_and_has_a_five_line_quickstart():
         ["flashgen", "generate"],
         ["flashgen", "compile"],
     ]
-    # it warns that the tests take a while and says where their builds go
-    assert "take a while" in text and "temporary folder" in text and "FLASHGEN_BUILD_DIR" in text
+    # it says how to run the nvcc sweeps the test command leaves out, and where they build
+    assert SWEEP_COMMAND in text and "take a while" in text
+    assert "temporary folder" in text and "FLASHGEN_BUILD_DIR" in text
     assert "pip install 'flashgen" not in text  # not on an index: install from a checkout
 
 
@@ -1166,21 +1193,30 @@ class FakeNoxSession:
         pytest.fail(f"unexpected skip: {msg}")
 
 
-def test_nox_default_sessions_are_lint_tests_gen_check_compile():
+NOX_DEFAULT = ["lint", "tests", "gen_check", "compile", "nvcc_sweeps"]
+
+
+def test_nox_default_sessions_are_lint_tests_gen_check_compile_nvcc_sweeps():
     import nox
 
     load_noxfile()
-    assert nox.options.sessions == ["lint", "tests", "gen_check", "compile"]
+    assert nox.options.sessions == NOX_DEFAULT
 
 
-@pytest.mark.parametrize("name", ["lint", "tests", "gen_check", "compile"])
+def test_nox_nvcc_sweeps_session_runs_ci_s_sweep_command():
+    session = FakeNoxSession(venv_backend="none")
+    load_noxfile().nvcc_sweeps(session)
+    assert session.ran == [tuple(SWEEP_COMMAND.split())]
+
+
+@pytest.mark.parametrize("name", NOX_DEFAULT)
 def test_nox_no_venv_sessions_install_nothing(name):
     session = FakeNoxSession(venv_backend="none")
     getattr(load_noxfile(), name)(session)
     assert session.installed == [] and session.ran
 
 
-@pytest.mark.parametrize("name", ["lint", "tests", "gen_check", "compile"])
+@pytest.mark.parametrize("name", NOX_DEFAULT)
 def test_nox_failed_install_says_how_to_run_offline(name):
     session = FakeNoxSession(install_fails=True)
     with pytest.raises(RuntimeError, match=r"nox --no-venv"):

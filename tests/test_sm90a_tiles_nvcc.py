@@ -6,7 +6,10 @@ loop beside dropout) were found by exactly this sweep, so it guards them. Backwa
 consumer warpgroups' 240 registers are nearly all accumulators (dK and dV of 64 keys, S^T and
 dP^T), and ptxas is not monotone near that limit (a single extra predicate once spilled 100
 bytes), so the sweep guards the rule and the kernel's register economies
-(include/flashgen/bwd_sm90_kernel.cuh)."""
+(include/flashgen/bwd_sm90_kernel.cuh).
+
+About 5 minutes on 2 cores: marked `nvcc_sweep`, which the default run leaves out;
+`python -m pytest -m nvcc_sweep tests` runs it (CI does, as a step of its own, .ci/run)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from flashgen.generator.load import load_spec_text
 
 pytestmark = [
     pytest.mark.nvcc,
+    pytest.mark.nvcc_sweep,  # not in the default run: python -m pytest -m nvcc_sweep tests
     pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH"),
 ]
 
