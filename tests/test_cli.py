@@ -1028,7 +1028,7 @@ def test_bench_without_pycuda_names_it_and_the_gpu_extra(spec_file, monkeypatch,
     monkeypatch.setattr(runner, "load_kernel", load_kernel)
     assert run("bench", "--specs", spec_file) == 1
     line = one_error_line(capsys.readouterr().err)
-    assert "needs pycuda" in line and "pip install 'flashgen[gpu]'" in line
+    assert "needs pycuda" in line and "pip install '.[gpu]' (from a flashgen checkout)" in line
 
 
 def test_bench_without_torch_names_it_and_the_gpu_extra(spec_file, monkeypatch, capsys):
@@ -1038,7 +1038,14 @@ def test_bench_without_torch_names_it_and_the_gpu_extra(spec_file, monkeypatch, 
     monkeypatch.setattr(runner, "load_kernel", lambda spec, lib_dir=None: types.SimpleNamespace())
     assert run("bench", "--specs", spec_file, "--seqlens", 512) == 1
     line = one_error_line(capsys.readouterr().err)
-    assert "needs torch" in line and "pip install 'flashgen[gpu]'" in line
+    assert "needs torch" in line and "pip install '.[gpu,torch]' (from a flashgen checkout)" in line
+
+
+def test_install_hints_say_to_install_from_a_checkout_not_from_an_index():
+    # flashgen is on no package index: `pip install 'flashgen[gpu]'` would fail
+    for folder in ("generator", "runtime", "verify", "bench"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            assert "flashgen[" not in path.read_text(), path
 
 
 def test_bench_with_a_missing_spec_is_one_error_line(tmp_path, capsys):

@@ -23,11 +23,12 @@ import sys
 from flashgen.generator import paths
 
 # Import name -> how to get it, for the packages `flashgen bench` needs beyond flashgen's own.
-_GPU_EXTRA = "pip install 'flashgen[gpu]'"
+# flashgen is on no package index: its extras install from a checkout (README, first lines).
+_FROM_CHECKOUT = "(from a flashgen checkout)"
 _INSTALL_HINTS = {
-    "pycuda": _GPU_EXTRA,
-    "torch": f"{_GPU_EXTRA} torch",
-    "triton": f"{_GPU_EXTRA} torch (Triton comes with PyTorch)",
+    "pycuda": f"pip install '.[gpu]' {_FROM_CHECKOUT}",
+    "torch": f"pip install '.[gpu,torch]' {_FROM_CHECKOUT}",
+    "triton": f"pip install '.[gpu,torch]' {_FROM_CHECKOUT}; Triton comes with PyTorch",
 }
 
 
