@@ -61,7 +61,7 @@ def render_context(spec: KernelSpec, name: str) -> dict[str, Any]:
     """The exact template context: `spec`, `name`, `header_name`, `banner`, `cfg`.
 
     `cfg` holds the family's derived constants (`Family.config`; for the forward:
-    `dtype_cpp`, `head_dim`, `block_m`, `block_n`, `warps`, `threads`, `stages`,
+    `dtype_cpp`, `head_dim`, `head_dim_pad`, `block_m`, `block_n`, `warps`, `threads`, `stages`,
     `smem_bytes`, `causal_cpp`, `window`, `varlen`, `gqa`, `dropout`, `debug_keep_mask`,
     `sparse`, `instrument_io`, `sm`).
     """

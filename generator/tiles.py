@@ -69,10 +69,16 @@ def tile_problems(tile: Tile) -> list[tuple[str, str]]:
     return out
 
 
+def mma_head_dim(head_dim: int) -> int:
+    """The head dim the mma.sync kernels hold on chip: rounded up to the k16 steps of their
+    products (a head dim of 8 * odd is zero-padded in shared memory, never in HBM)."""
+    return -(-head_dim // 16) * 16
+
+
 def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype) -> int:
     """Dynamic shared memory in bytes: Q tile plus `stages` K and V tiles, padded rows."""
     rows = tile.block_m + 2 * tile.stages * tile.block_n
-    return rows * (head_dim + SMEM_ROW_PAD) * dtype.nbytes
+    return rows * (mma_head_dim(head_dim) + SMEM_ROW_PAD) * dtype.nbytes
 
 
 __all__ = [
@@ -82,6 +88,7 @@ __all__ = [
     "REGISTER_SAFE",
     "auto_tile",
     "fit_tile",
+    "mma_head_dim",
     "paper_tile",
     "register_class",
     "register_safe_tile",
@@ -229,8 +236,18 @@ def auto_tile(
     target: Target, dtype: Dtype, head_dim: int, *, features: Mapping[str, Any] | None = None
 ) -> Tile:
     """The tile `tile: auto` resolves to (see module docstring). `features` are the spec's
-    parsed fields keyed by path (the loader's values); None means no feature is on."""
+    parsed fields keyed by path (the loader's values); None means no feature is on. A head
+    dim of 8 * odd takes the tile of the multiple of 16 it is padded to on chip, for the next
+    heavier register class (at 256 on chip, at least the heavy class's): the padded column's
+    predicate and store guards cost registers, and with their own class's tiles d 56 (dense),
+    184 and 200 (masked), 72 (heavy) and 248 (dense, masked) spilled 4-20 bytes (ptxas 13.0,
+    the sweep of tests/test_auto_tiles_nvcc.py over every odd multiple of 8)."""
+    padded, head_dim = head_dim != mma_head_dim(head_dim), mma_head_dim(head_dim)
     reg_class = register_class(features)
+    if padded and reg_class != REGISTER_CLASSES[-1]:
+        reg_class = REGISTER_CLASSES[REGISTER_CLASSES.index(reg_class) + 1]
+        if head_dim == 256 and reg_class == "masked":
+            reg_class = "heavy"
     measured = MEASURED_DEFAULTS.get((target, head_dim))
     if measured is not None and reg_class == "dense":
         return fit_tile(measured, target, dtype, head_dim)

@@ -25,10 +25,10 @@ matrix (measurements in docs/tiles.md, nvcc 13.0):
   causal + window + varlen + GQA) with and without every heavy feature, varlen with causal,
   window/varlen with dropout and IO counters or the debug keep-mask.
 
-3 targets x 16 head dims x 9 combinations = 432 kernels: about 7 minutes from a cold cache
-on 2 cores (docs/tiles.md), seconds when warm. So the nvcc tests are marked `nvcc_sweep`,
-which the default run leaves out: `python -m pytest -m nvcc_sweep tests` runs them (CI does,
-as a step of its own, .ci/run). Kernels go to a temporary folder of the test
+3 targets x 22 head dims (`SWEEP_DIMS`) x 9 combinations = 594 kernels: about 10 minutes
+from a cold cache on 2 cores (docs/tiles.md), seconds when warm. So the nvcc tests are
+marked `nvcc_sweep`, which the default run leaves out: `python -m pytest -m nvcc_sweep tests`
+runs them (CI does, as a step of its own, .ci/run). Kernels go to a temporary folder of the test
 session (nothing is left in the checkout), or, when `$FLASHGEN_BUILD_DIR` is set, to that
 build directory, the cache `flashgen compile` uses, so unchanged kernels are not rebuilt
 across runs (a kernel's name hashes its templates).
@@ -67,6 +67,13 @@ from flashgen.generator.tiles import (
 
 FORWARD_TARGETS = [t for t in Target if not t.value.suffix]
 FULL = os.environ.get("FLASHGEN_AUTO_TILES", "") == "full"
+# The nvcc sweep's head dims: the multiples of 16, plus the odd multiples of 8 the suite keeps
+# records for (a head dim of 8 * odd takes the tile of the multiple of 16 it runs on, so its
+# registers are that dim's but for the padded column's guards). FLASHGEN_AUTO_TILES_DIMS (a
+# comma-separated list) overrides it, e.g. every odd multiple of 8 on a many-core machine.
+SWEEP_DIMS = tuple(
+    int(d) for d in os.environ.get("FLASHGEN_AUTO_TILES_DIMS", "").split(",") if d.strip()
+) or tuple(d for d in HEAD_DIMS if d % 16 == 0 or d in (40, 72, 104, 136, 200, 248))
 
 # -- feature combinations ---------------------------------------------------------------------
 
@@ -114,7 +121,15 @@ SUBSET = (
 )  # fmt: skip
 # Combinations that spill with every tile the kernel can take (docs/tiles.md, "Known spills"):
 # strict xfails, so a kernel change that fixes them fails here until the list is updated.
-KNOWN_SPILLS = ((Target.SM90, 240, "drop+dbg"), (Target.SM90, 240, "cbr+gqa+drop+dbg"))
+# The debug builds at d 232 (240 on chip, the smallest debug tile): 12-48 bytes.
+KNOWN_SPILLS = (
+    (Target.SM90, 240, "drop+dbg"),
+    (Target.SM90, 240, "cbr+gqa+drop+dbg"),
+    (Target.SM80, 232, "cbr+window+varlen+gqa+drop+dbg+sparse+io"),
+    (Target.SM90, 232, "cbr+window+varlen+gqa+drop+dbg+sparse+io"),
+    (Target.SM90, 232, "window+drop+dbg+io"),
+    (Target.SM90, 232, "window+varlen+dbg"),
+)
 SUBSET_TARGETS = (Target.SM80, Target.SM86, Target.SM90)
 
 
@@ -147,7 +162,7 @@ def matrix() -> list[tuple[Target, int, list[KernelSpec]]]:
         (target, d, [spec_for(target, dt, d, f) for dt in dtypes for f in combos
                      if (target, d, dt, tuple(f.items())) not in known])
         for target in targets
-        for d in HEAD_DIMS
+        for d in (HEAD_DIMS if FULL else SWEEP_DIMS)
     ]  # fmt: skip
 
 

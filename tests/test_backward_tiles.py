@@ -14,11 +14,13 @@ SIZES = tuple(range(16, 129, 16))
 
 
 def covered(tile: Tile, d: int) -> bool:
-    """BwdConfig's integer arithmetic on the generator's warp rows (kSRows, kKvRows, kQRows):
+    """BwdConfig's integer arithmetic on the generator's warp rows (kSRows, kKvRows, kQRows)
+    and its on-chip head dim (kHeadDimPad):
     each layout's warp tiles times its warps must give the whole block (the C code rounds
     down, so a mismatch leaves rows unwritten)."""
     w, bm, bn = tile.warps, tile.block_m, tile.block_n
     lay = backward.warp_layouts(tile, d)
+    d = backward.chip_head_dim(d)  # kHeadDimPad: the head dim on chip
     s_rows, kv_rows, q_rows = lay["s"][0], lay["kv"][0], lay["q"][0]
     if w % s_rows or w % kv_rows or w % q_rows:
         return False

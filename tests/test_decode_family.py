@@ -37,7 +37,7 @@ def test_decode_spec_resolves_the_auto_tile_and_names_paged_kernels():
 @pytest.mark.parametrize(
     "text, field, message",
     [
-        ("dtype: bf16\nhead_dim: 96\n", "head_dim", "allowed: 32, 64, 128"),
+        ("dtype: bf16\nhead_dim: 100\n", "head_dim", "allowed: multiples of 8 in 8..192"),
         ("dtype: bf16\nhead_dim: 64\nmask: {causal: top_left}\n", "mask.causal", "bottom_right"),
         ("dtype: bf16\nhead_dim: 64\nmask: {varlen: true}\n", "mask.varlen", "cache_seqlens"),
         ("dtype: bf16\nhead_dim: 64\ndropout: true\n", "dropout", "not supported"),

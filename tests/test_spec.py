@@ -161,8 +161,8 @@ def test_specs_are_frozen():
 
 
 def test_direct_construction_validates_too():
-    with pytest.raises(SpecError, match="head_dim: 72 is not allowed"):
-        KernelSpec(KernelKind.FORWARD, Dtype.BF16, 72, Tile(64, 64, 4, 2))
+    with pytest.raises(SpecError, match="head_dim: 68 is not allowed"):
+        KernelSpec(KernelKind.FORWARD, Dtype.BF16, 68, Tile(64, 64, 4, 2))
     with pytest.raises(SpecError, match="dtype: 'bf16' is not a Dtype"):
         KernelSpec(KernelKind.FORWARD, "bf16", 64, Tile(64, 64, 4, 2))  # type: ignore[arg-type]
 
@@ -302,8 +302,8 @@ BAD_SPECS = [
         id="head-dim-as-float",
     ),
     pytest.param(
-        "dtype: bf16\nhead_dim: 72\n",
-        ["spec.yaml:2:", "head_dim:", "72 is not allowed", "multiples of 16 in 16..256"],
+        "dtype: bf16\nhead_dim: 68\n",
+        ["spec.yaml:2:", "head_dim:", "68 is not allowed", "multiples of 8 in 8..256"],
         id="head-dim-not-multiple-of-16",
     ),
     pytest.param(
@@ -338,8 +338,8 @@ BAD_SPECS = [
         id="duplicate-entries",
     ),
     pytest.param(
-        "kernel: decode\ndtype: bf16\nhead_dim: 96\n",
-        ["spec.yaml:3:", "head_dim:", "96 is not allowed (allowed: 32, 64, 128)"],
+        "kernel: decode\ndtype: bf16\nhead_dim: 100\n",
+        ["spec.yaml:3:", "head_dim:", "100 is not allowed (allowed: multiples of 8 in 8..192)"],
         id="decode-head-dim",
     ),
     pytest.param(

@@ -24,6 +24,7 @@ from flashgen.generator.spec import (
     Tile,
     register_rules,
 )
+from flashgen.generator.tiles import mma_head_dim
 
 __all__ = ["Family", "ParamField", "SCORE_PARAM_FIELDS", "family", "families"]
 
@@ -99,13 +100,18 @@ class Family:
     def head_dim_ok(self, head_dim: Any) -> bool:
         raise NotImplementedError
 
+    def chip_head_dim(self, head_dim: int) -> int:
+        """The head dim the kernel holds on chip (its shared-memory tiles and fragments):
+        `head_dim` rounded up to its MMA's k granularity, zero-filled past `head_dim` and never
+        padded in HBM. The templates see it as `kHeadDimPad`; mma.sync: a multiple of 16."""
+        return mma_head_dim(head_dim)
+
     # -- code generation (override `config`) -------------------------------------------------
     def config(self, spec: KernelSpec) -> dict[str, Any]:
         """The derived constants the templates see as `cfg`."""
         raise NotImplementedError
 
-    @staticmethod
-    def spec_config(spec: KernelSpec) -> dict[str, Any]:
+    def spec_config(self, spec: KernelSpec) -> dict[str, Any]:
         """The constants every family's `cfg` starts from: the spec's types, tile and feature
         flags as `templates/common/spec_struct.j2` names them (a family overrides a flag it
         does not take, e.g. decode's varlen)."""
@@ -113,6 +119,7 @@ class Family:
         return {
             "dtype_cpp": spec.dtype.cpp,
             "head_dim": spec.head_dim,
+            "head_dim_pad": self.chip_head_dim(spec.head_dim),
             "block_m": t.block_m,
             "block_n": t.block_n,
             "warps": t.warps,

@@ -20,8 +20,11 @@ from typing import Any
 
 from flashgen.generator.families import SCORE_PARAM_FIELDS, Family, params_table
 from flashgen.generator.spec import Dtype, KernelKind, KernelSpec, Sparsity, Target, Tile
+from flashgen.generator.tiles import mma_head_dim
 
-HEAD_DIMS = tuple(range(16, 129, 16)) + (160, 192, 224, 256)
+# Every multiple of 8 up to 256, run on chip as `chip_head_dim`: the warp layouts, registers
+# and shared memory are that dim's.
+HEAD_DIMS = tuple(range(8, 257, 8))
 TILE_WARPS = (4, 8)
 TILE_STAGES = (1, 2)
 SMEM_ROW_PAD = 8
@@ -109,6 +112,20 @@ IO_KEYS = (
 GRID_FORMULA = "ceil(max_seqlen_k/block_n) * kv_heads * batch (main kernel)"
 
 
+def chip_head_dim(head_dim: int) -> int:
+    """The head dim on chip (BwdConfig's kHeadDimPad): the next multiple of 16 up to 96,
+    of 32 up to 192, then 256. Measured with ptxas 13.0 (sm_90): dK/dV and dQ of 112 or 16 *
+    odd columns beyond 128 split over one warp column only, and those tiles spilled (d 104 on
+    112 columns: 16-36 bytes with 64 x 64, the only tile the layouts allow); 224 columns
+    spilled 778 bytes with the 32 x 64 x 4 tile its layouts allow and 12-56 with 64 x 64 x 8,
+    while 256 columns compile clean with 32 x 64 x 8. So d 104 runs on 128 columns, d 136 on
+    160 and d 200 on 256 (their TFLOP/s count the real d: docs/benchmarks.md, "Shapes")."""
+    d = mma_head_dim(head_dim)
+    if d <= 96:
+        return d
+    return -(-head_dim // 32) * 32 if head_dim <= 192 else 256
+
+
 def _split(warps: int, rows: int, cols: int) -> tuple[int, int]:
     """Warps along (rows, cols) of a rows x cols output: warp tiles of whole 16 x 16 blocks
     (an even number of n8 columns, the ldmatrix.x4 pairs), as square as possible. A warp
@@ -143,7 +160,7 @@ def warp_layouts(tile: Tile, head_dim: int) -> dict[str, tuple[int, int]]:
     accumulators (measured on sm_90): there every stage keeps v1's layout, as many warps along
     rows as the rows allow (16-row warp tiles).
     """
-    w = tile.warps
+    w, head_dim = tile.warps, chip_head_dim(head_dim)
     if head_dim > SQUARE_WARP_TILES_MAX_D:
         rows = {"s": tile.block_m, "kv": tile.block_n, "q": tile.block_m}
         return {k: (r, w // r) for k, r in ((k, max(1, min(w, v // 16))) for k, v in rows.items())}
@@ -168,6 +185,7 @@ def tile_problems(tile: Tile, head_dim: int) -> list[tuple[str, str]]:
     if out:
         return out
     lay = warp_layouts(tile, head_dim)
+    d_chip = chip_head_dim(head_dim)
     s_rows, s_cols = lay["s"]
     if (
         s_rows * s_cols != tile.warps
@@ -183,7 +201,7 @@ def tile_problems(tile: Tile, head_dim: int) -> list[tuple[str, str]]:
         )
     for stage, what, rows_of in (("kv", "dK/dV", tile.block_n), ("q", "dQ", tile.block_m)):
         rows, cols = lay[stage]
-        if rows * cols != tile.warps or rows_of % (16 * rows) or head_dim % (16 * cols):
+        if rows * cols != tile.warps or rows_of % (16 * rows) or d_chip % (16 * cols):
             out.append(
                 (
                     "tile",
@@ -203,7 +221,7 @@ def p_scratch(tile: Tile, head_dim: int) -> bool:
     beyond PEAK_ACC_REGS accumulators, ptxas spills (measured on sm_90, docs/benchmarks.md
     "Backward v2"). The scratch costs block_m * block_n * 8 bytes of shared traffic a step."""
     threads = 32 * tile.warps
-    kv_acc = 2 * tile.block_n * head_dim // threads
+    kv_acc = 2 * tile.block_n * chip_head_dim(head_dim) // threads
     s_acc = tile.block_m * tile.block_n // threads
     return kv_acc + 2 * s_acc > PEAK_ACC_REGS
 
@@ -211,7 +229,7 @@ def p_scratch(tile: Tile, head_dim: int) -> bool:
 def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype) -> int:
     """K, V, `stages` x (Q, dO) rows padded; P and dS (block_m x block_n, padded);
     `stages` x (LSE, D) fp32 rows; the fp32 P scratch (block_m x block_n) when p_scratch."""
-    stride = head_dim + SMEM_ROW_PAD
+    stride = chip_head_dim(head_dim) + SMEM_ROW_PAD
     rows = 2 * tile.block_n + 2 * tile.stages * tile.block_m
     tiles = rows * stride * dtype.nbytes
     p_ds = 2 * tile.block_m * (tile.block_n + SMEM_ROW_PAD) * dtype.nbytes
@@ -226,7 +244,9 @@ def default_tile(head_dim: int, dropout: bool = False, heavy: bool = False) -> T
     2 * 128 * d / threads registers a thread, so from d = 96 the 128-key tile pairs with 32
     query rows a step (S/dP and dQ shrink instead) at d = 128, and the register-heavy
     features (`heavy`: dropout's Philox state, deterministic ordering, block sparsity, IO
-    counters; they spill there) keep 64 x 64. d = 256 keeps 64 keys and 32 query rows."""
+    counters; they spill there) keep 64 x 64. d = 256 keeps 64 keys and 32 query rows.
+    A head dim of 8 * odd takes the tile of the multiple of 16 it runs on."""
+    head_dim = chip_head_dim(head_dim)
     if head_dim % 32:
         return Tile(64, 64, 4, 2)
     if head_dim <= 64 and not dropout:
@@ -270,6 +290,9 @@ class Backward(Family):
     def head_dim_ok(self, head_dim: Any) -> bool:
         return head_dim in HEAD_DIMS
 
+    def chip_head_dim(self, head_dim: int) -> int:
+        return chip_head_dim(head_dim)
+
     def problems(self, spec: KernelSpec) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
         if spec.target.value.suffix:
@@ -280,8 +303,12 @@ class Backward(Family):
                 )
             )
         if not self.head_dim_ok(spec.head_dim):
-            allowed = ", ".join(map(str, HEAD_DIMS))
-            out.append(("head_dim", f"{spec.head_dim} is not allowed (allowed: {allowed})"))
+            out.append(
+                (
+                    "head_dim",
+                    f"{spec.head_dim} is not allowed (allowed: multiples of 8 in 8..256)",
+                )
+            )
             return out
         if spec.deterministic and spec.sparse:
             out.append(
@@ -297,7 +324,7 @@ class Backward(Family):
             out.extend(
                 self.smem_problem(
                     spec,
-                    f"(2*block_n + 2*stages*block_m) * (head_dim + {SMEM_ROW_PAD}) * "
+                    f"(2*block_n + 2*stages*block_m) * (ceil(head_dim/16)*16 + {SMEM_ROW_PAD}) * "
                     f"{spec.dtype.nbytes} + 2*block_m*(block_n + {SMEM_ROW_PAD})*"
                     f"{spec.dtype.nbytes} + 8*stages*block_m"
                     + (

@@ -11,7 +11,7 @@ S^T = K Q^T and dP^T = V dO^T (SS-wgmma), then dV += P^T dO and dK += dS^T Q fro
 Tile rules: `warps` 8 (two consumer warpgroups), `block_n` 128 (64 keys each), `block_m` 64
 or 128 query rows a step (dQ of a step is cut into one 64-row piece per warpgroup: 64 x Dp/2
 at block_m 64, 64 x Dp at 128); `stages` 1..4 Q/dO tiles in the ring. Head dims are
-multiples of 16 up to 128 (dK and dV of 64 keys x 128 columns fill half a warpgroup's
+multiples of 8 up to 128 (dK and dV of 64 keys x 128 columns fill half a warpgroup's
 registers; larger head dims need the head dim split across warpgroups, not built).
 Shared memory: K, V; `stages` Q and dO tiles; two dS^T buffers (block_n x block_m); `stages`
 LSE and D rows; 1024 bytes of alignment slack.
@@ -27,7 +27,7 @@ from flashgen.generator.families.backward import Backward
 from flashgen.generator.families.forward_sm90 import head_dim_pad
 from flashgen.generator.spec import Dtype, KernelSpec, Target, Tile
 
-HEAD_DIMS = tuple(range(16, 129, 16))
+HEAD_DIMS = tuple(range(8, 129, 8))  # shared memory holds them as 64 or 128 columns
 TILE_WARPS = (8,)
 TILE_BLOCK_N = (128,)
 TILE_BLOCK_M = (64, 128)
@@ -72,6 +72,9 @@ class BackwardSm90(Backward):
     def head_dim_ok(self, head_dim: Any) -> bool:
         return head_dim in HEAD_DIMS
 
+    def chip_head_dim(self, head_dim: int) -> int:
+        return head_dim_pad(head_dim)
+
     def problems(self, spec: KernelSpec) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
         if spec.target is not Target.SM90A:
@@ -81,7 +84,7 @@ class BackwardSm90(Backward):
                 (
                     "head_dim",
                     f"{spec.head_dim} is not allowed on the sm_90a backward (allowed: multiples "
-                    "of 16 in 16..128; target: sm_90 has the rest)",
+                    "of 8 in 8..128; target: sm_90 has the rest)",
                 )
             )
             return out
@@ -128,7 +131,7 @@ class BackwardSm90(Backward):
         return Tile(block_m=64, block_n=128, warps=8, stages=2)
 
     def config(self, spec: KernelSpec) -> dict[str, Any]:
-        return {**self.spec_config(spec), "head_dim_pad": head_dim_pad(spec.head_dim)}
+        return self.spec_config(spec)
 
 
 FAMILY = BackwardSm90()

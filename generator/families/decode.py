@@ -25,8 +25,14 @@ from typing import Any
 
 from flashgen.generator.families import SCORE_PARAM_FIELDS, Family, params_table
 from flashgen.generator.spec import Causal, Dtype, KernelKind, KernelSpec, Target, Tile
+from flashgen.generator.tiles import mma_head_dim
 
-HEAD_DIMS = (32, 64, 128)  # d = 256 spills with ptxas (accumulator + load addresses): not yet
+# Every multiple of 8 up to 192; 8 * odd runs on the next multiple of 16 on chip
+# (tiles.mma_head_dim), zero-filled there and never padded in HBM. Not yet beyond 192: a warp
+# holds its 16 rows' whole O accumulator (d / 2 floats a thread), and with the load addresses
+# ptxas 13.0 spills from d = 200 (sm_80, paged with the score modifiers: 152 bytes) and at
+# 248 / 256 (144 bytes); that needs the head dim split across the warps of P V.
+HEAD_DIMS = tuple(range(8, 193, 8))
 TILE_WARPS = (2, 4, 8)
 TILE_STAGES = (2, 3, 4)
 SMEM_ROW_PAD = 8
@@ -132,12 +138,13 @@ def tile_problems(tile: Tile, head_dim: int) -> list[tuple[str, str]]:
                 "(16 keys or more each)",
             )
         )
-    elif (tile.block_n * head_dim // 8) % tile.threads:
+    elif (tile.block_n * mma_head_dim(head_dim) // 8) % tile.threads:
         out.append(
             (
                 "tile",
                 f"{tile.short}: a {tile.block_n}-key tile of head_dim {head_dim} is "
-                f"{tile.block_n * head_dim // 8} 16-byte chunks, not a multiple of "
+                f"{tile.block_n * mma_head_dim(head_dim) // 8} 16-byte chunks in shared "
+                "memory, not a multiple of "
                 f"{tile.threads} threads (whole load passes keep the page shuffles converged)",
             )
         )
@@ -161,10 +168,11 @@ def swizzled(head_dim: int, paged: bool) -> bool:
 
 def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype, paged: bool) -> int:
     """Q rows plus `stages` K and V tiles, or the key warps' merge buffer."""
-    kv_row = head_dim if swizzled(head_dim, paged) else head_dim + SMEM_ROW_PAD
-    tiles = tile.block_m * (head_dim + SMEM_ROW_PAD) + 2 * tile.stages * tile.block_n * kv_row
+    d = mma_head_dim(head_dim)
+    kv_row = d if swizzled(head_dim, paged) else d + SMEM_ROW_PAD
+    tiles = tile.block_m * (d + SMEM_ROW_PAD) + 2 * tile.stages * tile.block_n * kv_row
     _, wn = warp_layout(tile)
-    merge = wn * tile.block_m * (head_dim + MERGE_ROW_PAD + 2) * 4
+    merge = wn * tile.block_m * (d + MERGE_ROW_PAD + 2) * 4
     return max(tiles * dtype.nbytes, merge)
 
 
@@ -172,18 +180,29 @@ def default_tile(head_dim: int) -> Tile:
     """16 rows (one query of a group of up to 16 heads), four warps splitting each tile's keys,
     32 KB of K and V per tile and three stages: about 100 KB of shared memory, two CTAs per
     H100/H200 SM and up to four tiles (128 KB) in flight per SM, which a memory-bound loop
-    needs to cover HBM latency."""
-    block_n = {32: 256, 64: 128, 128: 64}.get(head_dim, 64)
-    return Tile(16, block_n, 4, 3)
+    needs to cover HBM latency. So block_n is the power of two nearest 8192 / d (d on chip),
+    in 32..256: d = 32 -> 256 keys, 64 -> 128, 128 -> 64, 192 -> 32. The warps split the
+    keys 16 or more each: two warps below 64 keys."""
+    d = mma_head_dim(head_dim)
+    block_n = 256
+    while block_n > 32 and block_n * d > 8192 * 1.5:
+        block_n //= 2
+    return Tile(16, block_n, min(4, block_n // 16), 3)
 
 
 def fit(tile: Tile, target: Target, dtype: Dtype, head_dim: int, paged: bool) -> Tile:
-    """Fewer stages until the tile fits the target's shared memory."""
-    for stages in range(tile.stages, 1, -1):
-        t = Tile(tile.block_m, tile.block_n, tile.warps, stages)
-        if smem_bytes(t, head_dim, dtype, paged) <= target.info.max_smem_per_block:
-            return t
-    return Tile(tile.block_m, tile.block_n, tile.warps, 2)
+    """Fewer stages until the tile fits the target's shared memory, then half the keys (and
+    two warps below 64 keys), down to 32 keys."""
+    block_n = tile.block_n
+    while True:
+        warps = tile.warps if block_n >= 16 * tile.warps else min(tile.warps, block_n // 16)
+        for stages in range(tile.stages, 1, -1):
+            t = Tile(tile.block_m, block_n, warps, stages)
+            if smem_bytes(t, head_dim, dtype, paged) <= target.info.max_smem_per_block:
+                return t
+        if block_n <= 32:
+            return Tile(tile.block_m, block_n, warps, 2)  # reported by validation
+        block_n //= 2
 
 
 def num_splits(ctas: int, key_tiles: int, sms: int, slots: int, fill_slots: bool = False) -> int:
@@ -251,8 +270,12 @@ class Decode(Family):
                 )
             )
         if not self.head_dim_ok(spec.head_dim):
-            allowed = ", ".join(map(str, HEAD_DIMS))
-            out.append(("head_dim", f"{spec.head_dim} is not allowed (allowed: {allowed})"))
+            out.append(
+                (
+                    "head_dim",
+                    f"{spec.head_dim} is not allowed (allowed: multiples of 8 in 8..192)",
+                )
+            )
             return out
         if spec.mask.causal is Causal.TOP_LEFT:
             out.append(

@@ -25,7 +25,9 @@ from flashgen.generator.tiles import (  # noqa: F401 - re-exported, part of this
     tile_problems,
 )
 
-HEAD_DIMS = tuple(range(16, 257, 16))
+# Every multiple of 8 (a 16-byte row chunk) up to 256: 8 * odd runs on the next multiple of
+# 16 in shared memory (tiles.mma_head_dim), zero-filled there, never padded in HBM.
+HEAD_DIMS = tuple(range(8, 257, 8))
 
 # fg_fwd_params (include/flashgen/params.h), in declaration order.
 PARAMS = params_table(
@@ -104,7 +106,7 @@ class Forward(Family):
             out.append(
                 (
                     "head_dim",
-                    f"{spec.head_dim} is not allowed (allowed: multiples of 16 in 16..256)",
+                    f"{spec.head_dim} is not allowed (allowed: multiples of 8 in 8..256)",
                 )
             )
         tile = tile_problems(spec.tile)
@@ -113,7 +115,7 @@ class Forward(Family):
             out.extend(
                 self.smem_problem(
                     spec,
-                    f"(block_m + 2*stages*block_n) * (head_dim + {SMEM_ROW_PAD}) * "
+                    f"(block_m + 2*stages*block_n) * (ceil(head_dim/16)*16 + {SMEM_ROW_PAD}) * "
                     f"{spec.dtype.nbytes}",
                 )
             )

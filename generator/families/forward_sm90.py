@@ -7,9 +7,9 @@ tests and benchmarks, and replaces the mainloop (include/flashgen/fwd_sm90_kerne
 Tile rules: `warps` is 4, 8 or 12 consumer warps (1 to 3 warpgroups of 64 query rows each,
 so `block_m = 16 * warps`), plus one producer warpgroup that issues the TMA loads;
 `block_n` is 64 or 128 (the wgmma N of Q K^T); `stages` (1..4) K/V tiles in the TMA ring;
-three or more stages turn on the pipelined, ping-pong loop. Head dims are multiples of 16
-in 16..256; shared memory holds them rounded up to 64 columns (the TMA box), so head_dim
-96 computes on 128 columns.
+three or more stages turn on the pipelined, ping-pong loop. Head dims are multiples of 8
+in 8..256; shared memory holds them rounded up to 64 columns (the TMA box, which zero-fills
+the columns past head_dim without reading them), so head_dim 96 computes on 128 columns.
 Shared memory: Q tile plus `stages` K and V tiles of `Dp = ceil(head_dim / 64) * 64` columns,
 plus 1024 bytes of alignment slack (SW128 tiles start on 1024-byte boundaries).
 
@@ -80,7 +80,7 @@ class ForwardSm90(Forward):
             out.append(
                 (
                     "head_dim",
-                    f"{spec.head_dim} is not allowed (allowed: multiples of 16 in 16..256)",
+                    f"{spec.head_dim} is not allowed (allowed: multiples of 8 in 8..256)",
                 )
             )
         tile = tile_problems(spec.tile)
@@ -123,8 +123,11 @@ class ForwardSm90(Forward):
     def head_dim_ok(self, head_dim: Any) -> bool:
         return head_dim in HEAD_DIMS
 
+    def chip_head_dim(self, head_dim: int) -> int:
+        return head_dim_pad(head_dim)
+
     def config(self, spec: KernelSpec) -> dict[str, Any]:
-        return {**super().config(spec), "head_dim_pad": head_dim_pad(spec.head_dim)}
+        return super().config(spec)
 
 
 FAMILY = ForwardSm90()

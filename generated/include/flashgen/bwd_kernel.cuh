@@ -63,7 +63,12 @@ struct BwdConfig : S {
   using S::kBlockM, S::kBlockN, S::kHeadDim, S::kWarps, S::kStages;
   using Elem = typename S::Elem;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kStride = kHeadDim + 8;   // K, V, Q, dO rows (elements)
+  // kHeadDimPad: the head dim on chip (families/backward.py chip_head_dim: the next multiple
+  // of 16, beyond 128 of 32). Columns d..kHeadDimPad-1 of the K, V, Q and dO tiles are
+  // zero-filled in smem (never read from HBM), so every product's padded columns are 0, and
+  // the padded columns of dQ, dK and dV are never stored.
+  using S::kHeadDimPad;
+  static constexpr int kStride = kHeadDimPad + 8;  // K, V, Q, dO rows (elements)
   static constexpr int kPStride = kBlockN + 8;   // P, dS rows (elements)
   // Warps along rows of each stage's output (families/backward.py warp_layouts: up to
   // d = 128 warp tiles as square as the block allows, which minimises each warp's ldmatrix
@@ -73,11 +78,11 @@ struct BwdConfig : S {
   static constexpr int kSMT = kBlockM / 16 / kSRows, kSNT = kBlockN / kSCols / 8;
   // dK/dV: warps over (keys, head dim)
   static constexpr int kKvRows = S::kKvRows, kKvCols = kWarps / kKvRows;
-  static constexpr int kKvMT = kBlockN / 16 / kKvRows, kKvDT = kHeadDim / kKvCols / 8;
+  static constexpr int kKvMT = kBlockN / 16 / kKvRows, kKvDT = kHeadDimPad / kKvCols / 8;
   // dQ: warps over (query rows, head dim)
   static constexpr int kQRows = S::kQRows, kQCols = kWarps / kQRows;
-  static constexpr int kQMT = kBlockM / 16 / kQRows, kQDT = kHeadDim / kQCols / 8;
-  static constexpr int kKS = kHeadDim / 16, kMS = kBlockM / 16, kNS = kBlockN / 16;
+  static constexpr int kQMT = kBlockM / 16 / kQRows, kQDT = kHeadDimPad / kQCols / 8;
+  static constexpr int kKS = kHeadDimPad / 16, kMS = kBlockM / 16, kNS = kBlockN / 16;
 
   static constexpr int kElem = static_cast<int>(sizeof(Elem));
   static constexpr int kKvTile = kBlockN * kStride, kQTile = kBlockM * kStride;
@@ -95,8 +100,10 @@ struct BwdConfig : S {
   static_assert(kQRows * kQCols == kWarps && kQDT % 2 == 0, "dQ warp layout");
   // Each layout covers its output exactly (families/backward.py tile_problems checks the same).
   static_assert(kSMT * kSRows * 16 == kBlockM && kSNT * kSCols * 8 == kBlockN, "S/dP cover");
-  static_assert(kKvMT * kKvRows * 16 == kBlockN && kKvDT * kKvCols * 8 == kHeadDim, "dK/dV cover");
-  static_assert(kQMT * kQRows * 16 == kBlockM && kQDT * kQCols * 8 == kHeadDim, "dQ cover");
+  static_assert(kKvMT * kKvRows * 16 == kBlockN && kKvDT * kKvCols * 8 == kHeadDimPad, "dK/dV cover");
+  static_assert(kQMT * kQRows * 16 == kBlockM && kQDT * kQCols * 8 == kHeadDimPad, "dQ cover");
+  static_assert(kHeadDim % 8 == 0 && kHeadDim >= 8 && kHeadDim <= 256, "head_dim");
+  static_assert(kHeadDimPad % 16 == 0 && kHeadDimPad >= kHeadDim, "head_dim_pad");
   static_assert(kStages == 1 || kStages == 2, "stages");
   static_assert(!S::kKeepMaskOut || S::kDropout, "the keep-mask output needs dropout");
 };
@@ -219,9 +226,9 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
                      seq.q_off(p.q_batch_stride, p.q_row_stride, r0) + h * p.q_head_stride;
     const Elem* gdO = static_cast<const Elem*>(p.dout) +
                       seq.q_off(p.do_batch_stride, p.do_row_stride, r0) + h * p.do_head_stride;
-    load_tile_async<C::kBlockM, C::kHeadDim, C::kThreads, C::kStride>(
+    load_tile_async<C::kBlockM, C::kHeadDimPad, C::kThreads, C::kStride, C::kHeadDim>(
         sQ + slot * C::kQTile, gQ, p.q_row_stride, qr, io, BwdIo::kQ);
-    load_tile_async<C::kBlockM, C::kHeadDim, C::kThreads, C::kStride>(
+    load_tile_async<C::kBlockM, C::kHeadDimPad, C::kThreads, C::kStride, C::kHeadDim>(
         sdO + slot * C::kQTile, gdO, p.do_row_stride, qr, io, BwdIo::kDO);
     for (int r = tid; r < C::kBlockM; r += C::kThreads) {
       const bool ok = r < qr;
@@ -256,10 +263,10 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
   const float drop_scale = C::kDropout ? static_cast<float>(1.0 / (1.0 - p.dropout_p)) : 1.f;
 
   if (cur.valid) {
-    load_tile_async<C::kBlockN, C::kHeadDim, C::kThreads, C::kStride>(sK, gK, p.k_row_stride, kr,
-                                                                       io, BwdIo::kK);
-    load_tile_async<C::kBlockN, C::kHeadDim, C::kThreads, C::kStride>(sV, gV, p.v_row_stride, kr,
-                                                                       io, BwdIo::kV);
+    load_tile_async<C::kBlockN, C::kHeadDimPad, C::kThreads, C::kStride, C::kHeadDim>(
+        sK, gK, p.k_row_stride, kr, io, BwdIo::kK);
+    load_tile_async<C::kBlockN, C::kHeadDimPad, C::kThreads, C::kStride, C::kHeadDim>(
+        sV, gV, p.v_row_stride, kr, io, BwdIo::kV);
     load_step(cur, 0);  // K and V ride in the same group
   }
   BwdStep nxt = cur.valid ? advance(cur) : cur;
@@ -485,6 +492,7 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
                          2 * t4;
 #pragma unroll
             for (int dt = 0; dt < C::kQDT; ++dt) {
+              if (C::kHeadDimPad != C::kHeadDim && q_col0 + dt * 8 >= C::kHeadDim) continue;
               atomic_add_f32(dst + dt * 8, acc_dq[mt][dt][2 * r], io, BwdIo::kDqAccum);
               atomic_add_f32(dst + dt * 8 + 1, acc_dq[mt][dt][2 * r + 1], io, BwdIo::kDqAccum);
             }
@@ -518,6 +526,7 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
 #pragma unroll
         for (int dt = 0; dt < C::kKvDT; ++dt) {
           const int col = kv_col0 + dt * 8 + 2 * t4;
+          if (C::kHeadDimPad != C::kHeadDim && col >= C::kHeadDim) continue;  // padded columns
           store_pair(gdK + row * p.dk_row_stride + col,
                      MmaT::pack(acc_dk[mt][dt][2 * r] * scale, acc_dk[mt][dt][2 * r + 1] * scale),
                      io, BwdIo::kDk);

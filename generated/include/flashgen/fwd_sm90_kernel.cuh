@@ -101,7 +101,8 @@ struct FwdSm90Config : S {
   // (multiples of 8: 240 for one or two consumer warpgroups, 160 for three).
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = kGroups == 3 ? 160 : 240;
-  static constexpr int kHeadDimPad = (kHeadDim + 63) / 64 * 64;
+  using S::kHeadDimPad;  // head_dim rounded up to 64 (the TMA box)
+  static_assert(kHeadDimPad == (kHeadDim + 63) / 64 * 64, "head_dim_pad: the next multiple of 64");
   static constexpr int kBoxes = kHeadDimPad / 64;
   static constexpr int kOChunk = kHeadDimPad % 128 == 0 ? 128 : 64;  // wgmma N of P V
   static constexpr int kOChunks = kHeadDimPad / kOChunk;
@@ -123,7 +124,7 @@ struct FwdSm90Config : S {
   static_assert(kWarps % 4 == 0 && kGroups >= 1 && kGroups <= 3, "1 to 3 warpgroups");
   static_assert(kBlockM == 64 * kGroups, "block_m = 64 rows per warpgroup");
   static_assert(kBlockN == 64 || kBlockN == 128, "block_n: 64 or 128");
-  static_assert(kHeadDim % 16 == 0 && kHeadDim >= 16 && kHeadDim <= 256, "head_dim");
+  static_assert(kHeadDim % 8 == 0 && kHeadDim >= 8 && kHeadDim <= 256, "head_dim");
   static_assert(kStages >= 1 && kStages <= 4, "stages");
   static_assert(!S::kKeepMaskOut || S::kDropout, "the keep-mask output needs dropout");
 };

@@ -62,7 +62,8 @@ struct BwdSm90Config : S {
   static constexpr int kGroups = kWarps / 4;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
-  static constexpr int kHeadDimPad = (kHeadDim + 63) / 64 * 64;
+  using S::kHeadDimPad;  // head_dim rounded up to 64 (the TMA box)
+  static_assert(kHeadDimPad == (kHeadDim + 63) / 64 * 64, "head_dim_pad: the next multiple of 64");
   static constexpr int kBoxes = kHeadDimPad / 64;
   static constexpr int kMT = kBlockM / 8;  // n8 tiles of S^T's columns (queries)
   // dQ pieces: (block_m / 64) row blocks x (Dp / kDqN) column blocks, one per group.
@@ -80,7 +81,8 @@ struct BwdSm90Config : S {
   static_assert(kWarps == 8, "two consumer warpgroups (block_n = 128)");
   static_assert(kBlockN == 64 * kGroups, "block_n = 64 keys per consumer warpgroup");
   static_assert(kBlockM == 64 || kBlockM == 128, "block_m: 64 or 128");
-  static_assert(kHeadDimPad == 64 || kHeadDimPad == 128, "head_dim: 16..128");
+  static_assert(kHeadDim % 8 == 0 && (kHeadDimPad == 64 || kHeadDimPad == 128),
+                "head_dim: multiples of 8 in 8..128");
   static_assert(kDqN == 32 || kDqN == 64 || kDqN == 128, "dQ piece width");
   static_assert(kDqRowBlocks * kDqColBlocks == kGroups, "one dQ piece per warpgroup");
   static_assert(kStages >= 1 && kStages <= 4, "stages");

@@ -106,8 +106,13 @@ struct DecConfig : S {
   static constexpr int kWarpsN = kWarps / kWarpsM;    // warps along the keys of a tile
   static constexpr int kWarpKeys = kBlockN / kWarpsN; // keys of a tile per warp
   static constexpr int kNT = kWarpKeys / 8;           // n8 tiles of a warp's S
-  static constexpr int kDT = kHeadDim / 8;            // n8 tiles of O along d
-  static constexpr int kKS = kHeadDim / 16;           // k16 steps of Q K^T
+  // kHeadDimPad: the head dim rounded up to the k16 steps of Q K^T. Columns
+  // d..kHeadDimPad-1 of the Q, K and V tiles are zero in smem (never read from HBM), and
+  // O's padded columns are dropped at the merge.
+  using S::kHeadDimPad;
+  static constexpr bool kPadded = kHeadDimPad != kHeadDim;
+  static constexpr int kDT = kHeadDimPad / 8;         // n8 tiles of O along d
+  static constexpr int kKS = kHeadDimPad / 16;        // k16 steps of Q K^T
   // K/V rows in shared memory. Contiguous caches (cp.async chunks): 128-byte aligned rows
   // with their 16-byte chunks XOR-swizzled (chunk ^ row % 8), so each 128-byte global line of
   // a warp's cp.async lands in one 128-byte shared segment (one full-line L2 request; rows
@@ -116,8 +121,8 @@ struct DecConfig : S {
   // Paged caches (bulk row copies write a row as it is) and head dims below 64 pad rows by 8
   // elements instead. Q keeps the padded rows.
   static constexpr bool kSwizzle = !S::kPaged && kHeadDim % 64 == 0;
-  static constexpr int kStride = kSwizzle ? kHeadDim : kHeadDim + 8;  // K/V row, elements
-  static constexpr int kQStride = kHeadDim + 8;                       // Q row, elements
+  static constexpr int kStride = kSwizzle ? kHeadDim : kHeadDimPad + 8;  // K/V row, elements
+  static constexpr int kQStride = kHeadDimPad + 8;                       // Q row, elements
   // Q is re-read from smem each tile (8 ldmatrix per warp for d = 128): a memory-bound loop
   // has the time, and the registers go to the address arithmetic of the loads in flight.
   static constexpr bool kQInRegs = false;
@@ -125,18 +130,26 @@ struct DecConfig : S {
   static constexpr int kTileBytes = (kBlockM * kQStride + 2 * kStages * kBlockN * kStride) * kElem;
   // The end-of-loop merge of the key warps reuses the tiles' memory: per warp, its rows'
   // accumulators (rows padded to d + 4 floats) and (m, l).
-  static constexpr int kMergeStride = kHeadDim + 4;
+  static constexpr int kMergeStride = kHeadDimPad + 4;
   static constexpr int kMergeBytes = kWarpsN * kBlockM * (kMergeStride + 2) * 4;
   static constexpr int kSmemBytes = kTileBytes > kMergeBytes ? kTileBytes : kMergeBytes;
-  // combine: kHeadDim / 8 threads per output row, 8 columns each
-  static constexpr int kCombineRowThreads = kHeadDim / 8;
+  // combine: the power of two >= kHeadDim / 8 threads per output row (a shuffle group),
+  // 8 columns each; those past the row's columns only take part in the shuffles.
+  static constexpr int kCombineRowThreads = kHeadDim <= 8    ? 1
+                                            : kHeadDim <= 16 ? 2
+                                            : kHeadDim <= 32 ? 4
+                                            : kHeadDim <= 64 ? 8
+                                            : kHeadDim <= 128 ? 16
+                                                              : 32;
   static constexpr int kCombineRows = kCombineThreads / kCombineRowThreads;
 
-  static_assert(kHeadDim % 16 == 0 && 32 % kCombineRowThreads == 0, "head_dim: 32, 64 or 128");
+  static_assert(kHeadDim % 8 == 0 && kHeadDim >= 8 && kHeadDim <= 256, "head_dim");
+  static_assert(kHeadDimPad == (kHeadDim + 15) / 16 * 16, "head_dim_pad: the next multiple of 16");
+  static_assert(!kSwizzle || !kPadded, "swizzled rows are unpadded");
   static_assert(kBlockM % 16 == 0 && kWarpsM >= 1 && kWarps % kWarpsM == 0, "block_m = 16 * warps_m");
   static_assert(kWarpKeys % 16 == 0 && kWarpKeys * kWarpsN == kBlockN, "16-key multiples per warp");
   static_assert(kStages >= 2, "the page-id prefetch and the ring need two stages");
-  static_assert((kBlockN * kHeadDim / 8) % kThreads == 0,
+  static_assert((kBlockN * kHeadDimPad / 8) % kThreads == 0,
                 "whole K/V tiles per load pass (the page shuffle needs converged warps)");
   static_assert(kBlockN / 16 <= 32, "page ids of a tile fit a warp");
   static_assert((2 * kBlockN) % kThreads == 0, "bulk loads: whole K/V rows per thread");
@@ -369,10 +382,10 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
                                 rows_of(v_base, p.v_row_stride, p.v_batch_stride), v_base, io,
                                 DecIo::kV);
     } else {
-      load_rows_async<C::kBlockN, C::kHeadDim, C::kThreads, C::kStride>(
+      load_rows_async<C::kBlockN, C::kHeadDimPad, C::kThreads, C::kStride, C::kHeadDim>(
           sK + slot * C::kBlockN * C::kStride, rows_of(k_base, p.k_row_stride, p.k_batch_stride),
           k_base, io, DecIo::kK);
-      load_rows_async<C::kBlockN, C::kHeadDim, C::kThreads, C::kStride>(
+      load_rows_async<C::kBlockN, C::kHeadDimPad, C::kThreads, C::kStride, C::kHeadDim>(
           sV + slot * C::kBlockN * C::kStride, rows_of(v_base, p.v_row_stride, p.v_batch_stride),
           v_base, io, DecIo::kV);
     }
@@ -423,10 +436,16 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
         for (int s = 0; s < C::kStages; ++s) sm90::mbar_init(&full[s], C::kThreads);
         sm90::mbar_init_fence();
       }
+      if constexpr (C::kPadded) {  // the bulk copies write d columns: the padding is zeroed
+        for (int r = tid; r < 2 * C::kStages * C::kBlockN; r += C::kThreads)  // once (sK, sV)
+#pragma unroll
+          for (int c = C::kHeadDim; c < C::kHeadDimPad; c += 8)
+            *reinterpret_cast<uint4*>(sK + r * C::kStride + c) = make_uint4(0u, 0u, 0u, 0u);
+      }
       __syncthreads();
     }
-    load_rows_async<C::kBlockM, C::kHeadDim, C::kThreads, C::kQStride>(sQ, q_row, q_base, io,
-                                                                       DecIo::kQ);
+    load_rows_async<C::kBlockM, C::kHeadDimPad, C::kThreads, C::kQStride, C::kHeadDim>(
+        sQ, q_row, q_base, io, DecIo::kQ);
     cp_async_commit();
     if (C::kPaged) {
       ids_cur = fetch_window(0);
@@ -520,7 +539,7 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
 
   for (int c = tid; c < C::kBlockM * C::kDT; c += C::kThreads) {
     const int row = c / C::kDT, col = (c % C::kDT) * 8;
-    if (row >= valid_rows) continue;
+    if (row >= valid_rows || (C::kPadded && col >= C::kHeadDim)) continue;  // padded columns
     float mx = -INFINITY;
 #pragma unroll
     for (int w = 0; w < C::kWarpsN; ++w) mx = fmaxf(mx, sM[w * C::kBlockM + row]);
@@ -612,6 +631,7 @@ __device__ __forceinline__ void decode_combine_body(const fg_decode_params& p) {
   constexpr int kSub = kTpr < 8 ? kTpr : 8;  // parts whose loads go out together
   Io<C::kInstrumentIo, DecIo> io;
   const int tid = threadIdx.x, t = tid % kTpr, col = t * 8;
+  const bool col_ok = col < C::kHeadDim;  // a thread past the row's columns only shuffles
   const int64_t row = static_cast<int64_t>(blockIdx.x) * C::kCombineRows + tid / kTpr;
   // No early return: the row's threads shuffle, and a warp may hold an active row too.
   const bool active = row < p.batch * p.seqlen_q * p.heads;
@@ -663,7 +683,7 @@ __device__ __forceinline__ void decode_combine_body(const fg_decode_params& p) {
           // an empty part (or a NaN, or one past num_parts) contributes nothing, unread
           const bool use = active && j0 + u < jn && lse_j > -INFINITY;
           w[u] = use ? expf(lse_j - base) : 0.f;
-          if (use) {
+          if (use && col_ok) {
             load_part8(o_row + (c0 + j0 + u) * p.o_parts_part_stride, v[u], io);
           } else {
 #pragma unroll
@@ -701,9 +721,10 @@ __device__ __forceinline__ void decode_combine_body(const fg_decode_params& p) {
     const uint4 packed = make_uint4(
         MmaT::pack(acc[0] * inv_l, acc[1] * inv_l), MmaT::pack(acc[2] * inv_l, acc[3] * inv_l),
         MmaT::pack(acc[4] * inv_l, acc[5] * inv_l), MmaT::pack(acc[6] * inv_l, acc[7] * inv_l));
-    store_16(static_cast<Elem*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride +
-                 h * p.o_head_stride + col,
-             packed, io, DecIo::kO);
+    if (col_ok)
+      store_16(static_cast<Elem*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride +
+                   h * p.o_head_stride + col,
+               packed, io, DecIo::kO);
     if (t == 0 && p.lse)
       store_f32(p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + i,
                 empty ? -INFINITY : base + logf(l), io, DecIo::kLse);

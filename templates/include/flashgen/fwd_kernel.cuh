@@ -44,10 +44,14 @@ struct FwdConfig : S {
   using Elem = typename S::Elem;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kMT = kBlockM / (16 * kWarps);  // m16 tiles per warp
-  static constexpr int kStride = kHeadDim + 8;         // smem row stride, elements
+  // kHeadDimPad: the head dim rounded up to the k16 steps of Q K^T. Columns d..kHeadDimPad-1
+  // of the Q, K and V tiles are zero-filled in smem (never read from HBM), so their products
+  // are 0, and O's padded columns are never stored.
+  using S::kHeadDimPad;
+  static constexpr int kStride = kHeadDimPad + 8;      // smem row stride, elements
   static constexpr int kNT = kBlockN / 8;              // n8 tiles of S
-  static constexpr int kDT = kHeadDim / 8;             // n8 tiles of O along d
-  static constexpr int kKS = kHeadDim / 16;            // k16 steps of Q K^T
+  static constexpr int kDT = kHeadDimPad / 8;          // n8 tiles of O along d
+  static constexpr int kKS = kHeadDimPad / 16;         // k16 steps of Q K^T
   static constexpr int kPS = kBlockN / 16;             // k16 steps of P V
   // Q fragments stay in registers when they cost at most 32 of them; otherwise they are
   // re-read from smem with ldmatrix each tile, which keeps large head dims off local memory.
@@ -55,7 +59,8 @@ struct FwdConfig : S {
   static constexpr int kSmemBytes =
       (kBlockM + 2 * kStages * kBlockN) * kStride * static_cast<int>(sizeof(Elem));
 
-  static_assert(kHeadDim % 16 == 0 && kHeadDim >= 16 && kHeadDim <= 256, "head_dim");
+  static_assert(kHeadDim % 8 == 0 && kHeadDim >= 8 && kHeadDim <= 256, "head_dim");
+  static_assert(kHeadDimPad == (kHeadDim + 15) / 16 * 16, "head_dim_pad: the next multiple of 16");
   static_assert(kBlockN % 16 == 0, "block_n must be a multiple of 16");
   static_assert(kMT >= 1 && kMT * 16 * kWarps == kBlockM, "block_m = 16 * warps * {1,2}");
   static_assert(kStages >= 1 && kStages <= 3, "stages");
@@ -116,10 +121,10 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
     const int64_t n = sched.tile(it, io, tid == 0);
     if (C::kSparse && tid == 0) s_tile[slot] = n;
     const int64_t rows = min(static_cast<int64_t>(C::kBlockN), sk - n * C::kBlockN);
-    load_tile_async<C::kBlockN, C::kHeadDim, C::kThreads, C::kStride>(
+    load_tile_async<C::kBlockN, C::kHeadDimPad, C::kThreads, C::kStride, C::kHeadDim>(
         sK + slot * C::kBlockN * C::kStride, gK + n * C::kBlockN * p.k_row_stride, p.k_row_stride,
         rows, io, FwdIo::kK);
-    load_tile_async<C::kBlockN, C::kHeadDim, C::kThreads, C::kStride>(
+    load_tile_async<C::kBlockN, C::kHeadDimPad, C::kThreads, C::kStride, C::kHeadDim>(
         sV + slot * C::kBlockN * C::kStride, gV + n * C::kBlockN * p.v_row_stride, p.v_row_stride,
         rows, io, FwdIo::kV);
   };
@@ -149,8 +154,8 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
   const FwdDropout drop = fwd_dropout<C>(p, b, h);
 
   if (n_iter > 0) {
-    load_tile_async<C::kBlockM, C::kHeadDim, C::kThreads, C::kStride>(sQ, gQ, p.q_row_stride,
-                                                                       valid_rows, io, FwdIo::kQ);
+    load_tile_async<C::kBlockM, C::kHeadDimPad, C::kThreads, C::kStride, C::kHeadDim>(
+        sQ, gQ, p.q_row_stride, valid_rows, io, FwdIo::kQ);
     cp_async_commit();
 #pragma unroll
     for (int s = 0; s < C::kStages - 1; ++s) {
@@ -246,9 +251,10 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
       if (row < valid_rows) {
 #pragma unroll
         for (int dt = 0; dt < C::kDT; ++dt)
-          store_pair(gO + row * p.o_row_stride + dt * 8 + 2 * t,
-                     MmaT::pack(acc_o[mt][dt][2 * r] * inv_l, acc_o[mt][dt][2 * r + 1] * inv_l), io,
-                     FwdIo::kO);
+          if (dt * 8 < C::kHeadDim)  // the padded columns are not O's
+            store_pair(gO + row * p.o_row_stride + dt * 8 + 2 * t,
+                       MmaT::pack(acc_o[mt][dt][2 * r] * inv_l, acc_o[mt][dt][2 * r + 1] * inv_l), io,
+                       FwdIo::kO);
         if (t == 0) store_f32(gLse + row, lse, io, FwdIo::kLse);
       }
     }

@@ -8,6 +8,9 @@
 //   chunk     16 bytes = 8 elements of a row, the unit of cp.async
 //   stride    smem row stride in elements (head_dim + 8: the 16-byte pad keeps the 8 rows an
 //             ldmatrix reads in 8 different bank groups)
+//   kD, kDValid  a tile's columns in smem (the head dim rounded up to the MMA's k16 steps)
+//             and in global memory (the head dim): chunks at columns >= kDValid are
+//             zero-filled without a read, and are not counted
 #pragma once
 
 #include <stdint.h>
@@ -47,10 +50,12 @@ struct Io<true, Keys> {
 };
 
 // Rows [0, kRows) x kD elements of a row-major global tile into smem, zero-filling rows
-// >= valid_rows (those bytes are not read, and not counted).
-template <int kRows, int kD, int kThreads, int kStride, typename Elem, class IoT>
+// >= valid_rows and columns >= kDValid (those bytes are not read, and not counted).
+template <int kRows, int kD, int kThreads, int kStride, int kDValid = kD, typename Elem,
+          class IoT>
 __device__ __forceinline__ void load_tile_async(Elem* smem, const Elem* gmem, int64_t row_stride,
                                                 int64_t valid_rows, IoT& io, int tensor) {
+  static_assert(kD % 8 == 0 && kDValid % 8 == 0 && kDValid <= kD, "16-byte chunks");
   constexpr int kChunksPerRow = kD / 8;
   constexpr int kChunks = kRows * kChunksPerRow;
 #pragma unroll
@@ -58,7 +63,7 @@ __device__ __forceinline__ void load_tile_async(Elem* smem, const Elem* gmem, in
     const int c = it * kThreads + threadIdx.x;
     if (kChunks % kThreads != 0 && c >= kChunks) break;
     const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
-    const bool valid = row < valid_rows;
+    const bool valid = row < valid_rows && (kDValid == kD || col < kDValid);
     const Elem* src = valid ? gmem + row * row_stride + col : gmem;
     cp_async_16(smem + row * kStride + col, src, valid);
     io.add(tensor, valid ? 16 : 0);
@@ -68,10 +73,13 @@ __device__ __forceinline__ void load_tile_async(Elem* smem, const Elem* gmem, in
 // Rows [0, kRows) x kD elements into smem, row r from row_ptr(r): a pointer to its first
 // element, or nullptr for a row that is zero-filled and neither read nor counted (`fallback`,
 // any valid address, stands in for it). For tiles whose rows are not evenly strided: the
-// pages of a paged KV cache, the query heads of a GQA group packed into one tile.
-template <int kRows, int kD, int kThreads, int kStride, typename Elem, class RowPtr, class IoT>
+// pages of a paged KV cache, the query heads of a GQA group packed into one tile. Columns
+// >= kDValid are zero-filled as in load_tile_async.
+template <int kRows, int kD, int kThreads, int kStride, int kDValid = kD, typename Elem,
+          class RowPtr, class IoT>
 __device__ __forceinline__ void load_rows_async(Elem* smem, RowPtr&& row_ptr,
                                                 const Elem* fallback, IoT& io, int tensor) {
+  static_assert(kD % 8 == 0 && kDValid % 8 == 0 && kDValid <= kD, "16-byte chunks");
   constexpr int kChunksPerRow = kD / 8;
   constexpr int kChunks = kRows * kChunksPerRow;
 #pragma unroll
@@ -80,7 +88,7 @@ __device__ __forceinline__ void load_rows_async(Elem* smem, RowPtr&& row_ptr,
     if (kChunks % kThreads != 0 && c >= kChunks) break;
     const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
     const Elem* src = row_ptr(row);
-    const bool valid = src != nullptr;
+    const bool valid = src != nullptr && (kDValid == kD || col < kDValid);
     cp_async_16(smem + row * kStride + col, valid ? src + col : fallback, valid);
     io.add(tensor, valid ? 16 : 0);
   }
