@@ -465,23 +465,38 @@ class Emulator:
             t["dv"][:, c:e].copy_(dv)
 
     def _decode(self, p):
-        """Contiguous caches, no mask: sequence b attends to its cache_seqlens[b] keys."""
+        """No mask; contiguous or paged caches: sequence b attends to its cache_seqlens[b]
+        keys (paged: key j is row j % page_size of page block_table[b, j // page_size])."""
         torch = _torch()
-        assert p["block_table"] == 0 and self.spec.mask.causal is Causal.NONE
+        assert self.spec.mask.causal is Causal.NONE and not self.spec.mask.window
         dt, d = self._dtype(), self.spec.head_dim
-        b, sq, h, hk, cap = p["batch"], p["seqlen_q"], p["heads"], p["kv_heads"], p["seqlen_k"]
+        b, sq, h, hk = p["batch"], p["seqlen_q"], p["heads"], p["kv_heads"]
 
-        def view(name, rows, heads):
+        def view(name, shape):
             stride = (p[f"{name}_batch_stride"], p[f"{name}_row_stride"],
                       p[f"{name}_head_stride"], 1)  # fmt: skip
-            return _at(p[name], (b, rows, heads, d), stride, dt)
+            return _at(p[name], shape, stride, dt)
 
-        q, k, v, o = view("q", sq, h), view("k", cap, hk), view("v", cap, hk), view("o", sq, h)
+        q, o = view("q", (b, sq, h, d)), view("o", (b, sq, h, d))
+        lens = _at(p["cache_seqlens"], (b,), (1,), torch.int32).tolist()
+        if p["block_table"]:
+            page, pages, cols = p["page_size"], p["num_pages"], p["max_pages"]
+            table = _at(p["block_table"], (b, cols), (p["block_table_stride"], 1), torch.int32)
+            kp, vp = view("k", (pages, page, hk, d)), view("v", (pages, page, hk, d))
+
+            def keys(x, i, n):  # the used pages only (entries past them are never read)
+                used = table[i, : -(-n // page)].long()
+                return x[used].reshape(-1, hk, d)[None, :n]
+        else:
+            kp, vp = view("k", (b, p["seqlen_k"], hk, d)), view("v", (b, p["seqlen_k"], hk, d))
+
+            def keys(x, i, n):
+                return x[i : i + 1, :n]
+
         lse = _at(p["lse"], (b, h, sq), (p["lse_batch_stride"], p["lse_head_stride"], 1),
                   torch.float32)  # fmt: skip
-        lens = _at(p["cache_seqlens"], (b,), (1,), torch.int32).tolist()
         for i, n in enumerate(lens):
-            ob, lb = reference(q[i : i + 1], k[i : i + 1, :n], v[i : i + 1, :n],
+            ob, lb = reference(q[i : i + 1], keys(kp, i, n), keys(vp, i, n),
                                scale=p["softmax_scale"])  # fmt: skip
             o[i].copy_(ob[0])
             lse[i].copy_(lb[0])
@@ -831,6 +846,22 @@ def test_an_unserved_decode_head_dim_reads_padded_copies_of_the_caches(gpu, d):
     _decode_check(q, k_cache, v_cache, [70] * 3, again)
     _kvcache(q, k_cache, k_cache, cache_seqlens=70)  # one tensor for both caches: one copy
     assert gpu.launches[-1][1]["k"] == gpu.launches[-1][1]["v"]
+
+
+def test_a_paged_cache_of_an_unserved_head_dim_reads_padded_pages(gpu):
+    torch = _torch()
+    d = DECODE_DIMS[0]
+    q = _randn(2, 3, 4, d, seed=48)
+    pages = _randn(5, 16, 2, d, seed=49)
+    table = torch.tensor([[3, 0, 4], [1, 2, 0]], dtype=torch.int32)
+    lens = [40, 17]
+    out = _kvcache(q, pages, pages, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+                   block_table=table)  # fmt: skip
+    flat = torch.stack([pages[table[i]].reshape(48, 2, d) for i in range(2)])
+    _decode_check(q, flat, flat, lens, out)
+    ((spec, p),) = gpu.launches
+    assert spec.paged and spec.head_dim == padded_head_dim(d, H200, (D,))
+    assert p["k"] == p["v"] != pages.data_ptr() and p["num_pages"] == 5
 
 
 def test_unreadable_caches_are_read_through_one_copy_and_aligned_ones_in_place(gpu):
