@@ -1,5 +1,7 @@
 """`flashgen.torch` on a GPU: the PyTorch ops against the float64 reference, under
-torch.compile, CUDA graphs, varlen, GQA, windows and dropout, the drop-in check against SDPA,
+torch.compile, CUDA graphs, varlen, GQA, windows and dropout, head dims the kernels do not
+serve (zero-padded, asked of the families: `PADDED_DIMS`) and views whose layout they cannot
+read (copied), dense and varlen, the drop-in check against SDPA,
 the score-stage features (softcap, ALiBi with either slope shape, attention sinks and their
 gradient; alone, together, with GQA, varlen and a sliding window, under opcheck,
 torch.compile and CUDA graphs) against a float64 torch reference written from their
@@ -17,7 +19,9 @@ The kernels these tests use are listed in examples/torch_kernels.yaml; build the
 of each compiles it into the kernel cache ($FLASHGEN_CACHE_DIR), about a minute per kernel.
 The score-feature tests use 19 more on an H200 (bf16 d = 64, and fp16 for softcap; not listed
 there, tests/gpu/test_torch_kvcache.py's feature tests 4 decode kernels): they compile on
-first use.
+first use. So do the padded-head-dim tests' kernels at the padded head dims (on an H200 with
+families serving every multiple of 8: d = 59 and 111 run at 64 and 112, 14 kernels, 7 of them
+not in specs/).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device for the flashgen.torch tests", allow_module_level=True)
 
 import torch.nn.functional as F  # noqa: E402
+from flashgen.generator.spec import KernelKind  # noqa: E402
 from flashgen.torch import (  # noqa: E402
     UnsupportedCall,
     cache,
@@ -62,6 +67,19 @@ SETTINGS = settings(
 LENGTHS = [1, 2, 7, 16, 17, 63, 64, 65, 127, 128, 129, 255, 257, 300]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 DEV = "cuda"
+CAP = tuple(torch.cuda.get_device_capability())
+INFERENCE = (KernelKind.FORWARD,)
+TRAINING = (KernelKind.FORWARD, KernelKind.BACKWARD)
+
+
+def _unserved(kinds, candidates) -> list[int]:
+    """The head dims of `candidates` that the kernels of `kinds` do not serve on this GPU,
+    asked of the families (so the padded tests stay padded as the families grow; 59 and
+    111 are not multiples of 8, which the kernels' 16-byte loads need)."""
+    return [d for d in candidates if selection.padded_head_dim(d, CAP, kinds) != d]
+
+
+PADDED_DIMS = _unserved(TRAINING, (59, 111, 40, 200))
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -88,11 +106,15 @@ def _values(rng, shape, kind: str) -> np.ndarray:
 def _spec(kind: str, dtype: str, d: int, *, causal=False, window=(-1, -1), varlen=False,
           gqa=False, dropout=False, deterministic=False):  # fmt: skip
     """The spec the op selects for such a call (what the shared checks read dtype and
-    head_dim from)."""
+    head_dim from). For a head dim the kernels do not serve, the op ran the spec of the
+    zero-padded head dim (forward and backward: these checks take gradients); the checks
+    then get that spec's dtype and features with the caller's head dim (the softmax scale
+    1 / sqrt(d) of the pass rule's LSE floor)."""
+    padded = selection.padded_head_dim(d, CAP, TRAINING)
     mask_causal, win, _ = selection.resolve_mask(causal, window)
     call = selection.AttentionCall(
         dtype=selection.DTYPES[str(DTYPES[dtype]).removeprefix("torch.")],
-        head_dim=d,
+        head_dim=padded,
         capability=torch.cuda.get_device_capability(),
         causal=mask_causal,
         window=win,
@@ -101,7 +123,10 @@ def _spec(kind: str, dtype: str, d: int, *, causal=False, window=(-1, -1), varle
         dropout=dropout,
         deterministic=deterministic,
     )
-    return (selection.forward_spec if kind == "fwd" else selection.backward_spec)(call)
+    spec = (selection.forward_spec if kind == "fwd" else selection.backward_spec)(call)
+    if padded != d:
+        return SimpleNamespace(dtype=spec.dtype, head_dim=d, has=spec.has)
+    return spec
 
 
 def _ref_kw(causal: bool, window=(-1, -1), cu_q=None, cu_k=None) -> dict:
@@ -265,6 +290,179 @@ def test_packed_qkv_views_are_taken_without_a_copy():
     dout = _tensor(rng.standard_normal((2, 129, 4, 64)), "bf16")
     out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     check_call("bf16", 64, q, k, v, out, lse, dout, _ref_kw(True), causal=True)
+
+
+# -- head dims the kernels do not serve (zero-padded), layouts they cannot read (copied) ---------
+
+
+@pytest.mark.parametrize(("dtype", "causal"), [("fp16", False), ("bf16", True)])
+@pytest.mark.parametrize("d", PADDED_DIMS)
+def test_unserved_head_dims_are_padded_and_match_the_reference(dtype, causal, d):
+    """q, k, v zero-padded to the next head dim forward and backward serve; O, LSE and the
+    gradients (sliced back to d) against the float64 reference at d, scale 1 / sqrt(d)."""
+
+    @SETTINGS
+    @given(case=dense_case())
+    def prop(case):
+        q, k, v, dout = dense_inputs(case, dtype, d)
+        out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        assert out.shape == q.shape and out.is_contiguous() and lse.dtype == torch.float32
+        check_call(dtype, d, q, k, v, out, lse, dout, _ref_kw(causal), causal=causal)
+
+    prop()
+
+
+@SETTINGS
+@given(case=dense_case(gqa=True))
+def test_unserved_head_dims_with_gqa_match_the_reference(case):
+    d = PADDED_DIMS[-1]
+    q, k, v, dout = dense_inputs(case, "bf16", d)
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    check_call("bf16", d, q, k, v, out, lse, dout, _ref_kw(True), causal=True, gqa=True)
+
+
+def test_without_grad_the_forward_alone_sets_the_padded_head_dim():
+    """An inference call pads to the next head dim the forward serves (which may be smaller
+    than what training needs): O and LSE against the reference."""
+    dims = _unserved(INFERENCE, range(1, 257))
+    differ = [x for x in dims if selection.padded_head_dim(x, CAP, TRAINING)
+              != selection.padded_head_dim(x, CAP, INFERENCE)]  # fmt: skip
+    d = (differ or [PADDED_DIMS[0]])[0]
+    case = {"batch": 2, "heads": 3, "kv_heads": 3, "sq": 129, "sk": 65, "values": "normal",
+            "seed": d}  # fmt: skip
+    q, k, v, _ = dense_inputs(case, "bf16", d, grad=False)
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
+    res = SimpleNamespace(inputs={"q": _np(q), "k": _np(k), "v": _np(v)}, o=_np(out), lse=_np(lse))
+    spec = SimpleNamespace(dtype=selection.Dtype.BF16, head_dim=d)
+    for name, verdict in verdicts(spec, res, **_ref_kw(False)).items():
+        assert verdict.passed, f"{name}: {verdict.message}"
+
+
+@SETTINGS
+@given(
+    lens_q=st.lists(st.one_of(st.just(0), st.sampled_from(LENGTHS)), min_size=1, max_size=4),
+    lens_k=st.data(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_varlen_with_an_unserved_head_dim_matches_the_reference(lens_q, lens_k, seed):
+    d = PADDED_DIMS[0]
+    lens_k = [lens_k.draw(st.one_of(st.just(q_len), st.sampled_from(LENGTHS))) for q_len in lens_q]
+    if sum(lens_q) == 0 or sum(lens_k) == 0:
+        lens_q[-1], lens_k[-1] = max(lens_q[-1], 1), max(lens_k[-1], 1)
+    rng = np.random.default_rng(seed)
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = _tensor(rng.standard_normal((cu_q[-1], 4, d)), "bf16", True)
+    k, v = (_tensor(rng.standard_normal((cu_k[-1], 4, d)), "bf16", True) for _ in range(2))
+    dout = _tensor(rng.standard_normal((cu_q[-1], 4, d)), "bf16")
+    out, lse, _ = flash_attn_varlen_func(
+        q, k, v,
+        torch.tensor(cu_q, device=DEV), torch.tensor(cu_k, device=DEV),
+        max(lens_q), max(lens_k), causal=True, return_attn_probs=True,
+    )  # fmt: skip
+    assert out.shape == q.shape and lse.shape == (4, cu_q[-1])
+    check_call("bf16", d, q, k, v, out, lse, dout, _ref_kw(True, cu_q=cu_q, cu_k=cu_k),
+               causal=True, varlen=True)  # fmt: skip
+
+
+def _view(layout: str, shape, rng):
+    """(base, view): a base tensor that requires grad and `view(base)`, of `shape` (b, s, h,
+    d), in a layout the kernels cannot read as it is (copied once) or, "bhsd", one they read
+    in place."""
+    b, s, h, d = shape
+    n = b * s * h * d
+    dims, view = {
+        # x[..., :d] of a buffer 4 columns wider: strides not multiples of 8
+        "wide": ((b, s, h, d + 4), lambda x: x[..., :d]),
+        # head_dim not contiguous: a transposed (b, s, d, h) buffer
+        "transposed": ((b, s, d, h), lambda x: x.transpose(-1, -2)),
+        # strides fine, the first element 6 bytes past a 16-byte boundary
+        "shifted": ((n + 8,), lambda x: x[3 : 3 + n].view(shape)),
+        # (b, h, s, d) storage read as (b, s, h, d): aligned strides, no copy
+        "bhsd": ((b, h, s, d), lambda x: x.transpose(1, 2)),
+    }[layout]
+    return _tensor(rng.standard_normal(dims), "bf16", True), view
+
+
+@pytest.mark.parametrize("layout", ["wide", "transposed", "shifted", "bhsd"])
+def test_views_are_read_in_place_or_copied_and_gradients_reach_their_base(layout):
+    """q, k, v as views (those the kernels cannot read are copied once, differentiably): O,
+    LSE and the gradients against the reference, and each base's gradient is its view's
+    gradient in the view's place, zero elsewhere."""
+    shape = (2, 129, 4, 64)
+    rng = np.random.default_rng(30)
+    made = [_view(layout, shape, rng) for _ in range(3)]
+    q, k, v = (view(base) for base, view in made)
+    assert q.shape == shape
+    dout = _tensor(rng.standard_normal(shape), "bf16")
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    bases = [base for base, _ in made]
+    grads = torch.autograd.grad(out, bases + [q, k, v], dout, retain_graph=True)
+    for (base, view), g_base, g_view in zip(made, grads[:3], grads[3:]):
+        assert torch.equal(view(g_base), g_view)
+        outside = torch.ones_like(base, dtype=torch.bool)
+        view(outside).fill_(False)
+        assert torch.all(g_base[outside] == 0)
+    check_call("bf16", 64, q, k, v, out, lse, dout, _ref_kw(True), causal=True)
+
+
+def test_an_unreadable_varlen_view_with_an_unserved_head_dim_matches_the_reference():
+    d = PADDED_DIMS[0]
+    lens = [7, 130, 64]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    rng = np.random.default_rng(34)
+    packed = _tensor(rng.standard_normal((cu[-1], 3, 4, d + 5)), "bf16", True)
+    q, k, v = (x[..., :d] for x in packed.unbind(dim=1))  # (total, 4, d) of a qkv buffer
+    dout = _tensor(rng.standard_normal((cu[-1], 4, d)), "bf16")
+    cu_t = torch.tensor(cu, device=DEV)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_t, cu_t, max(lens), max(lens),
+                                         causal=True, return_attn_probs=True)  # fmt: skip
+    check_call("bf16", d, q, k, v, out, lse, dout, _ref_kw(True, cu_q=cu, cu_k=cu),
+               causal=True, varlen=True)  # fmt: skip
+
+
+def test_padding_and_copies_under_torch_compile_and_cuda_graphs():
+    """The padded, copied call traces into a fullgraph torch.compile graph (bitwise equal to
+    eager, gradients too) and replays from a CUDA graph with new values in the caller's
+    (unpadded, strided) tensors."""
+    d = PADDED_DIMS[0]
+    rng = np.random.default_rng(35)
+    base = _tensor(rng.standard_normal((2, 200, 4, d + 3)), "bf16", True)
+    k, v = (_tensor(rng.standard_normal((2, 200, 4, d)), "bf16", True) for _ in range(2))
+    dout = _tensor(rng.standard_normal((2, 200, 4, d)), "bf16")
+
+    def fwd(base, k, v):
+        return flash_attn_func(base[..., :d], k, v, causal=True, deterministic=True)
+
+    want = fwd(base, k, v)
+    got = torch.compile(fwd, fullgraph=True)(base, k, v)
+    assert got.shape == (2, 200, 4, d) and torch.equal(got, want)
+    for a, b_ in zip(torch.autograd.grad(got, (base, k, v), dout),
+                     torch.autograd.grad(want, (base, k, v), dout)):  # fmt: skip
+        assert torch.equal(a, b_)
+
+    def step():
+        out = fwd(base, k, v)
+        return (out, *torch.autograd.grad(out, (base, k, v), dout))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for seed in (36, 37):
+        fresh = np.random.default_rng(seed)
+        with torch.no_grad():
+            for t in (base, k, v, dout):
+                t.copy_(_tensor(fresh.standard_normal(tuple(t.shape)), "bf16"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b_ in zip(static, step()):
+            assert torch.equal(a, b_)
 
 
 # -- dropout -------------------------------------------------------------------------------------
@@ -937,10 +1135,12 @@ def _qkv(shape=(1, 16, 2, 64), dtype=torch.bfloat16, device=DEV, grad=False):
         (lambda: _qkv(dtype=torch.float32), "float16 or bfloat16"),
         (lambda: _qkv(shape=(1, 16, 2, 128))[:2] + _qkv()[2:], "same shape"),
         (lambda: (_qkv(shape=(1, 16, 3, 64))[0], *_qkv()[1:]), "must divide"),
-        (lambda: tuple(t[..., ::2] for t in _qkv(shape=(1, 16, 2, 128))), "stride 1"),
-        (lambda: _qkv(shape=(1, 16, 2, 144), grad=True), "head_dim 144 has no backward"),
+        (lambda: _qkv(shape=(1, 16, 2, 300)), r"head_dim 300: allowed 1\.\.256"),
+        (lambda: _qkv(shape=(1, 16, 2, 300), grad=True), r"head_dim 300: allowed 1\.\.256"),
+        (lambda: _qkv(shape=(1, 16, 2, 0)), r"head_dim 0: allowed 1\.\.256"),
+        (lambda: (_qkv(shape=(1, 16, 2, 59))[0], *_qkv()[1:]), "head_dim 59 differs from k's 64"),
     ],
-    ids=["cpu", "fp32", "head-dims-differ", "kv-heads", "strided-head-dim", "bwd-d144"],
+    ids=["cpu", "fp32", "head-dims-differ", "kv-heads", "d300", "d300-grad", "d0", "d59-d64"],
 )
 def test_unsupported_calls_raise_naming_what_is_supported(make, match):
     q, k, v = make()

@@ -3,13 +3,17 @@ decode reference by the pass rule (contiguous and paged caches with pages in ran
 GQA, causal, windows, ragged cache_seqlens with 0 and 1, 1..16 queries, the LSE), the
 score-stage features (softcap, ALiBi of either slope shape, attention sinks) against the
 float64 torch reference of tests/gpu/test_torch.py, paged == contiguous bitwise for one split
-count, merge_states of two halves against the whole call, the device-side input check, the
+count, merge_states of two halves against the whole call, head dims the decode kernels do not
+serve (zero-padded copies of q and the caches, asked of the family: `PADDED_DIMS`) and layouts
+they cannot read (copied; the caller's caches untouched), the device-side input check, the
 operators under opcheck and torch.compile, and the message of every refused call.
 
 Skips without torch or a CUDA device (and, like the whole GPU suite, without PyCUDA). Drawn
 cases: FLASHGEN_GPU_EXAMPLES / 10 per test (default 20). Kernels missing from
 $FLASHGEN_BUILD_DIR compile into the kernel cache on first use (docs/torch.md); the bf16
-d = 128 property tests use up to 8 decode kernels, 4 of which specs/decode.yaml ships.
+d = 128 property tests use up to 8 decode kernels, 4 of which specs/decode.yaml ships; the
+padded-head-dim tests 4 more at the padded head dims (d = 59 and 100 at 64 and 104 when the
+family serves every multiple of 8).
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device for the flashgen.torch tests", allow_module_level=True)
 
+from flashgen.generator.spec import KernelKind  # noqa: E402
 from flashgen.torch import (  # noqa: E402
     UnsupportedCall,
     flash_attn_with_kvcache,
     kvcache,
     merge_states,
+    selection,
 )
 from flashgen.torch.kvcache_select import CacheInputError  # noqa: E402
 from flashgen.verify import passrule, reference_decode  # noqa: E402
@@ -50,6 +56,10 @@ SETTINGS = settings(
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 DEV = "cuda"
 WINDOWS = [(-1, -1), (-1, -1), (0, -1), (3, -1), (70, -1), (70, 2), (3, 0), (-1, 2)]
+CAP = tuple(torch.cuda.get_device_capability())
+# Head dims the decode kernels do not serve on this GPU, asked of the family (59 is not a
+# multiple of 8, which the kernels' 16-byte loads need): zero-padded by flash_attn_with_kvcache.
+PADDED_DIMS = [d for d in (59, 100) if selection.padded_head_dim(d, CAP, (KernelKind.DECODE,)) != d]
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -232,6 +242,69 @@ def test_inputs_that_require_grad_give_outputs_without_grad():
         assert torch.equal(out, flash_attn_with_kvcache(q, k, v, cache_seqlens=_lens([10, 64])))
 
 
+# -- head dims the decode kernels do not serve (zero-padded), layouts they cannot read ----------
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("d", PADDED_DIMS)
+def test_unserved_head_dims_are_padded_and_match_the_reference(paged, d):
+    """q and the caches read through copies zero-padded to the next head dim the decode
+    kernels serve; O (sliced back to d) and LSE against the float64 reference at d."""
+
+    @SETTINGS
+    @given(case=kv_case(paged, windows=[(-1, -1)], causal=False))
+    def prop(case):
+        out, lse, q, k, v = run(case, "bf16", d, paged=paged)
+        assert out.shape == (len(case["lens"]), case["sq"], case["heads"], d)
+        assert out.is_contiguous() and lse.shape == (len(case["lens"]), case["heads"], case["sq"])
+        assert_matches("bf16", d, case, out, lse, q, k, v)
+
+    prop()
+
+
+def test_padded_caches_are_read_not_written_and_softmax_scale_is_kept():
+    d = PADDED_DIMS[0]
+    case = {"seed": 40, "lens": [0, 1, 200], "sq": 3, "heads": 4, "kv_heads": 2, "page": None,
+            "capacity": 210, "splits": 0, "values": "normal", "causal": False,
+            "window": (-1, -1)}  # fmt: skip
+    _, q, k, v = make_problem(SimpleNamespace(head_dim=d), case)
+    tq, tk, tv = _t(q, "bf16"), _t(np.nan_to_num(k), "bf16"), _t(np.nan_to_num(v), "bf16")
+    before = (tk.clone(), tv.clone())
+    out, lse = flash_attn_with_kvcache(tq, tk, tv, cache_seqlens=_lens(case["lens"]),
+                                       softmax_scale=0.07, return_softmax_lse=True)  # fmt: skip
+    assert torch.equal(tk, before[0]) and torch.equal(tv, before[1])
+    assert_matches("bf16", d, case, out, lse, q, np.nan_to_num(k), np.nan_to_num(v), scale=0.07)
+    # one tensor for both caches, an int cache_seqlens: the same call
+    both = flash_attn_with_kvcache(tq, tk, tk, cache_seqlens=200)
+    want = flash_attn_with_kvcache(tq, tk, tk.clone(), cache_seqlens=_lens([200] * 3))
+    assert torch.equal(both, want)
+
+
+def test_layouts_the_kernels_cannot_read_are_read_through_a_copy():
+    """A strided head_dim (q), strides not multiples of 8 (k_cache), a cache 8 bytes off a
+    16-byte boundary (v_cache): each is copied once (the caller's tensors untouched) and the
+    output is, bitwise, that of the same values laid out contiguously."""
+    q, k, v, lens = _base()
+    want = flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
+    wide = torch.zeros(2, 1, 8, 2 * 128, device=DEV, dtype=torch.bfloat16)
+    wide[..., ::2] = q
+    padded = torch.zeros(2, 64, 2, 132, device=DEV, dtype=torch.bfloat16)
+    padded[..., :128] = k
+    flat = torch.zeros(v.numel() + 8, device=DEV, dtype=torch.bfloat16)
+    flat[4 : 4 + v.numel()] = v.flatten()
+    views = {
+        "q": wide[..., ::2],
+        "k_cache": padded[..., :128],
+        "v_cache": flat[4 : 4 + v.numel()].view(v.shape),  # 8 bytes off a 16-byte boundary
+    }
+    for name, view in views.items():
+        args = {"q": q, "k_cache": k, "v_cache": v, name: view}
+        kept = view.clone()
+        got = flash_attn_with_kvcache(**args, cache_seqlens=lens)
+        assert torch.equal(got, want), name
+        assert torch.equal(view, kept), name
+
+
 # -- score-stage features ----------------------------------------------------------------------
 
 
@@ -353,12 +426,14 @@ def test_under_torch_compile_with_every_score_feature():
 # -- merge_states --------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("d", [128] + PADDED_DIMS[:1])
 @pytest.mark.parametrize("sq", [1, 5])
-def test_merge_states_of_two_halves_matches_the_whole_call(sq):
+def test_merge_states_of_two_halves_matches_the_whole_call(sq, d):
     """Parts = the call on keys [0, cut) and [cut, n) of every sequence (no causal mask: the
-    parts' keys are a partition), merged, against the whole call and the reference."""
+    parts' keys are a partition), merged, against the whole call and the reference (at a
+    head dim the kernels do not serve, calls and merge run zero-padded)."""
     rng = np.random.default_rng(6 + sq)
-    b, h, hk, d, n, cut = 3, 8, 2, 128, 700, 300
+    b, h, hk, n, cut = 3, 8, 2, 700, 300
     lens = [700, 250, 301]
     q = rng.standard_normal((b, sq, h, d)).astype(np.float32)
     k = rng.standard_normal((b, n, hk, d)).astype(np.float32)
@@ -448,10 +523,11 @@ def test_opcheck_merge_states_op():
     torch.library.opcheck(torch.ops.flashgen.merge_states.default, (o, lse, "float16"))
 
 
-def test_under_torch_compile():
+@pytest.mark.parametrize("d", [128] + PADDED_DIMS[:1])
+def test_under_torch_compile(d):
     rng = np.random.default_rng(11)
-    q = _t(rng.standard_normal((2, 1, 8, 128)), "bf16")
-    k, v = (_t(rng.standard_normal((2, 200, 2, 128)), "bf16") for _ in range(2))
+    q = _t(rng.standard_normal((2, 1, 8, d)), "bf16")
+    k, v = (_t(rng.standard_normal((2, 200, 2, d)), "bf16") for _ in range(2))
     lens = _lens([200, 17])
 
     def step(q, k, v, lens):
@@ -515,8 +591,8 @@ def test_shapes_dtypes_and_devices_are_refused():
     q, k, v, lens = _base()
     _refused(r"seqlen_q 17; decode kernels take 1\.\.16", _base(sq=17)[0], k, v,
              cache_seqlens=lens)  # fmt: skip
-    _refused(r"head_dim 256 has no decode kernel", *_base(d=256))
-    _refused(r"head_dim 96 has no decode kernel", *_base(d=96))
+    _refused(r"head_dim 300: allowed 1\.\.256 .*decode kernels serve", *_base(d=300))
+    _refused(r"head_dim 59 differs from k_cache's 128", _base(d=59)[0], k, v, lens)
     _refused(r"q has dtype float32", *_base(dtype=torch.float32))
     _refused(r"v_cache has dtype float16 but q has bfloat16", q, k, v.half(), lens)
     _refused(r"q is on device 'cpu'", q.cpu(), k, v, cache_seqlens=lens)
@@ -525,18 +601,6 @@ def test_shapes_dtypes_and_devices_are_refused():
     _refused(r"cache_seqlens=65 is outside 0\.\.64", q, k, v, cache_seqlens=65)
     if torch.cuda.device_count() > 1:
         _refused(r"all tensors must be on one device", q, k.to("cuda:1"), v, cache_seqlens=lens)
-
-
-def test_layouts_are_refused():
-    q, k, v, lens = _base()
-    wide = torch.randn(2, 1, 8, 2 * 128, device=DEV).bfloat16()
-    _refused(r"q's last dimension \(head_dim\) has stride 2", wide[..., ::2], k, v, lens)
-    padded = torch.randn(2, 64, 2, 132, device=DEV).bfloat16()[..., :128]
-    _refused(r"k_cache has strides .*multiple of 8 elements", q, padded, v, lens)
-    n = 2 * 64 * 2 * 128
-    flat = torch.randn(n + 8, device=DEV).bfloat16()
-    shifted = flat[4 : 4 + n].view(2, 64, 2, 128)  # 8 bytes off a 16-byte boundary
-    _refused(r"k_cache starts at an address that is not 16-byte aligned", q, shifted, v, lens)
 
 
 def test_paged_arguments_are_refused():
@@ -565,7 +629,7 @@ def test_merge_states_refusals():
     lse = torch.randn(2, 1, 4, 3, device=DEV)
     with pytest.raises(UnsupportedCall, match="float32 o_parts need out_dtype"):
         merge_states(o, lse)
-    with pytest.raises(UnsupportedCall, match=r"head_dim 256 has no merge_states kernel"):
-        merge_states(torch.randn(2, 1, 3, 4, 256, device=DEV).half(), lse)
+    with pytest.raises(UnsupportedCall, match=r"head_dim 300: allowed 1\.\.256 .*merge_states"):
+        merge_states(torch.randn(2, 1, 3, 4, 300, device=DEV).half(), lse)
     with pytest.raises(UnsupportedCall, match=r"lse_parts must be float32"):
         merge_states(o.half(), lse.half())
