@@ -593,6 +593,12 @@ def test_shapes_dtypes_and_devices_are_refused():
              cache_seqlens=lens)  # fmt: skip
     _refused(r"head_dim 300: allowed 1\.\.256 .*decode kernels serve", *_base(d=300))
     _refused(r"head_dim 59 differs from k_cache's 128", _base(d=59)[0], k, v, lens)
+    served = selection.served_head_dims(CAP, (KernelKind.DECODE,))
+    uncovered = [d for d in range(1, 257) if d > max(served)]
+    if uncovered:  # no decode kernel at d nor above it (up to 256): nothing to pad to
+        d = uncovered[0]
+        _refused(rf"head_dim {d} has no decode kernel, nor has any head dim from {d} to 256",
+                 *_base(d=d))  # fmt: skip
     _refused(r"q has dtype float32", *_base(dtype=torch.float32))
     _refused(r"v_cache has dtype float16 but q has bfloat16", q, k, v.half(), lens)
     _refused(r"q is on device 'cpu'", q.cpu(), k, v, cache_seqlens=lens)
