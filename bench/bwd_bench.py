@@ -40,6 +40,7 @@ def bwd_params(q, k, v, o, lse, do, dq, dk, dv, ws, scale: float, dq_accum_bytes
         "dsum": ws.data_ptr() + dq_accum_bytes,
         "dq_sem": ws.data_ptr() + dq_accum_bytes + -(-b * s * h * 4 // 256) * 256,
         "batch": b, "heads": h, "kv_heads": hk, "seqlen_q": s, "seqlen_k": sk,
+        "head_dim": q.shape[-1], "head_dim_v": v.shape[-1],
         "softmax_scale": scale, "window_left": -1, "window_right": -1,
         "lse_batch_stride": lse.stride(0), "lse_head_stride": lse.stride(1),
     }  # fmt: skip

@@ -197,6 +197,8 @@ def _call_values(q, o, lens, batch: int, heads: int) -> dict:
         heads=heads,
         kv_heads=KV_HEADS,
         seqlen_q=1,
+        head_dim=D,
+        head_dim_v=D,
         softmax_scale=D**-0.5,
     )
 

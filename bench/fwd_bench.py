@@ -44,6 +44,8 @@ def torch_params(kernel, q, k, v, o, lse, scale: float) -> dict:
         "kv_heads": hk,
         "seqlen_q": s,
         "seqlen_k": sk,
+        "head_dim": d,
+        "head_dim_v": v.shape[-1],
         "softmax_scale": scale,
         "window_left": -1,
         "window_right": -1,

@@ -314,6 +314,8 @@ def decode(
         "seqlen_q": pb.seqlen_q,
         "seqlen_k": 0 if pb.paged else pb.capacity,
         "max_seqlen_k": max(0, min(int(max_seqlen_k), pb.capacity)),
+        "head_dim": q.shape[-1],  # <name>_check compares them with the kernel's
+        "head_dim_v": v_cache.shape[-1],
         "page_size": pb.page_size,
         "num_pages": pb.num_pages,
         "max_pages": pb.max_pages,
@@ -533,6 +535,8 @@ def merge_states_op(o_parts: Tensor, lse_parts: Tensor, out_dtype: str) -> tuple
         "heads": heads,
         "kv_heads": 1,
         "seqlen_q": sq,
+        "head_dim": o_parts.shape[-1],  # merge_check compares them with the kernel's
+        "head_dim_v": o_parts.shape[-1],
         "o_parts": o_parts.data_ptr(),
         "lse_parts": lse_parts.data_ptr(),
         "num_parts": parts,

@@ -539,6 +539,8 @@ def fwd(
         "kv_heads": pb.kv_heads,
         "seqlen_q": pb.seqlen_q,
         "seqlen_k": pb.seqlen_k,
+        "head_dim": q.shape[-1],  # <name>_check compares them with the kernel's
+        "head_dim_v": v.shape[-1],
         "cu_seqlens_q": 0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
         "cu_seqlens_k": 0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
         # varlen: rows of the packed tensors (the sm_90a forward's tensor maps span them)
@@ -667,6 +669,8 @@ def bwd(
         "kv_heads": pb.kv_heads,
         "seqlen_q": pb.seqlen_q,
         "seqlen_k": pb.seqlen_k,
+        "head_dim": q.shape[-1],  # <name>_check compares them with the kernel's
+        "head_dim_v": v.shape[-1],
         "cu_seqlens_q": 0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
         "cu_seqlens_k": 0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
         "softmax_scale": softmax_scale,

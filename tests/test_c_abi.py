@@ -151,6 +151,8 @@ int main() {
   p.batch = 1; p.heads = 2; p.kv_heads = 2; p.seqlen_q = 5; p.seqlen_k = 7;
   show("no scale", p);
   p.softmax_scale = 0.125;
+  show("no head dims", p);
+  p.head_dim = p.head_dim_v = HEAD_DIM;
   show("defaults", p);
   p.q_row_stride = p.k_row_stride = p.v_row_stride = p.o_row_stride = 128;
   show("good", p);
@@ -158,6 +160,8 @@ int main() {
   bad = p; bad.v_head_stride = 12; show("stride", bad);
   bad = p; bad.kv_heads = 1; show("kv_heads", bad);
   bad = p; bad.softmax_scale = 0.0; show("scale", bad);
+  bad = p; bad.head_dim = bad.head_dim_v = HEAD_DIM + 8; show("head_dim", bad);
+  bad = p; bad.head_dim_v = HEAD_DIM / 2; show("head_dim_v", bad);
   bad = p; bad.seqlen_q = 1LL << 40; bad.heads = bad.kv_heads = 1LL << 30; show("grid", bad);
   bad = p; bad.k = buf + 8;
   std::printf("launch: %d\n", static_cast<int>(NAME_launch(&bad, nullptr)));
@@ -171,7 +175,7 @@ int main() {
 @needs["nvcc"]
 def test_vendored_kernel_builds_and_its_c_abi_refuses_bad_parameters(tmp_path, kernel):
     src = tmp_path / "main.cu"
-    src.write_text(MAIN.replace("NAME", kernel.name))
+    src.write_text(MAIN.replace("NAME", kernel.name).replace("HEAD_DIM", str(kernel.head_dim)))
     exe = tmp_path / "main"
     cu = kernel.dir / f"{kernel.name}.cu"
     run(["nvcc", "-std=c++17", "-O1", "-arch=sm_90", "-Xcompiler=" + ",".join(WARNINGS),
@@ -179,6 +183,9 @@ def test_vendored_kernel_builds_and_its_c_abi_refuses_bad_parameters(tmp_path, k
     out = report(run([str(exe)]).stdout)
     assert out["null"] == "q, k, v, o and lse must all be non-null"
     assert out["no scale"] == "softmax_scale must be finite and > 0"
+    d = kernel.head_dim
+    want = f"head_dim and head_dim_v must both be {d}: the head dims this kernel was generated for"
+    assert out["no head dims"] == out["head_dim"] == out["head_dim_v"] == want
     assert out["defaults"] == "OK"
     assert out["good"] == "OK"
     assert out["misaligned"] == "q, k, v and o must be 16-byte aligned"

@@ -32,6 +32,8 @@ GOOD = {
     "softmax_scale": 0.125,
     "window_left": -1,
     "window_right": -1,
+    "head_dim": 32,
+    "head_dim_v": 32,
 }
 
 
@@ -56,6 +58,8 @@ def test_the_c_launcher_accepts_good_parameters(library):
         ({"kv_heads": 1}, "kv_heads must equal heads"),
         ({"softmax_scale": float("nan")}, "softmax_scale must be finite"),
         ({"seqlen_q": -1}, "must be >= 0"),
+        ({"head_dim": 0}, "head_dim and head_dim_v must both be 32"),
+        ({"head_dim_v": 64}, "head_dim and head_dim_v must both be 32"),
     ],
 )
 def test_the_c_launcher_names_what_is_wrong(library, change, message):
@@ -79,6 +83,8 @@ HOPPER = load_spec_text("dtype: bf16\nhead_dim: 64\ntarget: sm_90a\n")[0]
 D, H, SQ, SK = 64, 2, 3, 4
 HOPPER_GOOD = {
     **GOOD,
+    "head_dim": D,
+    "head_dim_v": D,
     **{f"{t}_{k}": v for t in "qo" for k, v in
        (("batch_stride", SQ * H * D), ("row_stride", H * D), ("head_stride", D))},
     **{f"{t}_{k}": v for t in "kv" for k, v in

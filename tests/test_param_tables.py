@@ -151,10 +151,11 @@ def test_score_params_header_is_the_rendering_of_the_feature_registry():
 
 
 @FAMILIES
-def test_every_params_struct_ends_with_the_score_params(fam: Family):
-    from flashgen.generator.families import SCORE_PARAM_FIELDS
+def test_every_params_struct_ends_with_the_score_params_then_the_head_dims(fam: Family):
+    from flashgen.generator.families import SCORE_PARAM_FIELDS, SHAPE_PARAM_FIELDS
 
-    assert fam.params[-len(SCORE_PARAM_FIELDS) :] == SCORE_PARAM_FIELDS
+    tail = SCORE_PARAM_FIELDS + SHAPE_PARAM_FIELDS
+    assert fam.params[-len(tail) :] == tail
 
 
 @FAMILIES

@@ -650,8 +650,9 @@ def test_the_keyword_of_each_feature_is_its_first_parameter_row():
     assert M.ARGUMENTS == {"softcap": "softcap", "alibi": "alibi_slopes", "sink": "sinks"}
     fields = [p.name for p in SCORE_PARAM_FIELDS]
     assert fields == ["softcap", "alibi_slopes", "alibi_batch_stride", "sinks", "dsinks"]
-    for fam in families():  # every family's parameter table ends with the score fields
-        assert [p.name for p in fam.params[-len(fields) :]] == fields
+    for fam in families():  # every table ends with the score fields, then the head dims
+        assert [p.name for p in fam.params[-len(fields) - 2 : -2]] == fields
+        assert [p.name for p in fam.params[-2:]] == ["head_dim", "head_dim_v"]
 
 
 def test_score_args_kwargs_name_only_the_features_in_use():

@@ -315,6 +315,8 @@ class BwdKernel:
                 kv_heads=pb.kv_heads,
                 seqlen_q=pb.seqlen_q,
                 seqlen_k=pb.seqlen_k,
+                head_dim=pb.head_dim,  # <name>_check compares them with the kernel's
+                head_dim_v=pb.head_dim,
                 softmax_scale=pb.scale,
                 window_left=pb.window[0],
                 window_right=pb.window[1],

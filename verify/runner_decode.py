@@ -169,6 +169,8 @@ class DecodeKernel:
                 kv_heads=kv_heads,
                 seqlen_q=sq,
                 max_seqlen_k=max_seqlen_k,
+                head_dim=d,  # <name>_check compares them with the kernel's
+                head_dim_v=d,
                 softmax_scale=softmax_scale or 1.0 / float(np.sqrt(d)),
                 window_left=int(window[0]),
                 window_right=int(window[1]),

@@ -26,7 +26,14 @@ from flashgen.generator.spec import (
 )
 from flashgen.generator.tiles import mma_head_dim
 
-__all__ = ["Family", "ParamField", "SCORE_PARAM_FIELDS", "family", "families"]
+__all__ = [
+    "Family",
+    "ParamField",
+    "SCORE_PARAM_FIELDS",
+    "SHAPE_PARAM_FIELDS",
+    "family",
+    "families",
+]
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,11 @@ def params_table(text: str) -> tuple[ParamField, ...]:
 # C parameter struct ends with `fg_score_params score;`, so every PARAMS table ends with these.
 SCORE_PARAM_FIELDS: tuple[ParamField, ...] = tuple(
     ParamField(r.name, r.ctype) for r in SCORE_PARAMS
+)
+# ... and then with the caller's head dims, which `<name>_check` compares with the kernel's.
+SHAPE_PARAM_FIELDS: tuple[ParamField, ...] = (
+    ParamField("head_dim", "i64"),
+    ParamField("head_dim_v", "i64"),
 )
 
 

@@ -18,7 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from flashgen.generator.families import SCORE_PARAM_FIELDS, Family, params_table
+from flashgen.generator.families import (
+    SCORE_PARAM_FIELDS,
+    SHAPE_PARAM_FIELDS,
+    Family,
+    params_table,
+)
 from flashgen.generator.spec import Dtype, KernelKind, KernelSpec, Sparsity, Target, Tile
 from flashgen.generator.tiles import mma_head_dim
 
@@ -93,7 +98,7 @@ PARAMS = params_table(
     i64 blk_max_blocks
     ptr io_counters
     """
-) + SCORE_PARAM_FIELDS
+) + SCORE_PARAM_FIELDS + SHAPE_PARAM_FIELDS
 IO_KEYS = (
     "Q",
     "K",

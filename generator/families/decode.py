@@ -23,7 +23,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from flashgen.generator.families import SCORE_PARAM_FIELDS, Family, params_table
+from flashgen.generator.families import (
+    SCORE_PARAM_FIELDS,
+    SHAPE_PARAM_FIELDS,
+    Family,
+    params_table,
+)
 from flashgen.generator.spec import Causal, Dtype, KernelKind, KernelSpec, Target, Tile
 from flashgen.generator.tiles import mma_head_dim
 
@@ -97,7 +102,7 @@ PARAMS = params_table(
     i64 lse_parts_head_stride
     ptr io_counters
     """
-) + SCORE_PARAM_FIELDS
+) + SCORE_PARAM_FIELDS + SHAPE_PARAM_FIELDS
 IO_KEYS = ("Q", "K", "V", "O", "LSE", "O_PARTS", "LSE_PARTS", "SEQLENS", "BLOCK_TABLE")
 GRID_FORMULA = "ceil(seqlen_q*heads/kv_heads/block_m) * splits * kv_heads * batch (+ combine)"
 

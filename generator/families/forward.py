@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from flashgen.generator.families import SCORE_PARAM_FIELDS, Family, params_table
+from flashgen.generator.families import (
+    SCORE_PARAM_FIELDS,
+    SHAPE_PARAM_FIELDS,
+    Family,
+    params_table,
+)
 from flashgen.generator.spec import Dtype, KernelKind, KernelSpec, Target, Tile
 
 # The tile geometry lives beside the tile rule (generator/tiles.py), which imports nothing of
@@ -75,7 +80,7 @@ PARAMS = params_table(
     i64 blk_max_blocks
     ptr io_counters
     """
-) + SCORE_PARAM_FIELDS
+) + SCORE_PARAM_FIELDS + SHAPE_PARAM_FIELDS
 IO_KEYS = ("Q", "K", "V", "O", "LSE", "META", "KEEP_MASK")
 GRID_FORMULA = "ceil(max_seqlen_q/block_m) * heads * batch"
 

@@ -79,6 +79,10 @@ typedef struct fg_bwd_params {
 
   /* score-stage features (score_params.h, rendered from generator/features/) */
   fg_score_params score;
+
+  /* the caller's head dims: q and k (head_dim), v and o (head_dim_v); <name>_check refuses any
+     but the kernel's, so a caller built against another kernel cannot pass a mismatch */
+  int64_t head_dim, head_dim_v;
 } fg_bwd_params;
 
 /* Every pointer NULL, every stride and size 0, windows unbounded, one shared layout. */
