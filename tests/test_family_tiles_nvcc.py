@@ -59,10 +59,49 @@ FAMILIES: tuple[tuple[str, str, str, dict[str, str]], ...] = (
     }),
 )  # fmt: skip
 
-# (family label, head dim, combination): spills with every tile the family can take.
-# The sm_90a backward with softcap at d 128 is the shipped allow_spills kernel of
-# specs/scoremod.yaml; softcap is left out of its combinations above for that reason.
-KNOWN_SPILLS: tuple[tuple[str, int, str], ...] = ()
+# (family label, head dim, combination): `tile: auto` spills there today (ptxas 13.0, the full
+# sweep: 30 of 464 cells, all in the mma.sync backward; the other three families are clean).
+# Strict xfails: a tile rule that fixes one fails here until its row is removed. What spills:
+# - the three score modifiers together, up to d 128 (16-48 bytes) and at 160 / 192 / 256: the
+#   backward's auto tile does not count them as register-heavy yet;
+# - dropout with varlen + GQA beyond d 128 (32-80 bytes): the heavy class's 64 x 64 x 8 and
+#   32 x 64 x 8 tiles, and the warp layouts allow nothing lighter on 8 warps;
+# - d 192 with window + varlen + GQA (16 bytes) and deterministic at d 192 / 256 (12-24 bytes),
+#   the spills the issue reported.
+# docs/tiles.md, "Known spills"; the sm_90a backward with softcap at d 128 is the shipped
+# allow_spills kernel of specs/scoremod.yaml (softcap is left out of its combinations above).
+KNOWN_SPILLS: tuple[tuple[str, int, str], ...] = (
+    ("backward", 56, "scoremod"),
+    ("backward", 64, "scoremod"),
+    ("backward", 72, "scoremod"),
+    ("backward", 80, "scoremod"),
+    ("backward", 104, "scoremod"),
+    ("backward", 112, "scoremod"),
+    ("backward", 120, "scoremod"),
+    ("backward", 128, "scoremod"),
+    ("backward", 136, "dropout"),
+    ("backward", 144, "dropout"),
+    ("backward", 152, "dropout"),
+    ("backward", 160, "dropout"),
+    ("backward", 160, "scoremod"),
+    ("backward", 168, "dropout"),
+    ("backward", 176, "dropout"),
+    ("backward", 184, "dropout"),
+    ("backward", 192, "masked"),
+    ("backward", 192, "dropout"),
+    ("backward", 192, "scoremod"),
+    ("backward", 192, "det"),
+    ("backward", 200, "dropout"),
+    ("backward", 208, "dropout"),
+    ("backward", 216, "dropout"),
+    ("backward", 224, "dropout"),
+    ("backward", 232, "dropout"),
+    ("backward", 240, "dropout"),
+    ("backward", 248, "dropout"),
+    ("backward", 256, "dropout"),
+    ("backward", 256, "scoremod"),
+    ("backward", 256, "det"),
+)
 
 
 def _dims(kind: str, target: str) -> list[int]:
@@ -118,9 +157,7 @@ def compiled(tmp_path_factory) -> dict[str, Any]:
 @pytest.mark.nvcc
 @pytest.mark.nvcc_sweep
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
-@pytest.mark.parametrize(
-    "label,d,combo,spec", CELLS, ids=[f"{c[0]}-d{c[1]}-{c[2]}" for c in CELLS]
-)
+@pytest.mark.parametrize("label,d,combo,spec", CELLS, ids=[f"{c[0]}-d{c[1]}-{c[2]}" for c in CELLS])
 def test_auto_tile_compiles_without_spills_in_every_family(label, d, combo, spec, compiled):
     from flashgen.generator.naming import kernel_name
 

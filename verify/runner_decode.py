@@ -255,6 +255,8 @@ class DecodeKernel:
                 heads=heads,
                 kv_heads=1,
                 seqlen_q=s,
+                head_dim=d,  # merge_check compares them with the kernel's
+                head_dim_v=d,
                 o_parts=o_parts_buf.ptr,
                 lse_parts=lse_parts_buf.ptr,
                 num_parts=p_,
