@@ -3,7 +3,7 @@
     from flashgen.torch import flash_attn_func            # instead of: from flash_attn import ...
     out = flash_attn_func(q, k, v, causal=True)          # (batch, seqlen, heads, head_dim)
 
-Needs PyTorch (`pip install 'flashgen[torch]'`). The functions, the operators
+Needs PyTorch (`pip install '.[torch]'` from a flashgen checkout). The functions, the operators
 `torch.ops.flashgen.fwd` / `torch.ops.flashgen.bwd` and their conventions are documented in
 `flashgen.torch.interface` and docs/torch.md. Kernel selection (`flashgen.torch.selection`)
 and the kernel cache (`flashgen.torch.cache`) import no torch, so importing this package does
@@ -41,6 +41,6 @@ def __getattr__(name: str) -> Any:
         except ImportError as e:
             raise ImportError(
                 f"flashgen.torch.{name} needs PyTorch >= 2.4, which is not importable here "
-                f"({e}): pip install 'flashgen[torch]'"
+                f"({e}): pip install '.[torch]' (from a flashgen checkout)"
             ) from e
     return getattr(import_module(module), name)
