@@ -24,6 +24,7 @@ from flashgen.generator.families import (
     Family,
     params_table,
 )
+from flashgen.generator.features import FEATURES
 from flashgen.generator.spec import Dtype, KernelKind, KernelSpec, Sparsity, Target, Tile
 from flashgen.generator.tiles import mma_head_dim
 
@@ -118,15 +119,16 @@ GRID_FORMULA = "ceil(max_seqlen_k/block_n) * kv_heads * batch (main kernel)"
 
 
 def chip_head_dim(head_dim: int) -> int:
-    """The head dim on chip (BwdConfig's kHeadDimPad): the next multiple of 16 up to 96,
-    of 32 up to 192, then 256. Measured with ptxas 13.0 (sm_90): dK/dV and dQ of 112 or 16 *
-    odd columns beyond 128 split over one warp column only, and those tiles spilled (d 104 on
-    112 columns: 16-36 bytes with 64 x 64, the only tile the layouts allow); 224 columns
-    spilled 778 bytes with the 32 x 64 x 4 tile its layouts allow and 12-56 with 64 x 64 x 8,
-    while 256 columns compile clean with 32 x 64 x 8. So d 104 runs on 128 columns, d 136 on
-    160 and d 200 on 256 (their TFLOP/s count the real d: docs/benchmarks.md, "Shapes")."""
+    """The head dim on chip (BwdConfig's kHeadDimPad): the next multiple of 16 up to 64, of 32
+    up to 192, then 256. Measured with ptxas 13.0 (sm_90): dK/dV and dQ of 80, 112 or 16 * odd
+    columns beyond 128 split over one warp column only, and those tiles spilled (80 columns
+    with the score modifiers: 16-48 bytes with every tile the layouts allow; d 104 on 112
+    columns: 16-36 bytes); 224 columns spilled 778 bytes with the 32 x 64 x 4 tile its layouts
+    allow and 12-56 with 64 x 64 x 8, while 256 columns compile clean with 32 x 64 x 8. So d 72
+    runs on 96 columns, d 104 on 128, d 136 on 160 and d 200 on 256 (their TFLOP/s count the
+    real d: docs/benchmarks.md, "Shapes")."""
     d = mma_head_dim(head_dim)
-    if d <= 96:
+    if d <= 64:
         return d
     return -(-head_dim // 32) * 32 if head_dim <= 192 else 256
 
@@ -242,24 +244,38 @@ def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype) -> int:
     return tiles + p_ds + 2 * tile.stages * tile.block_m * 4 + scratch
 
 
-def default_tile(head_dim: int, dropout: bool = False, heavy: bool = False) -> Tile:
+def default_tile(
+    head_dim: int,
+    dropout: bool = False,
+    heavy: bool = False,
+    masked: bool = False,
+    deterministic: bool = False,
+    scoremod: bool = False,
+) -> Tile:
     """The fastest predicted tiles that compile without spills on sm_90, measured with ptxas
     (docs/benchmarks.md, "Backward v1" and "Backward v2"). 128 keys per CTA halve the Q/dO
     reloads and dQ atomics per FLOP against 64; the dK/dV accumulators for 128 keys x d take
     2 * 128 * d / threads registers a thread, so from d = 96 the 128-key tile pairs with 32
     query rows a step (S/dP and dQ shrink instead) at d = 128, and the register-heavy
     features (`heavy`: dropout's Philox state, deterministic ordering, block sparsity, IO
-    counters; they spill there) keep 64 x 64. d = 256 keeps 64 keys and 32 query rows.
-    A head dim of 8 * odd takes the tile of the multiple of 16 it runs on."""
+    counters, the score modifiers; they spill there) keep 64 x 64. At d = 192 the heavy and
+    the masked (window, varlen, GQA) features spilled 12-88 bytes with 64 x 64 and compile
+    clean with 64 x 32 (both measured with ptxas 13.0 on sm_90). d = 256 keeps 64 keys and
+    32 query rows, but for `deterministic` (24 bytes of spill there; 64 x 32 is clean). A head
+    dim runs on `chip_head_dim` columns and takes that dim's tile."""
     head_dim = chip_head_dim(head_dim)
     if head_dim % 32:
         return Tile(64, 64, 4, 2)
-    if head_dim <= 64 and not dropout:
+    if head_dim <= 64 and not (dropout or scoremod):
         return Tile(64, 128, 8, 2)
     if head_dim == 128 and not (dropout or heavy):
         return Tile(32, 128, 8, 2)
+    if head_dim == 192 and (dropout or heavy or masked):
+        return Tile(64, 32, 8, 2)
     if head_dim <= 192:
         return Tile(64, 64, 8, 2)
+    if deterministic and not dropout:
+        return Tile(64, 32, 8, 2)
     return Tile(32, 64, 8, 2)
 
 
@@ -345,13 +361,23 @@ class Backward(Family):
         return smem_bytes(spec.tile, spec.head_dim, spec.dtype)
 
     def auto_tile(self, target: Target, dtype: Dtype, head_dim: int, values: dict) -> Tile:
+        scoremod = any(values.get(f.name) for f in FEATURES)  # the score stage's registers
         heavy = bool(
             values.get("dropout")
             or values.get("deterministic")
             or values.get("instrument_io")
             or values.get("sparsity", Sparsity.NONE) != Sparsity.NONE
+            or scoremod
         )
-        tile = default_tile(head_dim, bool(values.get("dropout")), heavy)
+        masked = bool(values.get("mask.window") or values.get("mask.varlen") or values.get("gqa"))
+        tile = default_tile(
+            head_dim,
+            bool(values.get("dropout")),
+            heavy,
+            masked,
+            deterministic=bool(values.get("deterministic")),
+            scoremod=scoremod,
+        )
         return fit(tile, target, dtype, head_dim)
 
     def config(self, spec: KernelSpec) -> dict[str, Any]:
@@ -372,6 +398,7 @@ class Backward(Family):
             and t.block_m * t.block_n <= 64 * 64
             and spec.head_dim <= 64
             and not spec.dropout
+            and not spec.features  # the score stage spilled at 128 registers (d 64)
             else 1,
         }
 

@@ -18,8 +18,8 @@
 // sink: false
 // instrument_io: false
 // tile:
-//   block_m: 32
-//   block_n: 128
+//   block_m: 64
+//   block_n: 64
 //   warps: 8
 //   stages: 2
 // tile_auto: true
@@ -27,17 +27,17 @@
 // allow_spills: false
 //
 // C ABI of one flashgen backward kernel. Layouts and conventions: docs/conventions.md.
-//   fa_bwd_d128_fp16_alibi_m32n128w8s2_sm90_eb646467_workspace_bytes: bytes of fp32 workspace the call needs; pass its first
+//   fa_bwd_d128_fp16_alibi_m64n64w8s2_sm90_05260cb2_workspace_bytes: bytes of fp32 workspace the call needs; pass its first
 //     part as dq_accum and the rest, from byte ceil256(batch*seqlen_q*heads*head_dim*4), as
 //     dsum (or any two 16-byte aligned buffers of those sizes); deterministic builds take a
 //     third part, from byte ceil256(...) + ceil256(batch*seqlen_q*heads*4), as dq_sem.
-//   fa_bwd_d128_fp16_alibi_m32n128w8s2_sm90_eb646467_launch: checks the parameters (cudaErrorInvalidValue when they are unusable:
-//     call fa_bwd_d128_fp16_alibi_m32n128w8s2_sm90_eb646467_check for the reason), then on `stream` zeroes dq_accum and runs the
+//   fa_bwd_d128_fp16_alibi_m64n64w8s2_sm90_05260cb2_launch: checks the parameters (cudaErrorInvalidValue when they are unusable:
+//     call fa_bwd_d128_fp16_alibi_m64n64w8s2_sm90_05260cb2_check for the reason), then on `stream` zeroes dq_accum and runs the
 //     preprocess (D = rowsum(dO * O)), the main kernel and the dQ conversion.
-//   Tile: block_m=32, block_n=128, 256 threads,
-//     138752 bytes of dynamic shared memory, built for sm_90.
-#ifndef FA_BWD_D128_FP16_ALIBI_M32N128W8S2_SM90_EB646467_H
-#define FA_BWD_D128_FP16_ALIBI_M32N128W8S2_SM90_EB646467_H
+//   Tile: block_m=64, block_n=64, 256 threads,
+//     123904 bytes of dynamic shared memory, built for sm_90.
+#ifndef FA_BWD_D128_FP16_ALIBI_M64N64W8S2_SM90_05260CB2_H
+#define FA_BWD_D128_FP16_ALIBI_M64N64W8S2_SM90_05260CB2_H
 
 #include <stddef.h>
 
@@ -50,11 +50,11 @@ extern "C" {
 #endif
 
 /* NULL when the parameters are acceptable, else a message naming what is wrong. */
-const char* fa_bwd_d128_fp16_alibi_m32n128w8s2_sm90_eb646467_check(const fg_bwd_params* params);
-size_t fa_bwd_d128_fp16_alibi_m32n128w8s2_sm90_eb646467_workspace_bytes(const fg_bwd_params* params);
-cudaError_t fa_bwd_d128_fp16_alibi_m32n128w8s2_sm90_eb646467_launch(const fg_bwd_params* params, cudaStream_t stream);
+const char* fa_bwd_d128_fp16_alibi_m64n64w8s2_sm90_05260cb2_check(const fg_bwd_params* params);
+size_t fa_bwd_d128_fp16_alibi_m64n64w8s2_sm90_05260cb2_workspace_bytes(const fg_bwd_params* params);
+cudaError_t fa_bwd_d128_fp16_alibi_m64n64w8s2_sm90_05260cb2_launch(const fg_bwd_params* params, cudaStream_t stream);
 
 #ifdef __cplusplus
 }
 #endif
-#endif /* FA_BWD_D128_FP16_ALIBI_M32N128W8S2_SM90_EB646467_H */
+#endif /* FA_BWD_D128_FP16_ALIBI_M64N64W8S2_SM90_05260CB2_H */

@@ -18,8 +18,8 @@
 // sink: false
 // instrument_io: false
 // tile:
-//   block_m: 32
-//   block_n: 128
+//   block_m: 64
+//   block_n: 64
 //   warps: 8
 //   stages: 2
 // tile_auto: true
@@ -30,7 +30,7 @@
 // query-side buffers in flight; LSE natural log (the forward's); dq_accum/dsum fp32 workspace.
 #include <cuda_runtime.h>
 
-#include "fa_bwd_d128_fp16_alibi_m32n128w8s2_sm90_eb646467.h"
+#include "fa_bwd_d128_fp16_alibi_m64n64w8s2_sm90_05260cb2.h"
 #include "include/flashgen/bwd_kernel.cuh"
 #include "include/flashgen/bwd_launch.cuh"
 #include "include/flashgen/host.h"
@@ -40,7 +40,7 @@ struct Spec {
   using Elem = __half;
   // kHeadDimPad: the head dim on chip, zero-filled past kHeadDim (Family.chip_head_dim)
   static constexpr int kHeadDim = 128, kHeadDimPad = 128;
-  static constexpr int kBlockM = 32, kBlockN = 128;
+  static constexpr int kBlockM = 64, kBlockN = 64;
   static constexpr int kWarps = 8, kStages = 2;
   static constexpr fg::Causal kCausal = fg::Causal::kNone;
   static constexpr bool kWindow = false, kVarlen = false, kGqa = false;
@@ -49,32 +49,32 @@ struct Spec {
   // score-stage features (generator/features/, score_mod.cuh)
   static constexpr bool kSoftcap = false, kAlibi = true, kSink = false;
   static constexpr bool kDeterministic = false;
-  static constexpr int kSRows = 2;
-  static constexpr int kKvRows = 4;
+  static constexpr int kSRows = 4;
+  static constexpr int kKvRows = 2;
   static constexpr int kQRows = 2;
-  static constexpr bool kPScratch = true;
+  static constexpr bool kPScratch = false;
 };
 using Cfg = fg::BwdConfig<Spec>;
 static_assert(Cfg::kThreads == 256, "generator and kernel disagree on threads");
-static_assert(Cfg::kSmemBytes == 138752, "generator and kernel disagree on smem");
+static_assert(Cfg::kSmemBytes == 123904, "generator and kernel disagree on smem");
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(256, 1)
-fa_bwd_d128_fp16_alibi_m32n128w8s2_sm90_eb646467_kernel(const __grid_constant__ fg_bwd_params params) {
+fa_bwd_d128_fp16_alibi_m64n64w8s2_sm90_05260cb2_kernel(const __grid_constant__ fg_bwd_params params) {
   fg::bwd_kernel_body<Cfg>(params);
 }
 
 extern "C" __global__ void __launch_bounds__(fg::kRowWarps * 32)
-fa_bwd_d128_fp16_alibi_m32n128w8s2_sm90_eb646467_preprocess(const __grid_constant__ fg_bwd_params params) {
+fa_bwd_d128_fp16_alibi_m64n64w8s2_sm90_05260cb2_preprocess(const __grid_constant__ fg_bwd_params params) {
   fg::bwd_preprocess_body<Cfg>(params);
 }
 
 extern "C" __global__ void __launch_bounds__(fg::kRowWarps * 32)
-fa_bwd_d128_fp16_alibi_m32n128w8s2_sm90_eb646467_convert_dq(const __grid_constant__ fg_bwd_params params) {
+fa_bwd_d128_fp16_alibi_m64n64w8s2_sm90_05260cb2_convert_dq(const __grid_constant__ fg_bwd_params params) {
   fg::bwd_convert_body<Cfg>(params);
 }
 
-extern "C" const char* fa_bwd_d128_fp16_alibi_m32n128w8s2_sm90_eb646467_check(const fg_bwd_params* params) {
+extern "C" const char* fa_bwd_d128_fp16_alibi_m64n64w8s2_sm90_05260cb2_check(const fg_bwd_params* params) {
   if (!params) return "params must be non-null";
   if (const char* msg = fg::check_bwd_params<Cfg>(*params)) return msg;
   if (params->head_dim != 128 || params->head_dim_v != 128)
@@ -82,13 +82,13 @@ extern "C" const char* fa_bwd_d128_fp16_alibi_m32n128w8s2_sm90_eb646467_check(co
   return nullptr;
 }
 
-extern "C" size_t fa_bwd_d128_fp16_alibi_m32n128w8s2_sm90_eb646467_workspace_bytes(const fg_bwd_params* params) {
+extern "C" size_t fa_bwd_d128_fp16_alibi_m64n64w8s2_sm90_05260cb2_workspace_bytes(const fg_bwd_params* params) {
   if (!params || params->batch < 0 || params->seqlen_q < 0 || params->heads < 0) return 0;
   return static_cast<size_t>(fg::bwd_workspace_bytes<Cfg>(*params));
 }
 
-extern "C" cudaError_t fa_bwd_d128_fp16_alibi_m32n128w8s2_sm90_eb646467_launch(const fg_bwd_params* params, cudaStream_t stream) {
-  if (fa_bwd_d128_fp16_alibi_m32n128w8s2_sm90_eb646467_check(params) != nullptr) return cudaErrorInvalidValue;
+extern "C" cudaError_t fa_bwd_d128_fp16_alibi_m64n64w8s2_sm90_05260cb2_launch(const fg_bwd_params* params, cudaStream_t stream) {
+  if (fa_bwd_d128_fp16_alibi_m64n64w8s2_sm90_05260cb2_check(params) != nullptr) return cudaErrorInvalidValue;
   const fg_bwd_params& p = *params;
   // Exactly the bytes the kernels use (the workspace's 256-byte padding stays untouched).
   cudaError_t err = cudaMemsetAsync(p.dq_accum, 0, fg::bwd_dq_accum_used<Cfg>(p), stream);
@@ -97,19 +97,19 @@ extern "C" cudaError_t fa_bwd_d128_fp16_alibi_m32n128w8s2_sm90_eb646467_launch(c
   if (err != cudaSuccess) return err;
   const int64_t rows = fg::bwd_row_grid<Cfg>(p);
   if (rows > 0) {
-    fa_bwd_d128_fp16_alibi_m32n128w8s2_sm90_eb646467_preprocess<<<static_cast<unsigned>(rows), fg::kRowWarps * 32, 0, stream>>>(p);
+    fa_bwd_d128_fp16_alibi_m64n64w8s2_sm90_05260cb2_preprocess<<<static_cast<unsigned>(rows), fg::kRowWarps * 32, 0, stream>>>(p);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   const int64_t grid = fg::bwd_grid<Cfg>(p);
   if (grid > 0) {
     static std::atomic<unsigned long long> smem_opted_in{0};  // per device, see host.h
-    if ((err = fg::opt_in_smem(fa_bwd_d128_fp16_alibi_m32n128w8s2_sm90_eb646467_kernel, Cfg::kSmemBytes, smem_opted_in)) != cudaSuccess)
+    if ((err = fg::opt_in_smem(fa_bwd_d128_fp16_alibi_m64n64w8s2_sm90_05260cb2_kernel, Cfg::kSmemBytes, smem_opted_in)) != cudaSuccess)
       return err;
-    fa_bwd_d128_fp16_alibi_m32n128w8s2_sm90_eb646467_kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+    fa_bwd_d128_fp16_alibi_m64n64w8s2_sm90_05260cb2_kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (rows > 0) {
-    fa_bwd_d128_fp16_alibi_m32n128w8s2_sm90_eb646467_convert_dq<<<static_cast<unsigned>(rows), fg::kRowWarps * 32, 0, stream>>>(p);
+    fa_bwd_d128_fp16_alibi_m64n64w8s2_sm90_05260cb2_convert_dq<<<static_cast<unsigned>(rows), fg::kRowWarps * 32, 0, stream>>>(p);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   return cudaSuccess;

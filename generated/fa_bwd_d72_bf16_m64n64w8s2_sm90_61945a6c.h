@@ -4,7 +4,7 @@
 // head_dim: 72
 // dtype: bf16
 // mask:
-//   causal: bottom_right
+//   causal: none
 //   window: false
 //   varlen: false
 // gqa: false
@@ -20,24 +20,24 @@
 // tile:
 //   block_m: 64
 //   block_n: 64
-//   warps: 4
+//   warps: 8
 //   stages: 2
 // tile_auto: true
 // target: sm_90
 // allow_spills: false
 //
 // C ABI of one flashgen backward kernel. Layouts and conventions: docs/conventions.md.
-//   fa_bwd_d72_bf16_causalbr_m64n64w4s2_sm90_363cef5b_workspace_bytes: bytes of fp32 workspace the call needs; pass its first
+//   fa_bwd_d72_bf16_m64n64w8s2_sm90_61945a6c_workspace_bytes: bytes of fp32 workspace the call needs; pass its first
 //     part as dq_accum and the rest, from byte ceil256(batch*seqlen_q*heads*head_dim*4), as
 //     dsum (or any two 16-byte aligned buffers of those sizes); deterministic builds take a
 //     third part, from byte ceil256(...) + ceil256(batch*seqlen_q*heads*4), as dq_sem.
-//   fa_bwd_d72_bf16_causalbr_m64n64w4s2_sm90_363cef5b_launch: checks the parameters (cudaErrorInvalidValue when they are unusable:
-//     call fa_bwd_d72_bf16_causalbr_m64n64w4s2_sm90_363cef5b_check for the reason), then on `stream` zeroes dq_accum and runs the
+//   fa_bwd_d72_bf16_m64n64w8s2_sm90_61945a6c_launch: checks the parameters (cudaErrorInvalidValue when they are unusable:
+//     call fa_bwd_d72_bf16_m64n64w8s2_sm90_61945a6c_check for the reason), then on `stream` zeroes dq_accum and runs the
 //     preprocess (D = rowsum(dO * O)), the main kernel and the dQ conversion.
-//   Tile: block_m=64, block_n=64, 128 threads,
-//     103424 bytes of dynamic shared memory, built for sm_90.
-#ifndef FA_BWD_D72_BF16_CAUSALBR_M64N64W4S2_SM90_363CEF5B_H
-#define FA_BWD_D72_BF16_CAUSALBR_M64N64W4S2_SM90_363CEF5B_H
+//   Tile: block_m=64, block_n=64, 256 threads,
+//     99328 bytes of dynamic shared memory, built for sm_90.
+#ifndef FA_BWD_D72_BF16_M64N64W8S2_SM90_61945A6C_H
+#define FA_BWD_D72_BF16_M64N64W8S2_SM90_61945A6C_H
 
 #include <stddef.h>
 
@@ -50,11 +50,11 @@ extern "C" {
 #endif
 
 /* NULL when the parameters are acceptable, else a message naming what is wrong. */
-const char* fa_bwd_d72_bf16_causalbr_m64n64w4s2_sm90_363cef5b_check(const fg_bwd_params* params);
-size_t fa_bwd_d72_bf16_causalbr_m64n64w4s2_sm90_363cef5b_workspace_bytes(const fg_bwd_params* params);
-cudaError_t fa_bwd_d72_bf16_causalbr_m64n64w4s2_sm90_363cef5b_launch(const fg_bwd_params* params, cudaStream_t stream);
+const char* fa_bwd_d72_bf16_m64n64w8s2_sm90_61945a6c_check(const fg_bwd_params* params);
+size_t fa_bwd_d72_bf16_m64n64w8s2_sm90_61945a6c_workspace_bytes(const fg_bwd_params* params);
+cudaError_t fa_bwd_d72_bf16_m64n64w8s2_sm90_61945a6c_launch(const fg_bwd_params* params, cudaStream_t stream);
 
 #ifdef __cplusplus
 }
 #endif
-#endif /* FA_BWD_D72_BF16_CAUSALBR_M64N64W4S2_SM90_363CEF5B_H */
+#endif /* FA_BWD_D72_BF16_M64N64W8S2_SM90_61945A6C_H */
