@@ -20,6 +20,8 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
     "merge_states",
+    "register_sdpa_impl",
+    "register_transformers",
 ]
 
 _FROM = {
@@ -28,6 +30,9 @@ _FROM = {
     "UnsupportedCall": "flashgen.torch.selection",
     "flash_attn_with_kvcache": "flashgen.torch.kvcache",
     "merge_states": "flashgen.torch.kvcache",
+    # docs/torch_ecosystem.md: SDPA's FLASH backend and transformers' attn_implementation
+    "register_sdpa_impl": "flashgen.torch.sdpa_backend",
+    "register_transformers": "flashgen.torch.transformers_attention",
 }
 
 
@@ -35,7 +40,7 @@ def __getattr__(name: str) -> Any:
     module = _FROM.get(name)
     if module is None:
         raise AttributeError(f"module 'flashgen.torch' has no attribute {name!r}")
-    if module.endswith((".interface", ".kvcache")):
+    if module.endswith((".interface", ".kvcache", ".sdpa_backend", ".transformers_attention")):
         try:
             import torch  # noqa: F401
         except ImportError as e:
