@@ -209,10 +209,12 @@ def tile_problems(tile: Tile, head_dim: int) -> list[tuple[str, str]]:
     for stage, what, rows_of in (("kv", "dK/dV", tile.block_n), ("q", "dQ", tile.block_m)):
         rows, cols = lay[stage]
         if rows * cols != tile.warps or rows_of % (16 * rows) or d_chip % (16 * cols):
+            on_chip = f" ({d_chip} on chip)" if d_chip != head_dim else ""
+            cols_of = f"head_dim {head_dim}{on_chip}"
             out.append(
                 (
                     "tile",
-                    f"{tile.short}: {what} ({rows_of} rows x head_dim {head_dim}) does not split "
+                    f"{tile.short}: {what} ({rows_of} rows x {cols_of}) does not split "
                     f"into {rows} x {cols} warp tiles of whole 16-row, 16-column blocks; use "
                     "block sizes of 16 * (a multiple of the warp rows), warps: 4, or another "
                     "head_dim",
