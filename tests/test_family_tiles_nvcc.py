@@ -10,7 +10,7 @@ builds from `tile: auto` and asserts that ptxas reports no stack frame and no sp
 By default the head dims are the edges and the odd multiples of 8 the suite keeps records
 for (8, 40, 64, 72, 128, 136, 192, 200, 248, 256, where the family serves them); with
 `FLASHGEN_AUTO_TILES=full` every head dim the family serves (a many-core machine's job:
-about 600 kernels). `KNOWN_SPILLS` lists the combinations that spill with every tile the
+432 kernels). `KNOWN_SPILLS` lists the combinations that spill with every tile the
 family can take; they are strict xfails, so a fix shows up here.
 Kernels go to a temporary folder, or to `$FLASHGEN_BUILD_DIR` (the `flashgen compile` cache).
 """
@@ -60,7 +60,7 @@ FAMILIES: tuple[tuple[str, str, str, dict[str, str]], ...] = (
 )  # fmt: skip
 
 # (family label, head dim, combination): `tile: auto` spills there today (ptxas 13.0, the full
-# sweep: 14 of 464 cells, all in the mma.sync backward; the other three families are clean).
+# sweep: 14 of 432 cells, all in the mma.sync backward; the other three families are clean).
 # Strict xfails: a tile rule that fixes one fails here until its row is removed. What spills:
 # dropout with varlen + GQA on 160 and 256 columns on chip (d 129-160, 193-256: 36-80 bytes)
 # and the three score modifiers together there (16-32 bytes): every tile the warp layouts
@@ -86,8 +86,7 @@ KNOWN_SPILLS: tuple[tuple[str, int, str], ...] = (
 
 
 def _dims(kind: str, target: str) -> list[int]:
-    fam = family(next(k for k in KernelKind if k.yaml == kind),
-                 next(t for t in Target if t.yaml == target))  # fmt: skip
+    fam = family(KernelKind.from_yaml(kind), Target.from_yaml(target))
     dims = range(8, 257, 8) if FULL else EDGE_DIMS
     return [d for d in dims if fam.head_dim_ok(d)]
 
