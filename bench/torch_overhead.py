@@ -1,95 +1,200 @@
-"""Host (CPU) time per call of `flashgen.torch.flash_attn_func` against SDPA: what a small
-model's training loop pays in Python and dispatch before any kernel runs.
+"""Host (CPU) enqueue time per call of flashgen.torch against SDPA's FLASH and CUDNN backends:
+what a training or serving loop pays in Python and dispatch before any kernel runs.
 
-    python -m flashgen.bench.torch_overhead [--batch 16 --seqlen 1024 --heads 12
-        --head-dim 64 --dtype bf16 --iters 200 --out overhead.json]
+    python -m flashgen.bench.torch_overhead [--iters 200 --repeats 7 --out result.json]
 
-For each implementation (flashgen; SDPA on (batch, heads, seqlen, d) transposes, is_causal)
-and case (forward under no_grad; forward of inputs that require grad; forward + backward with
-`o.backward(g)`): `iters` calls after a warm-up, timed with time.perf_counter. `host_us` is
-the loop alone (the calls return before their kernels finish), `wall_us` adds the
-torch.cuda.synchronize that ends it: host_us near wall_us means the GPU queue was full and the
-host waited, so host_us is then an upper bound. Causal (bottom-right and top-left agree at
-seqlen_q == seqlen_k).
+Rows (issue 22's table): for each shape (batch, seqlen, heads, head_dim), bf16, causal, and
+each case:
+
+- `no_grad`: a forward under torch.no_grad();
+- `fwd_grad`: a forward of inputs that require grad (the autograd graph is built);
+- `fwd_bwd`: forward + `out.backward(g)`;
+- `varlen`: `flash_attn_varlen_func` under no_grad over the same tokens packed as `batch`
+  equal sequences (SDPA has no varlen: its columns are the dense no_grad call);
+- `kvcache`: `flash_attn_with_kvcache` with one new query per sequence over a cache of
+  `seqlen` keys (SDPA: a one-query attention over the same cache, `is_causal=False`).
+
+Each cell is the median over `repeats` of the mean host time of `iters` back-to-back calls
+(time.perf_counter around the loop, the calls return before their kernels finish; a
+torch.cuda.synchronize ends each repeat, outside the timed loop), after a warm-up. Rows
+stay below the CUDA launch queue's depth, so the host never waits for the GPU.
+
+flashgen's ops are defined once per process (the compiled binding or the ctypes path,
+`FLASHGEN_TORCH_BINDING`), so the script runs itself twice, once per path, each child
+timing SDPA in its own process beside flashgen; the rows carry both paths
+(`flashgen_us`: the binding, `flashgen_ctypes_us`: the ctypes path) and the SDPA columns of
+the binding's child. The JSON holds an environment block and the bar (`flashgen_us <=
+sdpa_flash_us`, issue 22) per row.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
+import subprocess
+import sys
 import time
 
+SHAPES = ((1, 128, 16, 64), (4, 512, 16, 128), (16, 1024, 12, 64), (2, 4096, 16, 128))
+CASES = ("no_grad", "fwd_grad", "fwd_bwd", "varlen", "kvcache")
 
-def _time(fn, iters: int, warmup: int) -> dict[str, float]:
+
+def _time(fn, iters: int, warmup: int, repeats: int) -> float:
+    """Median over `repeats` of the mean host microseconds per call of `iters` calls."""
     import torch
 
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    host = time.perf_counter() - start
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - start
-    return {"host_us": host / iters * 1e6, "wall_us": wall / iters * 1e6}
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        samples.append((time.perf_counter() - start) / iters * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def _child(args) -> list[dict]:
+    from flashgen.torch import ops
+
+    binding = ops.BINDING is not None
+    rows = []
+    for shape in args.shapes:
+        for row in _shape_rows(args, tuple(shape)):
+            row["path"] = "binding" if binding else "ctypes"
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows
+
+
+def _shape_rows(args, shape: tuple[int, int, int, int]) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+    from flashgen.torch import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    batch, seqlen, heads, d = shape
+    q, k, v, g = (torch.randn(shape, dtype=torch.bfloat16, device="cuda") for _ in range(4))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device="cuda")
+    pq, pk, pv = (t.reshape(batch * seqlen, heads, d) for t in (q, k, v))
+    q1 = q[:, :1].contiguous()
+    lens = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+
+    def fg_dense(a, b, c):
+        return flash_attn_func(a, b, c, causal=True)
+
+    def sdpa_dense(a, b, c, causal=True):
+        a, b, c = (t.transpose(1, 2) for t in (a, b, c))
+        return F.scaled_dot_product_attention(a, b, c, is_causal=causal).transpose(1, 2)
+
+    def no_grad(f):
+        def run():
+            with torch.no_grad():
+                f()
+
+        return run
+
+    flashgen = {
+        "no_grad": no_grad(lambda: fg_dense(q, k, v)),
+        "fwd_grad": lambda: fg_dense(qg, kg, vg),
+        "fwd_bwd": lambda: fg_dense(qg, kg, vg).backward(g),
+        "varlen": no_grad(
+            lambda: flash_attn_varlen_func(pq, pk, pv, cu, cu, seqlen, seqlen, causal=True)
+        ),
+        "kvcache": no_grad(lambda: flash_attn_with_kvcache(q1, k, v, cache_seqlens=lens)),
+    }
+    sdpa = {
+        "no_grad": no_grad(lambda: sdpa_dense(q, k, v)),
+        "fwd_grad": lambda: sdpa_dense(qg, kg, vg),
+        "fwd_bwd": lambda: sdpa_dense(qg, kg, vg).backward(g),
+        "varlen": no_grad(lambda: sdpa_dense(q, k, v)),
+        "kvcache": no_grad(lambda: sdpa_dense(q1, k, v, causal=False)),
+    }
+    rows = []
+    for case in args.cases:
+        row = {"case": case, "shape": list(shape)}
+        row["flashgen_us"] = _time(flashgen[case], args.iters, args.warmup, args.repeats)
+        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                              ("cudnn", SDPBackend.CUDNN_ATTENTION)):  # fmt: skip
+            try:
+                with sdpa_kernel(backend):
+                    us = _time(sdpa[case], args.iters, args.warmup, args.repeats)
+            except RuntimeError as e:  # the backend refuses the shape
+                us, row[f"sdpa_{name}_error"] = None, str(e).splitlines()[0]
+            row[f"sdpa_{name}_us"] = us
+        rows.append(row)
+    return rows
+
+
+def _run_child(argv: list[str], binding: bool) -> list[dict]:
+    env = dict(os.environ, FLASHGEN_TORCH_BINDING="1" if binding else "0")
+    cmd = [sys.executable, "-m", "flashgen.bench.torch_overhead", "--child", *argv]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    sys.stderr.write(res.stderr)
+    if res.returncode != 0:
+        raise SystemExit(f"the {'binding' if binding else 'ctypes'} child failed")
+    return json.loads(res.stdout)
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for name, default in (("batch", 16), ("seqlen", 1024), ("heads", 12), ("head-dim", 64)):
-        ap.add_argument(f"--{name}", type=int, default=default)
-    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    ap.add_argument("--shape", dest="shapes", action="append", type=lambda s: tuple(
+        int(x) for x in s.split(",")), help="batch,seqlen,heads,head_dim (repeatable)")  # fmt: skip
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
+    args.shapes = args.shapes or list(SHAPES)
+    if args.child:
+        print(json.dumps(_child(args)))
+        return {}
 
-    import torch
-    import torch.nn.functional as F
-    from flashgen.torch import flash_attn_func
+    from flashgen.bench.fwd_bench import environment
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    shape = (args.batch, args.seqlen, args.heads, args.head_dim)
-    q, k, v, g = (torch.randn(shape, dtype=dtype, device="cuda") for _ in range(4))
-    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-
-    def flashgen(a, b, c):
-        return flash_attn_func(a, b, c, causal=True)
-
-    def sdpa(a, b, c):
-        a, b, c = (t.transpose(1, 2) for t in (a, b, c))
-        return F.scaled_dot_product_attention(a, b, c, is_causal=True).transpose(1, 2)
-
-    results: dict[str, dict] = {}
-    for name, f in (("flashgen", flashgen), ("sdpa", sdpa)):
-
-        def no_grad(f=f):
-            with torch.no_grad():
-                f(q, k, v)
-
-        def fwd_bwd(f=f):
-            f(qg, kg, vg).backward(g)
-
-        cases = {"no_grad": no_grad, "fwd_grad": lambda f=f: f(qg, kg, vg), "fwd_bwd": fwd_bwd}
-        results[name] = {case: _time(fn, args.iters, args.warmup) for case, fn in cases.items()}
-
-    print(f"{'impl':10s} {'case':10s} {'host us/call':>13s} {'wall us/call':>13s}")
-    for name, cases in results.items():
-        for case, r in cases.items():
-            print(f"{name:10s} {case:10s} {r['host_us']:13.1f} {r['wall_us']:13.1f}")
+    passthrough = [f"--iters={args.iters}", f"--warmup={args.warmup}",
+                   f"--repeats={args.repeats}", "--cases", *args.cases]  # fmt: skip
+    for s in args.shapes:
+        passthrough.append("--shape=" + ",".join(map(str, s)))
+    fast = _run_child(passthrough, binding=True)
+    slow = _run_child(passthrough, binding=False)
+    rows = []
+    for a, b in zip(fast, slow):
+        assert (a["case"], a["shape"]) == (b["case"], b["shape"])
+        row = dict(a, flashgen_ctypes_us=b["flashgen_us"])
+        row.pop("path")
+        if a["path"] != "binding":
+            row["binding_error"] = "the binding child fell back to the ctypes path"
+        flash = row.get("sdpa_flash_us")
+        row["meets_bar"] = (
+            flash is not None and a["path"] == "binding" and a["flashgen_us"] <= flash
+        )
+        rows.append(row)
+    print(f"{'case':9s} {'shape':18s} {'binding':>8s} {'ctypes':>8s} {'FLASH':>8s} {'CUDNN':>8s}")
+    for r in rows:
+        cells = [r["flashgen_us"], r["flashgen_ctypes_us"], r.get("sdpa_flash_us"),
+                 r.get("sdpa_cudnn_us")]  # fmt: skip
+        text = " ".join(f"{c:8.1f}" if c is not None else f"{'-':>8s}" for c in cells)
+        print(f"{r['case']:9s} {str(tuple(r['shape'])):18s} {text}")
     report = {
-        "shape": dict(zip(("batch", "seqlen", "heads", "head_dim"), shape)),
-        "dtype": args.dtype,
-        "causal": True,
+        "environment": environment(),
+        "method": "host us per call: median of repeats of the mean over iters calls, bf16, causal",
         "iters": args.iters,
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(),
-        "results": results,
+        "repeats": args.repeats,
+        "bar": "flashgen_us <= sdpa_flash_us on every row (issue 22)",
+        "rows": rows,
     }
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(report, fh, indent=2)
+            fh.write("\n")
     return report
 
 

@@ -32,12 +32,16 @@ the slopes get no gradient (as in flash-attn).
 """
 
 import math
+import os
+import struct
+import sys
 from functools import lru_cache
 from typing import Optional
 
 import torch
-from flashgen.generator.features import FEATURES
+from flashgen.generator.features import FEATURES, SCORE_PARAMS
 from flashgen.runtime import workspace_layout
+from flashgen.runtime.library import _CUDA_ERRORS, LaunchError
 from flashgen.torch import cache, selection
 from flashgen.torch.selection import (
     NO_FEATURES,
@@ -49,7 +53,7 @@ from flashgen.torch.selection import (
 )
 from torch import Tensor
 
-__all__ = ["PHILOX_OFFSET_STEP", "bwd", "fwd", "philox_state", "score_features"]
+__all__ = ["BINDING", "PHILOX_OFFSET_STEP", "bwd", "fwd", "philox_state", "score_features"]
 
 # How far one forward advances the CUDA generator's Philox offset. The kernels' counter is
 # (key group j >> 2, row i, b * heads + h, offset) (docs/conventions.md, "Dropout"): every
@@ -484,8 +488,20 @@ def _fwd_outputs(q: Tensor, pb: Problem) -> tuple[Tensor, Tensor, Tensor, Tensor
     return out, lse, seed, torch.empty((), dtype=torch.int64, device="cpu")
 
 
-@torch.library.custom_op("flashgen::fwd", mutates_args=())
-def fwd(
+def _fwd_select(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+    causal, window_left, window_right, deterministic, softcap, alibi_slopes, learnable_sink,
+):  # fmt: skip
+    """Every check of a forward call and its kernel: (problem, features, runtime window,
+    library). The Python implementation and the binding's planner both start here."""
+    pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
+    call, window = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic, feats)
+    _check_scale(softmax_scale)
+    return pb, feats, window, cache.kernel_library(selection.forward_spec(call))
+
+
+def _fwd_impl(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -503,13 +519,11 @@ def fwd(
     alibi_slopes: Optional[Tensor] = None,
     learnable_sink: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
-    call, (win_l, win_r) = _call(
-        q, pb, dropout_p, causal, window_left, window_right, deterministic, feats
-    )
-    _check_scale(softmax_scale)
-    lib = cache.kernel_library(selection.forward_spec(call))
+    pb, feats, (win_l, win_r), lib = _fwd_select(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+        softmax_scale, causal, window_left, window_right, deterministic, softcap, alibi_slopes,
+        learnable_sink,
+    )  # fmt: skip
     device = q.device
     seed, offset = philox_state(device, dropout_p)
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
@@ -561,7 +575,6 @@ def fwd(
     return out, lse, _scalar(seed), _scalar(offset)
 
 
-@fwd.register_fake
 def _fwd_fake(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
     causal, window_left, window_right, deterministic, softcap=0.0, alibi_slopes=None,
@@ -602,8 +615,25 @@ def _bwd_outputs(
     return (*grads, torch.empty((n,), dtype=torch.float32, device=q.device))
 
 
-@torch.library.custom_op("flashgen::bwd", mutates_args=())
-def bwd(
+def _bwd_select(
+    dout, q, k, v, out, softmax_lse, philox_seed, philox_offset, cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
+    deterministic, softcap, alibi_slopes, learnable_sink,
+):  # fmt: skip
+    """Every check of a backward call and its kernel: (problem, features, runtime window,
+    spec, library). The Python implementation and the binding's planner both start here."""
+    pb = _bwd_problem(
+        dout, q, k, v, out, softmax_lse, philox_seed, philox_offset,
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    )  # fmt: skip
+    feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
+    call, window = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic, feats)
+    _check_scale(softmax_scale)
+    spec = selection.backward_spec(call)
+    return pb, feats, window, spec, cache.kernel_library(spec)
+
+
+def _bwd_impl(
     dout: Tensor,
     q: Tensor,
     k: Tensor,
@@ -627,17 +657,11 @@ def bwd(
     learnable_sink: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     lse = softmax_lse
-    pb = _bwd_problem(
-        dout, q, k, v, out, lse, philox_seed, philox_offset,
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    pb, feats, (win_l, win_r), spec, lib = _bwd_select(
+        dout, q, k, v, out, lse, philox_seed, philox_offset, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
+        deterministic, softcap, alibi_slopes, learnable_sink,
     )  # fmt: skip
-    feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
-    call, (win_l, win_r) = _call(
-        q, pb, dropout_p, causal, window_left, window_right, deterministic, feats
-    )
-    _check_scale(softmax_scale)
-    spec = selection.backward_spec(call)
-    lib = cache.kernel_library(spec)
     dq, dk, dv, dsink = _bwd_outputs(q, k, v, pb, learnable_sink)
     if q.numel() == 0 or k.numel() == 0:  # nothing visible anywhere: every gradient is 0
         # (a sink's too: its rows have O = 0, so D = rowsum(dO * O) = 0)
@@ -713,7 +737,6 @@ def bwd(
     return dq, dk, dv, dsink
 
 
-@bwd.register_fake
 def _bwd_fake(
     dout, q, k, v, out, softmax_lse, philox_seed, philox_offset, cu_seqlens_q, cu_seqlens_k,
     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
@@ -858,4 +881,151 @@ def _backward(ctx, dout, _dlse, _dseed, _doffset):
     return (dq, dk, dv) + (None,) * 12 + (dsink if want_sink else None,)
 
 
-fwd.register_autograd(_backward, setup_context=_setup_context)
+# --------------------------------------------------------------------------------------------
+# The compiled binding's planners (flashgen.torch.binding): one launch plan per call key.
+# --------------------------------------------------------------------------------------------
+
+# fg_score_params' 8-byte slots, in struct order (score_params.h is rendered from this table);
+# a pointer slot takes the data pointer of its feature's torch argument at every call.
+_SLOT_INDEX = {r.name: i for i, r in enumerate(SCORE_PARAMS)}
+_SLOT_CTYPE = {r.name: r.ctype for r in SCORE_PARAMS}
+_SLOT_ARG = {r.name: f.torch_arg for f in FEATURES for r in f.params}
+_SLOT_KINDS = {"alibi_slopes": 1, "learnable_sink": 2}  # binding.cpp's SlotKind; 3: dsinks
+_DSINKS_SLOT = "dsinks"
+
+
+def _i64(value: int) -> int:
+    value &= 2**64 - 1
+    return value - 2**64 if value >= 2**63 else value
+
+
+def _score_slots(feats, softcap, alibi_slopes, learnable_sink, dsinks: bool) -> list[tuple]:
+    """(slot index, kind, value) of each score field a call sets: kind 0 a constant (its 8
+    bytes as an int64), 1/2 the slopes'/sink's data pointer, 3 the backward's dsink output."""
+    slots = []
+    for name, value in score_params(feats, softcap, alibi_slopes, learnable_sink).items():
+        if _SLOT_CTYPE[name] == "ptr":
+            slots.append((_SLOT_INDEX[name], _SLOT_KINDS[_SLOT_ARG[name]], 0))
+        elif _SLOT_CTYPE[name] == "f64":
+            (bits,) = struct.unpack("=q", struct.pack("=d", float(value)))
+            slots.append((_SLOT_INDEX[name], 0, bits))
+        else:
+            slots.append((_SLOT_INDEX[name], 0, _i64(int(value))))
+    if dsinks:
+        slots.append((_SLOT_INDEX[_DSINKS_SLOT], 3, 0))
+    return slots
+
+
+def _plan(lib, window, slots, spec=None) -> dict:
+    return {
+        "name": lib.name,
+        **lib.entry_addresses(),
+        "window_left": int(window[0]),
+        "window_right": int(window[1]),
+        "score_slots": slots,
+        "block_m": spec.tile.block_m if spec is not None else 1,
+        "deterministic": bool(spec.deterministic) if spec is not None else False,
+    }
+
+
+def _fwd_plan(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+    causal, window_left, window_right, deterministic, softcap=0.0, alibi_slopes=None,
+    learnable_sink=None,
+):  # fmt: skip
+    """The binding's plan for the key of this forward call, or None when the Python
+    implementation serves the key (dropout: the CUDA generator's state is read per call).
+    Raises what the Python path raises."""
+    _, feats, window, lib = _fwd_select(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+        softmax_scale, causal, window_left, window_right, deterministic, softcap, alibi_slopes,
+        learnable_sink,
+    )  # fmt: skip
+    if dropout_p > 0.0:
+        return None
+    return _plan(lib, window, _score_slots(feats, softcap, alibi_slopes, learnable_sink, False))
+
+
+def _bwd_plan(
+    dout, q, k, v, out, softmax_lse, philox_seed, philox_offset, cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
+    deterministic, softcap=0.0, alibi_slopes=None, learnable_sink=None,
+):  # fmt: skip
+    """The binding's plan for the key of this backward call (see `_fwd_plan`); the seed and
+    offset are read per call, so dropout is served."""
+    _, feats, window, spec, lib = _bwd_select(
+        dout, q, k, v, out, softmax_lse, philox_seed, philox_offset, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
+        deterministic, softcap, alibi_slopes, learnable_sink,
+    )  # fmt: skip
+    slots = _score_slots(feats, softcap, alibi_slopes, learnable_sink, learnable_sink is not None)
+    return _plan(lib, window, slots, spec)
+
+
+def _launch_error(name: str, err: int, msg: Optional[str]) -> None:
+    """Raise the Python path's LaunchError for a failed launch of the binding."""
+    if msg is not None:
+        raise LaunchError(f"{name}: {msg}")
+    raise LaunchError(f"{name}: launch failed with {_CUDA_ERRORS.get(err, 'cudaError')} ({err})")
+
+
+def _check_backward_args(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+    causal, window_left, window_right, deterministic, softcap=0.0, alibi_slopes=None,
+    learnable_sink=None,
+) -> None:  # fmt: skip
+    """check_backward on fwd's arguments (the binding's autograd kernel calls it once per
+    key, before the forward runs)."""
+    del softmax_scale
+    check_backward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal,
+        window_left, window_right, deterministic, softcap, alibi_slopes, learnable_sink,
+    )  # fmt: skip
+
+
+def _install_binding():
+    """The binding's module with flashgen::fwd/bwd defined in C++, or None for the ctypes
+    path (FLASHGEN_TORCH_BINDING, flashgen.torch.binding)."""
+    from flashgen.torch import binding
+
+    want = binding.mode()
+    if want == "0":
+        return None
+    try:
+        module = binding.load()
+    except binding.BindingUnavailable as e:
+        if want == "1":
+            raise
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"flashgen: torch binding unavailable ({reason}); using the ctypes path",
+              file=sys.stderr)  # fmt: skip
+        return None
+    schema = torch.library.infer_schema
+    module.install(
+        {
+            "fwd_plan": _fwd_plan,
+            "fwd_py": _fwd_impl,
+            "bwd_plan": _bwd_plan,
+            "bwd_py": _bwd_impl,
+            "check_backward": _check_backward_args,
+            "launch_error": _launch_error,
+        },
+        "fwd" + schema(_fwd_impl, mutates_args=()),
+        "bwd" + schema(_bwd_impl, mutates_args=()),
+        os.environ.get(binding.CPU_TESTS_ENV) == "1",
+    )
+    return module
+
+
+BINDING = _install_binding()
+if BINDING is not None:
+    fwd = torch.ops.flashgen.fwd
+    bwd = torch.ops.flashgen.bwd
+    torch.library.register_fake("flashgen::fwd")(_fwd_fake)
+    torch.library.register_fake("flashgen::bwd")(_bwd_fake)
+else:
+    fwd = torch.library.custom_op("flashgen::fwd", mutates_args=())(_fwd_impl)
+    fwd.register_fake(_fwd_fake)
+    bwd = torch.library.custom_op("flashgen::bwd", mutates_args=())(_bwd_impl)
+    bwd.register_fake(_bwd_fake)
+    fwd.register_autograd(_backward, setup_context=_setup_context)

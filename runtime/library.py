@@ -125,6 +125,20 @@ class KernelLibrary:
         if self._workspace is not None:
             self._workspace.argtypes, self._workspace.restype = [ptr], ctypes.c_size_t
 
+    def entry_addresses(self) -> dict[str, int]:
+        """The addresses of the C entry points (`launch`, `check`, `workspace`; 0 where the
+        kernel exports none), for callers that call them from C++ (flashgen.torch's
+        binding). They stay valid while this object lives (it holds the library open)."""
+
+        def address(fn: Any) -> int:
+            return 0 if fn is None else int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
+
+        return {
+            "launch": address(self._launch),
+            "check": address(self._check),
+            "workspace": address(self._workspace),
+        }
+
     def workspace_bytes(self, values: dict[str, Any]) -> int:
         """Bytes of workspace the kernel needs for these parameters (`<name>_workspace_bytes`;
         0 for kernels that export none, such as the forward)."""

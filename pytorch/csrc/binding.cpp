@@ -1,0 +1,673 @@
+// flashgen: the compiled host path of flashgen.torch (`flashgen.torch.binding` builds and
+// loads it). It defines the operators flashgen::fwd and flashgen::bwd (the schemas come from
+// Python, inferred from the Python implementations in pytorch/ops.py, so the two paths take
+// the same arguments) with boxed C++ kernels for CUDA and an autograd kernel in C++.
+//
+// Glossary
+//   plan      everything a launch needs that the call's key decides: the kernel's C entry
+//             points (`<name>_launch`, `_check`, `_workspace_bytes`), the runtime window and
+//             the score-stage slots. Made once per key by the Python planner (which runs
+//             every check of the Python path and raises its errors), then reused.
+//   key       what the Python path's verdict and kernel choice depend on: the layouts
+//             (dtype, device, sizes, strides) of every tensor argument, packed lengths
+//             excepted, and every scalar argument but the per-call values (softmax_scale,
+//             varlen max_seqlen). Equal keys give equal plans.
+//   fallback  a call the fast path does not serve (dropout, empty or misaligned tensors,
+//             values the planner must check): it runs the Python implementation, which
+//             launches through ctypes or raises the Python path's error.
+//
+// Why a cache of plans and not a port of the checks: the checks, their messages and the
+// kernel selection live once, in Python; this file only fills the C parameter structs
+// (params.h, bwd_params.h, included so the compiler checks every field name) and launches.
+// tests/test_torch_binding.py holds the structs it fills to the Python path's, byte for byte.
+#include <torch/extension.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <array>
+#include <limits>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "bwd_params.h"
+#include "params.h"
+
+namespace py = pybind11;
+using at::Tensor;
+using c10::IValue;
+
+namespace {
+
+// ---- the Python side: planners, fallbacks and the launch-error raiser (set by install()).
+struct Callbacks {
+  py::object fwd_plan, fwd_py, bwd_plan, bwd_py, check_backward, launch_error;
+};
+Callbacks* g_py = nullptr;  // leaked on purpose: never destroyed without the GIL at exit
+
+std::atomic<int64_t> g_hits{0}, g_misses{0}, g_fallbacks{0};
+
+// ---- keys ---------------------------------------------------------------------------------
+constexpr int kKeyMax = 160;
+
+struct Key {
+  std::array<int64_t, kKeyMax> v;
+  int n = 0;
+  bool overflow = false;
+  void push(int64_t x) {
+    if (n < kKeyMax) {
+      v[n++] = x;
+    } else {
+      overflow = true;
+    }
+  }
+  void push_f64(double x) {
+    int64_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    push(bits);
+  }
+  // A tensor's layout; `packed`: dim 0 is a packed length (varlen), left out of the key.
+  void push_tensor(const Tensor& t, bool packed) {
+    if (!t.defined()) {
+      push(-1);
+      return;
+    }
+    push(static_cast<int64_t>(t.scalar_type()));
+    push(static_cast<int64_t>(t.device().type()));
+    push(t.device().index());
+    const int64_t dim = t.dim();
+    push(dim);
+    for (int64_t d = 0; d < dim; ++d) {
+      push(packed && d == 0 ? -2 : t.size(d));
+      push(t.stride(d));
+    }
+  }
+  bool operator==(const Key& o) const {
+    return n == o.n && std::memcmp(v.data(), o.v.data(), n * sizeof(int64_t)) == 0;
+  }
+};
+
+struct KeyHash {
+  size_t operator()(const Key& k) const {
+    uint64_t h = 1469598103934665603ull;  // FNV-1a over the words
+    for (int i = 0; i < k.n; ++i) {
+      h ^= static_cast<uint64_t>(k.v[i]);
+      h *= 1099511628211ull;
+    }
+    return static_cast<size_t>(h);
+  }
+};
+
+// ---- plans ---------------------------------------------------------------------------------
+using LaunchFn = int (*)(const void* params, void* stream);
+using CheckFn = const char* (*)(const void* params);
+using WorkspaceFn = size_t (*)(const void* params);
+
+// A score-stage slot: one 8-byte field of fg_score_params and where its value comes from.
+enum SlotKind : int64_t { kConst = 0, kAlibiPtr = 1, kSinkPtr = 2, kDsinkPtr = 3 };
+struct Slot {
+  int64_t index, kind, value;
+};
+
+struct Plan {
+  bool python = false;  // the Python implementation serves every call of this key
+  std::string name;
+  LaunchFn launch = nullptr;
+  CheckFn check = nullptr;
+  WorkspaceFn workspace = nullptr;
+  int64_t window_left = -1, window_right = -1;
+  std::vector<Slot> slots;
+  int64_t block_m = 1;
+  bool deterministic = false;
+};
+
+constexpr size_t kPlanLimit = 1024;  // bounded like the Python memos: cleared when full
+
+struct PlanCache {
+  std::mutex mu;
+  std::unordered_map<Key, std::shared_ptr<const Plan>, KeyHash> map;
+  std::shared_ptr<const Plan> find(const Key& key) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = map.find(key);
+    return it == map.end() ? nullptr : it->second;
+  }
+  void put(const Key& key, std::shared_ptr<const Plan> plan) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (map.size() >= kPlanLimit) map.clear();
+    map[key] = std::move(plan);
+  }
+  void clear() {
+    std::lock_guard<std::mutex> lock(mu);
+    map.clear();
+  }
+};
+PlanCache g_fwd_plans, g_bwd_plans;
+
+// check_backward's accepted forward keys (the autograd kernel asks once per key).
+struct KeySet {
+  std::mutex mu;
+  std::unordered_map<Key, bool, KeyHash> map;
+  bool has(const Key& k) {
+    std::lock_guard<std::mutex> lock(mu);
+    return map.count(k) != 0;
+  }
+  void add(const Key& k) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (map.size() >= kPlanLimit) map.clear();
+    map[k] = true;
+  }
+  void clear() {
+    std::lock_guard<std::mutex> lock(mu);
+    map.clear();
+  }
+};
+KeySet g_backward_ok;
+
+// ---- IValue <-> Python ---------------------------------------------------------------------
+py::object to_py(const IValue& v) {
+  if (v.isNone()) return py::none();
+  if (v.isTensor()) return py::cast(v.toTensor());
+  if (v.isDouble()) return py::float_(v.toDouble());
+  if (v.isBool()) return py::bool_(v.toBool());
+  if (v.isInt()) return py::int_(v.toInt());
+  if (v.isString()) return py::str(v.toStringRef());
+  TORCH_CHECK(false, "flashgen binding: unexpected argument type ", v.tagKind());
+}
+
+py::tuple py_args(c10::ArrayRef<IValue> args) {
+  py::tuple t(args.size());
+  for (size_t i = 0; i < args.size(); ++i) t[i] = to_py(args[i]);
+  return t;
+}
+
+int64_t as_int(const py::handle& h) { return h.cast<int64_t>(); }
+
+std::shared_ptr<const Plan> plan_from_py(const py::object& obj) {
+  auto plan = std::make_shared<Plan>();
+  if (obj.is_none()) {
+    plan->python = true;
+    return plan;
+  }
+  py::dict d = obj.cast<py::dict>();
+  plan->name = d["name"].cast<std::string>();
+  plan->launch = reinterpret_cast<LaunchFn>(static_cast<uintptr_t>(as_int(d["launch"])));
+  plan->check = reinterpret_cast<CheckFn>(static_cast<uintptr_t>(as_int(d["check"])));
+  plan->workspace =
+      reinterpret_cast<WorkspaceFn>(static_cast<uintptr_t>(as_int(d["workspace"])));
+  plan->window_left = as_int(d["window_left"]);
+  plan->window_right = as_int(d["window_right"]);
+  plan->block_m = as_int(d["block_m"]);
+  plan->deterministic = d["deterministic"].cast<bool>();
+  for (auto item : d["score_slots"]) {
+    py::tuple s = item.cast<py::tuple>();
+    plan->slots.push_back({as_int(s[0]), as_int(s[1]), as_int(s[2])});
+  }
+  TORCH_CHECK(plan->launch != nullptr && plan->check != nullptr,
+              "flashgen binding: the planner returned no entry points for ", plan->name);
+  return plan;
+}
+
+// Run a Python callable on the boxed arguments; replaces them on the stack by its results
+// (a tuple of tensors).
+void run_python(const py::object& fn, torch::jit::Stack* stack, size_t nargs) {
+  std::vector<IValue> outs;
+  {
+    py::gil_scoped_acquire gil;
+    py::object res = fn(*py_args(torch::jit::last(*stack, nargs)));
+    for (auto item : res.cast<py::tuple>()) outs.emplace_back(item.cast<Tensor>());
+  }
+  torch::jit::drop(*stack, nargs);
+  for (auto& o : outs) torch::jit::push(*stack, std::move(o));
+}
+
+std::shared_ptr<const Plan> get_plan(PlanCache& cache, const Key& key, const py::object& planner,
+                                    torch::jit::Stack* stack, size_t nargs) {
+  if (!key.overflow) {
+    if (auto plan = cache.find(key)) {
+      g_hits.fetch_add(1, std::memory_order_relaxed);
+      return plan;
+    }
+  }
+  g_misses.fetch_add(1, std::memory_order_relaxed);
+  std::shared_ptr<const Plan> plan;
+  {
+    py::gil_scoped_acquire gil;
+    plan = plan_from_py(planner(*py_args(torch::jit::last(*stack, nargs))));
+  }
+  if (!key.overflow) cache.put(key, plan);
+  return plan;
+}
+
+[[noreturn]] void launch_failed(const Plan& plan, int err, const void* params) {
+  const char* msg = err == 1 ? plan.check(params) : nullptr;  // cudaErrorInvalidValue
+  py::gil_scoped_acquire gil;
+  g_py->launch_error(plan.name, err, msg == nullptr ? py::none() : py::object(py::str(msg)));
+  TORCH_CHECK(false, plan.name, ": launch failed (", err, ")");  // launch_error raises first
+}
+
+void* current_stream(const c10::Device& device) {
+  if (device.type() != c10::DeviceType::CUDA) return nullptr;  // the CPU tests' mock kernels
+  const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  return impl->getStream(device).native_handle();
+}
+
+bool aligned(const Tensor& t) {
+  return t.numel() == 0 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
+// <prefix>_batch/row/head strides of a (b, s, h, d) or packed (total, h, d) tensor.
+struct Strides {
+  int64_t batch, row, head;
+};
+Strides strides_of(const Tensor& t, bool varlen) {
+  if (varlen) return {0, t.stride(0), t.stride(1)};
+  return {t.stride(0), t.stride(1), t.stride(2)};
+}
+
+void set_score_slots(fg_score_params& sp, const Plan& plan, const c10::optional<Tensor>& alibi,
+                     const c10::optional<Tensor>& sink, const Tensor* dsink) {
+  auto* words = reinterpret_cast<uint64_t*>(&sp);
+  constexpr int64_t kWords = sizeof(fg_score_params) / sizeof(uint64_t);
+  for (const Slot& s : plan.slots) {
+    TORCH_CHECK(s.index >= 0 && s.index < kWords, "flashgen binding: bad score slot");
+    uint64_t value = static_cast<uint64_t>(s.value);
+    if (s.kind == kAlibiPtr) value = reinterpret_cast<uintptr_t>(alibi->data_ptr());
+    if (s.kind == kSinkPtr) value = reinterpret_cast<uintptr_t>(sink->data_ptr());
+    if (s.kind == kDsinkPtr) value = reinterpret_cast<uintptr_t>(dsink->data_ptr());
+    words[s.index] = value;
+  }
+}
+
+bool finite_positive(double x) { return x > 0.0 && x < std::numeric_limits<double>::infinity(); }
+
+Tensor scalar_i64(uint64_t value) {
+  return at::scalar_tensor(static_cast<int64_t>(value), at::TensorOptions().dtype(at::kLong));
+}
+
+// ---- flashgen::fwd --------------------------------------------------------------------------
+// q k v cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k dropout_p softmax_scale causal
+// window_left window_right deterministic softcap alibi_slopes learnable_sink
+constexpr size_t kFwdArgs = 16;
+
+Key fwd_key(c10::ArrayRef<IValue> a, bool varlen) {
+  Key key;
+  key.push(1);
+  for (int i = 0; i < 3; ++i) key.push_tensor(a[i].toTensor(), varlen);
+  for (int i = 3; i < 5; ++i) key.push_tensor(a[i].isNone() ? Tensor() : a[i].toTensor(), false);
+  key.push_f64(a[7].toDouble());  // dropout_p
+  key.push(a[9].toBool());
+  key.push(a[10].toInt());
+  key.push(a[11].toInt());
+  key.push(a[12].toBool());
+  key.push_f64(a[13].toDouble());  // softcap
+  for (int i = 14; i < 16; ++i)
+    key.push_tensor(a[i].isNone() ? Tensor() : a[i].toTensor(), false);
+  return key;
+}
+
+void fwd_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  auto a = torch::jit::last(*stack, kFwdArgs);
+  const Tensor q = a[0].toTensor(), k = a[1].toTensor(), v = a[2].toTensor();
+  const auto cu_q = a[3].toOptional<Tensor>(), cu_k = a[4].toOptional<Tensor>();
+  const bool varlen = cu_q.has_value() || cu_k.has_value();
+  const auto plan = get_plan(g_fwd_plans, fwd_key(a, varlen), g_py->fwd_plan, stack, kFwdArgs);
+  const int64_t max_q = a[5].toInt(), max_k = a[6].toInt();
+  const double scale = a[8].toDouble();
+  const bool serve = !plan->python && q.numel() > 0 && k.numel() > 0 && aligned(q) &&
+                     aligned(k) && aligned(v) && finite_positive(scale) &&
+                     (!varlen || (cu_q && cu_k && max_q >= 0 && max_k >= 0 &&
+                                  k.size(0) == v.size(0)));
+  if (!serve) {
+    g_fallbacks.fetch_add(1, std::memory_order_relaxed);
+    run_python(g_py->fwd_py, stack, kFwdArgs);
+    return;
+  }
+  const auto alibi = a[14].toOptional<Tensor>(), sink = a[15].toOptional<Tensor>();
+  const int64_t batch = varlen ? cu_q->size(0) - 1 : q.size(0);
+  const int64_t heads = q.size(-2), kv_heads = k.size(-2);
+  const int64_t seqlen_q = varlen ? max_q : q.size(1), seqlen_k = varlen ? max_k : k.size(1);
+
+  Tensor out = at::empty(q.sizes(), q.options());
+  Tensor lse = varlen ? at::empty({heads, q.size(0)}, q.options().dtype(at::kFloat))
+                      : at::empty({batch, heads, seqlen_q}, q.options().dtype(at::kFloat));
+
+  fg_fwd_params p = fg_fwd_params_default();
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.o = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  const Strides sq = strides_of(q, varlen), sk = strides_of(k, varlen), sv = strides_of(v, varlen),
+                so = strides_of(out, varlen);
+  p.q_batch_stride = sq.batch, p.q_row_stride = sq.row, p.q_head_stride = sq.head;
+  p.k_batch_stride = sk.batch, p.k_row_stride = sk.row, p.k_head_stride = sk.head;
+  p.v_batch_stride = sv.batch, p.v_row_stride = sv.row, p.v_head_stride = sv.head;
+  p.o_batch_stride = so.batch, p.o_row_stride = so.row, p.o_head_stride = so.head;
+  p.lse_batch_stride = varlen ? 0 : lse.stride(0);
+  p.lse_head_stride = varlen ? lse.stride(0) : lse.stride(1);
+  p.batch = batch, p.heads = heads, p.kv_heads = kv_heads;
+  p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
+  p.head_dim = q.size(-1), p.head_dim_v = v.size(-1);
+  p.cu_seqlens_q = varlen ? cu_q->data_ptr<int32_t>() : nullptr;
+  p.cu_seqlens_k = varlen ? cu_k->data_ptr<int32_t>() : nullptr;
+  p.total_q = varlen ? q.size(0) : 0;
+  p.total_k = varlen ? k.size(0) : 0;
+  p.softmax_scale = scale;
+  p.window_left = plan->window_left, p.window_right = plan->window_right;
+  p.dropout_p = a[7].toDouble();  // 0: dropout takes the Python path (the generator's state)
+  p.seed = 0, p.offset = 0;
+  p.blk_layout_heads = 1;
+  set_score_slots(p.score, *plan, alibi, sink, nullptr);
+
+  {
+    c10::DeviceGuard guard(q.device());
+    const int err = plan->launch(&p, current_stream(q.device()));
+    if (err != 0) launch_failed(*plan, err, &p);
+  }
+  torch::jit::drop(*stack, kFwdArgs);
+  torch::jit::push(*stack, std::move(out), std::move(lse), scalar_i64(0), scalar_i64(0));
+}
+
+// ---- flashgen::bwd --------------------------------------------------------------------------
+// dout q k v out softmax_lse philox_seed philox_offset cu_seqlens_q cu_seqlens_k max_seqlen_q
+// max_seqlen_k dropout_p softmax_scale causal window_left window_right deterministic softcap
+// alibi_slopes learnable_sink
+constexpr size_t kBwdArgs = 21;
+
+Key bwd_key(c10::ArrayRef<IValue> a, bool varlen) {
+  Key key;
+  key.push(2);
+  for (int i = 0; i < 5; ++i) key.push_tensor(a[i].toTensor(), varlen);
+  key.push_tensor(a[5].toTensor(), false);  // lse: (batch, heads, sq) or (heads, total_q)
+  if (varlen && a[5].toTensor().dim() == 2) key.v[key.n - 2] = -2;  // varlen: packed total_q
+  for (int i = 6; i < 8; ++i) key.push_tensor(a[i].toTensor(), false);
+  for (int i = 8; i < 10; ++i) key.push_tensor(a[i].isNone() ? Tensor() : a[i].toTensor(), false);
+  key.push_f64(a[12].toDouble());
+  key.push(a[14].toBool());
+  key.push(a[15].toInt());
+  key.push(a[16].toInt());
+  key.push(a[17].toBool());
+  key.push_f64(a[18].toDouble());
+  for (int i = 19; i < 21; ++i)
+    key.push_tensor(a[i].isNone() ? Tensor() : a[i].toTensor(), false);
+  return key;
+}
+
+// The workspace carve of runtime/workspace.py (`workspace_layout`): fp32 dq_accum at 0, fp32
+// dsum after it, int32 dq_sem (deterministic) after that, each rounded up to 256 bytes.
+// tests/test_torch_binding.py holds the two to each other.
+struct Carve {
+  int64_t dq_accum, dsum, dq_sem, bytes;
+};
+int64_t round256(int64_t n) { return (n + 255) / 256 * 256; }
+Carve carve_workspace(int64_t batch, int64_t seqlen_q, int64_t heads, int64_t head_dim,
+                      int64_t block_m, bool deterministic) {
+  const int64_t rows = batch * seqlen_q * heads;
+  const int64_t dq_accum = round256(rows * head_dim * 4), dsum = round256(rows * 4);
+  const int64_t tiles = (seqlen_q + block_m - 1) / block_m;
+  const int64_t sem = deterministic ? round256(batch * heads * tiles * 4) : 0;
+  return {0, dq_accum, deterministic ? dq_accum + dsum : -1, dq_accum + dsum + sem};
+}
+
+void bwd_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  auto a = torch::jit::last(*stack, kBwdArgs);
+  const Tensor dout = a[0].toTensor(), q = a[1].toTensor(), k = a[2].toTensor(),
+               v = a[3].toTensor(), out = a[4].toTensor(), lse = a[5].toTensor();
+  const Tensor seed = a[6].toTensor(), offset = a[7].toTensor();
+  const auto cu_q = a[8].toOptional<Tensor>(), cu_k = a[9].toOptional<Tensor>();
+  const bool varlen = cu_q.has_value() || cu_k.has_value();
+  const auto plan = get_plan(g_bwd_plans, bwd_key(a, varlen), g_py->bwd_plan, stack, kBwdArgs);
+  const int64_t max_q = a[10].toInt(), max_k = a[11].toInt();
+  const double scale = a[13].toDouble();
+  const bool serve =
+      !plan->python && q.numel() > 0 && k.numel() > 0 && aligned(q) && aligned(k) &&
+      aligned(v) && aligned(out) && aligned(dout) && finite_positive(scale) &&
+      (!varlen || (cu_q && cu_k && max_q >= 0 && max_k >= 0 && k.size(0) == v.size(0) &&
+                   out.size(0) == q.size(0) && dout.size(0) == q.size(0) &&
+                   lse.size(1) == q.size(0)));
+  if (!serve) {
+    g_fallbacks.fetch_add(1, std::memory_order_relaxed);
+    run_python(g_py->bwd_py, stack, kBwdArgs);
+    return;
+  }
+  const auto alibi = a[19].toOptional<Tensor>(), sink = a[20].toOptional<Tensor>();
+  const int64_t batch = varlen ? cu_q->size(0) - 1 : q.size(0);
+  const int64_t heads = q.size(-2), kv_heads = k.size(-2);
+  const int64_t seqlen_q = varlen ? max_q : q.size(1), seqlen_k = varlen ? max_k : k.size(1);
+
+  Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
+         dv = at::empty(v.sizes(), v.options());
+  Tensor dsink = at::empty({sink ? heads : 0}, q.options().dtype(at::kFloat));
+
+  fg_bwd_params p = fg_bwd_params_default();
+  p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr();
+  p.o = out.data_ptr(), p.dout = dout.data_ptr(), p.lse = lse.data_ptr<float>();
+  p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
+  const Strides s_q = strides_of(q, varlen), s_k = strides_of(k, varlen),
+                s_v = strides_of(v, varlen), s_o = strides_of(out, varlen),
+                s_do = strides_of(dout, varlen), s_dq = strides_of(dq, varlen),
+                s_dk = strides_of(dk, varlen), s_dv = strides_of(dv, varlen);
+  p.q_batch_stride = s_q.batch, p.q_row_stride = s_q.row, p.q_head_stride = s_q.head;
+  p.k_batch_stride = s_k.batch, p.k_row_stride = s_k.row, p.k_head_stride = s_k.head;
+  p.v_batch_stride = s_v.batch, p.v_row_stride = s_v.row, p.v_head_stride = s_v.head;
+  p.o_batch_stride = s_o.batch, p.o_row_stride = s_o.row, p.o_head_stride = s_o.head;
+  p.do_batch_stride = s_do.batch, p.do_row_stride = s_do.row, p.do_head_stride = s_do.head;
+  p.dq_batch_stride = s_dq.batch, p.dq_row_stride = s_dq.row, p.dq_head_stride = s_dq.head;
+  p.dk_batch_stride = s_dk.batch, p.dk_row_stride = s_dk.row, p.dk_head_stride = s_dk.head;
+  p.dv_batch_stride = s_dv.batch, p.dv_row_stride = s_dv.row, p.dv_head_stride = s_dv.head;
+  p.lse_batch_stride = varlen ? 0 : lse.stride(0);
+  p.lse_head_stride = varlen ? lse.stride(0) : lse.stride(1);
+  p.batch = batch, p.heads = heads, p.kv_heads = kv_heads;
+  p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
+  p.head_dim = q.size(-1), p.head_dim_v = v.size(-1);
+  p.cu_seqlens_q = varlen ? cu_q->data_ptr<int32_t>() : nullptr;
+  p.cu_seqlens_k = varlen ? cu_k->data_ptr<int32_t>() : nullptr;
+  p.softmax_scale = scale;
+  p.window_left = plan->window_left, p.window_right = plan->window_right;
+  p.dropout_p = a[12].toDouble();
+  p.seed = static_cast<uint64_t>(*seed.data_ptr<int64_t>());
+  p.offset = static_cast<uint64_t>(*offset.data_ptr<int64_t>());
+  p.blk_layout_heads = 1;
+  set_score_slots(p.score, *plan, alibi, sink, &dsink);
+
+  const Carve carve =
+      carve_workspace(batch, seqlen_q, heads, q.size(-1), plan->block_m, plan->deterministic);
+  const int64_t asked = static_cast<int64_t>(plan->workspace(&p));
+  TORCH_CHECK(asked >= carve.bytes, plan->name, "_workspace_bytes returned ", asked,
+              " bytes, less than the ", carve.bytes,
+              " the dq_accum + dsum (+ dq_sem) carve needs");
+  Tensor workspace = at::empty({asked}, q.options().dtype(at::kByte));
+  auto* base = static_cast<uint8_t*>(workspace.data_ptr());
+  p.dq_accum = reinterpret_cast<float*>(base + carve.dq_accum);
+  p.dsum = reinterpret_cast<float*>(base + carve.dsum);
+  if (plan->deterministic) p.dq_sem = reinterpret_cast<int32_t*>(base + carve.dq_sem);
+  {
+    c10::DeviceGuard guard(q.device());
+    const int err = plan->launch(&p, current_stream(q.device()));
+    if (err != 0) launch_failed(*plan, err, &p);
+  }
+  torch::jit::drop(*stack, kBwdArgs);
+  torch::jit::push(*stack, std::move(dq), std::move(dk), std::move(dv), std::move(dsink));
+}
+
+// ---- autograd ---------------------------------------------------------------------------------
+c10::OperatorHandle op_handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+// One call of an operator below autograd on boxed arguments; returns its outputs.
+std::vector<IValue> call_below_autograd(const c10::OperatorHandle& op, std::vector<IValue> args) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  torch::jit::Stack stack(std::move(args));
+  op.callBoxed(&stack);
+  return stack;
+}
+
+c10::optional<Tensor> opt(const Tensor& t) {
+  return t.defined() ? c10::optional<Tensor>(t) : c10::nullopt;
+}
+
+IValue opt_iv(const Tensor& t) { return t.defined() ? IValue(t) : IValue(); }
+
+// dout as the kernel takes it: unit last stride, other strides multiples of 8 (else one copy).
+Tensor usable(const Tensor& dout) {
+  if (dout.stride(-1) != 1) return dout.contiguous();
+  for (int64_t d = 0; d + 1 < dout.dim(); ++d)
+    if (dout.stride(d) % 8) return dout.contiguous();
+  return dout;
+}
+
+// fwd's arguments 5..13, which bwd takes in the same order after its tensors
+constexpr int kFirstAttr = 5, kEndAttr = 14;
+const char* const kAttrNames[] = {"max_seqlen_q", "max_seqlen_k", "dropout_p",
+                                  "softmax_scale", "causal", "window_left",
+                                  "window_right", "deterministic", "softcap"};
+
+struct FwdFunction : public torch::autograd::Function<FwdFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                std::vector<IValue> args,
+                                                const Tensor& q, const Tensor& k, const Tensor& v,
+                                                const c10::optional<Tensor>& sink) {
+    // q, k, v and the sink are the variables autograd tracks (args holds every argument);
+    // the slopes and softcap get no gradient (as in flash-attn)
+    (void)q, (void)k, (void)v;
+    static const auto fwd = op_handle("flashgen::fwd");
+    std::vector<IValue> saved_args = args;
+    auto outs = call_below_autograd(fwd, std::move(args));
+    Tensor out = outs[0].toTensor(), lse = outs[1].toTensor(), seed = outs[2].toTensor(),
+           offset = outs[3].toTensor();
+    const auto& a = saved_args;
+    ctx->save_for_backward({a[0].toTensor(), a[1].toTensor(), a[2].toTensor(), out, lse, seed,
+                            offset, a[3].isNone() ? Tensor() : a[3].toTensor(),
+                            a[4].isNone() ? Tensor() : a[4].toTensor(),
+                            a[14].isNone() ? Tensor() : a[14].toTensor(),
+                            sink ? *sink : Tensor()});
+    // max_q, max_k, dropout_p, scale, causal, window_left, window_right, deterministic, softcap
+    for (int i = kFirstAttr; i < kEndAttr; ++i) ctx->saved_data[kAttrNames[i - kFirstAttr]] = a[i];
+    ctx->mark_non_differentiable({lse, seed, offset});
+    return {out, lse, seed, offset};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    static const auto bwd = op_handle("flashgen::bwd");
+    auto s = ctx->get_saved_variables();
+    std::vector<IValue> args = {usable(grads[0]), s[0], s[1], s[2], s[3], s[4], s[5], s[6],
+                                opt_iv(s[7]), opt_iv(s[8])};
+    for (int i = kFirstAttr; i < kEndAttr; ++i)
+      args.push_back(ctx->saved_data[kAttrNames[i - kFirstAttr]]);
+    args.push_back(opt_iv(s[9]));
+    args.push_back(opt_iv(s[10]));
+    torch::jit::Stack stack(std::move(args));
+    bwd.callBoxed(&stack);
+    // one gradient per forward argument: (args, q, k, v, sink); the sink is edge 3
+    const bool want_sink = s[10].defined() && ctx->needs_input_grad(3);
+    return {Tensor(), stack[0].toTensor(), stack[1].toTensor(), stack[2].toTensor(),
+            want_sink ? stack[3].toTensor() : Tensor()};
+  }
+};
+
+void fwd_autograd(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  auto a = torch::jit::last(*stack, kFwdArgs);
+  const Tensor q = a[0].toTensor(), k = a[1].toTensor(), v = a[2].toTensor();
+  const auto sink = a[15].toOptional<Tensor>();
+  const bool grad = torch::autograd::GradMode::is_enabled() &&
+                    (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
+                     (sink && sink->requires_grad()));
+  if (!grad) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.callBoxed(stack);
+    return;
+  }
+  // Refuse at the forward a call whose backward has no kernel (once per key).
+  const bool varlen = !a[3].isNone() || !a[4].isNone();
+  const Key key = fwd_key(a, varlen);
+  if (key.overflow || !g_backward_ok.has(key)) {
+    {
+      py::gil_scoped_acquire gil;
+      g_py->check_backward(*py_args(a));
+    }
+    if (!key.overflow) g_backward_ok.add(key);
+  }
+  std::vector<IValue> args(a.begin(), a.end());
+  auto outs = FwdFunction::apply(std::move(args), q, k, v, sink);
+  torch::jit::drop(*stack, kFwdArgs);
+  for (auto& o : outs) torch::jit::push(*stack, std::move(o));
+}
+
+// Kept alive for the life of the process: the operators' registrations.
+std::vector<std::unique_ptr<torch::Library>>& libraries() {
+  static auto* libs = new std::vector<std::unique_ptr<torch::Library>>();
+  return *libs;
+}
+
+bool g_installed = false;
+
+void install(py::dict callbacks, const std::string& fwd_schema, const std::string& bwd_schema,
+             bool cpu_for_tests) {
+  TORCH_CHECK(!g_installed, "flashgen binding: install() runs once per process");
+  g_py = new Callbacks{callbacks["fwd_plan"], callbacks["fwd_py"], callbacks["bwd_plan"],
+                       callbacks["bwd_py"], callbacks["check_backward"],
+                       callbacks["launch_error"]};
+  auto& libs = libraries();
+  auto def = std::make_unique<torch::Library>(torch::Library::FRAGMENT, "flashgen",
+                                              c10::nullopt, __FILE__, __LINE__);
+  def->def(torch::schema(fwd_schema.c_str(), c10::AliasAnalysisKind::FROM_SCHEMA));
+  def->def(torch::schema(bwd_schema.c_str(), c10::AliasAnalysisKind::FROM_SCHEMA));
+  libs.push_back(std::move(def));
+  std::vector<c10::DispatchKey> keys = {c10::DispatchKey::CUDA};
+  if (cpu_for_tests) keys.push_back(c10::DispatchKey::CPU);
+  for (auto dk : keys) {
+    auto impl = std::make_unique<torch::Library>(torch::Library::IMPL, "flashgen", dk, __FILE__,
+                                                 __LINE__);
+    impl->impl("fwd", torch::CppFunction::makeFromBoxedFunction<&fwd_cuda>());
+    impl->impl("bwd", torch::CppFunction::makeFromBoxedFunction<&bwd_cuda>());
+    libs.push_back(std::move(impl));
+  }
+  auto ag = std::make_unique<torch::Library>(torch::Library::IMPL, "flashgen",
+                                             c10::DispatchKey::Autograd, __FILE__, __LINE__);
+  ag->impl("fwd", torch::CppFunction::makeFromBoxedFunction<&fwd_autograd>());
+  libs.push_back(std::move(ag));
+  g_installed = true;
+}
+
+py::dict stats() {
+  py::dict d;
+  d["hits"] = g_hits.load(), d["misses"] = g_misses.load(), d["fallbacks"] = g_fallbacks.load();
+  return d;
+}
+
+void clear() {
+  g_fwd_plans.clear();
+  g_bwd_plans.clear();
+  g_backward_ok.clear();
+}
+
+py::dict workspace_carve(int64_t batch, int64_t seqlen_q, int64_t heads, int64_t head_dim,
+                         int64_t block_m, bool deterministic) {
+  const Carve c = carve_workspace(batch, seqlen_q, heads, head_dim, block_m, deterministic);
+  py::dict d;
+  d["dq_accum"] = c.dq_accum, d["dsum"] = c.dsum, d["bytes"] = c.bytes;
+  d["dq_sem"] = c.dq_sem < 0 ? py::object(py::none()) : py::object(py::int_(c.dq_sem));
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "flashgen.torch's compiled host path (see flashgen.torch.binding)";
+  m.def("install", &install, "define flashgen::fwd/bwd with C++ kernels");
+  m.def("stats", &stats, "plan-cache hits, misses and Python fallbacks since load");
+  m.def("clear", &clear, "forget every plan");
+  m.def("workspace_carve", &workspace_carve, "the backward's workspace carve (tests)");
+  m.attr("FWD_PARAMS_BYTES") = py::int_(sizeof(fg_fwd_params));
+  m.attr("BWD_PARAMS_BYTES") = py::int_(sizeof(fg_bwd_params));
+  m.attr("SCORE_PARAMS_BYTES") = py::int_(sizeof(fg_score_params));
+}

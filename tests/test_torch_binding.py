@@ -1,0 +1,60 @@
+"""flashgen.torch's compiled binding without a GPU (skips without torch or a C++ compiler).
+
+The cases (tests/torch_binding_cases.py) need the binding to define the operators, so they
+run in a subprocess with FLASHGEN_TORCH_BINDING=1 and the binding's CPU registration on: the
+C++ fast path serves CPU tensors described as CUDA ones, against mocked kernels, and each
+call's parameter struct must equal the Python path's. The GPU side is tests/gpu/test_torch.py
+run with FLASHGEN_TORCH_BINDING=1 (docs/torch.md, "The compiled binding")."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+HERE = Path(__file__).resolve().parent
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX") or "c++")
+
+
+@pytest.mark.skipif(_compiler() is None, reason="no C++ compiler")
+def test_binding_fast_path_equals_the_python_path(tmp_path):
+    env = dict(os.environ)
+    env.update(
+        FLASHGEN_TORCH_BINDING="1",
+        FLASHGEN_TORCH_BINDING_CPU_TESTS="1",
+        FLASHGEN_CACHE_DIR=os.environ.get("FLASHGEN_CACHE_DIR", str(tmp_path / "cache")),
+    )
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         str(HERE / "torch_binding_cases.py")],
+        env=env, capture_output=True, text=True, check=False, timeout=900,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
+    assert " passed" in res.stdout and "skipped" not in res.stdout.splitlines()[-1]
+
+
+def test_binding_off_by_default_keeps_the_ctypes_ops():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHGEN_TORCH_BINDING")}
+    code = (
+        "from flashgen.torch import ops; import torch; "
+        "assert ops.BINDING is None; "
+        "assert type(ops.fwd).__name__ == 'CustomOpDef', type(ops.fwd)"
+    )
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+
+
+def test_a_bad_mode_is_refused_with_what_is_allowed(monkeypatch):
+    from flashgen.torch import binding
+
+    monkeypatch.setenv(binding.ENV, "yes")
+    with pytest.raises(binding.BindingUnavailable, match="must be 0, 1 or auto"):
+        binding.mode()

@@ -1,0 +1,420 @@
+"""The compiled binding's fast path against the Python path, without a GPU.
+
+Run by tests/test_torch_binding.py in a subprocess with FLASHGEN_TORCH_BINDING=1 and the
+binding's CPU registration on (the C++ kernels then serve CPU tensors, which the mocks below
+describe as CUDA ones), never collected directly (its name does not start with test_).
+
+The kernel libraries are a mock (`mock_kernels.c`, compiled here): `<kind>_launch` copies the
+parameter struct it is given into a buffer. The same call runs through the C++ op and
+through the Python implementation (`ops._fwd_impl` / `_bwd_impl`, ctypes), and the two
+structs must be equal field for field, output pointers aside (each must point at its own
+path's outputs) and the workspace carve compared relative to its base.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from flashgen.generator.families import family  # noqa: E402
+from flashgen.generator.paths import TEMPLATES_DIR  # noqa: E402
+from flashgen.generator.spec import KernelKind  # noqa: E402
+from flashgen.runtime import KernelLibrary  # noqa: E402
+from flashgen.runtime.library import _packing, params_struct  # noqa: E402
+from flashgen.torch import binding, cache, ops, selection  # noqa: E402
+from flashgen.torch.selection import UnsupportedCall  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+if ops.BINDING is None:  # pragma: no cover - the outer test sets the environment
+    pytest.skip("run through tests/test_torch_binding.py", allow_module_level=True)
+
+MOCK_C = r"""
+#include <string.h>
+#include "params.h"
+#include "bwd_params.h"
+static fg_fwd_params last_fwd;
+static fg_bwd_params last_bwd;
+static int fwd_calls, bwd_calls;
+int fwd_launch(const fg_fwd_params* p, void* stream) { last_fwd = *p; ++fwd_calls; return 0; }
+int bwd_launch(const fg_bwd_params* p, void* stream) { last_bwd = *p; ++bwd_calls; return 0; }
+int fail_launch(const void* p, void* stream) { return 1; }
+const char* check_ok(const void* p) { return 0; }
+const char* check_refuses(const void* p) { return "mock: refused (allowed: nothing)"; }
+size_t workspace(const void* p) { return (size_t)1 << 22; }
+void take_fwd(fg_fwd_params* out) { *out = last_fwd; }
+void take_bwd(fg_bwd_params* out) { *out = last_bwd; }
+int calls(int bwd) { return bwd ? bwd_calls : fwd_calls; }
+"""
+
+
+_MOCK = []
+
+
+def mock_lib():
+    return _MOCK[0]
+
+
+@pytest.fixture(scope="session")
+def mock(tmp_path_factory):
+    where = tmp_path_factory.mktemp("mock")
+    (where / "mock_kernels.c").write_text(MOCK_C)
+    so = where / "mock_kernels.so"
+    include = TEMPLATES_DIR / "include" / "flashgen"
+    subprocess.run(
+        [os.environ.get("CC", "cc"), "-O1", "-shared", "-fPIC", f"-I{include}",
+         str(where / "mock_kernels.c"), "-o", str(so)],
+        check=True,
+    )  # fmt: skip
+    _MOCK.append(ctypes.CDLL(str(so)))
+    return _MOCK[0]
+
+
+class MockLibrary(KernelLibrary):
+    """A KernelLibrary whose entry points are the mock's (the Python path packs and launches
+    through ctypes exactly as with a real kernel)."""
+
+    def __init__(self, spec, mock, fail=False):  # noqa: D107 - no .so of the spec is loaded
+        self.spec, self.family, self.name = spec, family(spec), "mock_" + spec.kernel.yaml
+        self.Params, self._packing = params_struct(self.family), _packing(self.family)
+        self._lib = mock
+        ptr = ctypes.POINTER(self.Params)
+        bwd = spec.kernel == KernelKind.BACKWARD
+        self._launch = mock.fail_launch if fail else (mock.bwd_launch if bwd else mock.fwd_launch)
+        self._launch.argtypes, self._launch.restype = [ptr, ctypes.c_void_p], ctypes.c_int
+        self._check = mock.check_refuses if fail else mock.check_ok
+        self._check.argtypes, self._check.restype = [ptr], ctypes.c_char_p
+        self._workspace = mock.workspace if bwd else None
+        if self._workspace is not None:
+            self._workspace.argtypes, self._workspace.restype = [ptr], ctypes.c_size_t
+        self.entry_points = {}
+
+
+@pytest.fixture(autouse=True)
+def cuda_mocked(monkeypatch, mock):
+    """CPU tensors taken for CUDA ones on a (9, 0) device 0; kernels from the mock."""
+    real_meta = ops._meta
+
+    def meta(t, device=None):
+        m = real_meta(t, device)
+        return m._replace(device="cuda") if m.device == "cpu" else m
+
+    monkeypatch.setattr(ops, "_meta", meta)
+    monkeypatch.setattr(ops, "_PROBLEMS", {})
+    monkeypatch.setattr(ops, "_CALLS", {})
+    monkeypatch.setattr(ops, "_SCORES", {})
+    monkeypatch.setattr(ops, "_BACKWARD_OK", set())
+    monkeypatch.setattr(ops, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(ops, "_device_index", lambda t: 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(ops, "_stream", lambda device: 0)
+    monkeypatch.setattr(ops, "_OnDevice", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(cache, "kernel_library", lambda spec: MockLibrary(spec, mock))
+    ops.BINDING.clear()
+    yield
+    ops.BINDING.clear()
+
+
+def taken(mock, kind: str) -> dict:
+    """The struct the mock's last `<kind>_launch` received, by field name."""
+    fam = family_of[kind]
+    Params = params_struct(fam)
+    buf = Params()
+    getattr(mock, f"take_{kind}")(ctypes.byref(buf))
+    return {p.name: getattr(buf, p.name) for p in fam.params}
+
+
+# the C structs' tables (every family of a direction shares its struct)
+family_of = {"fwd": family(KernelKind.FORWARD), "bwd": family(KernelKind.BACKWARD)}
+
+
+def calls(mock, kind: str) -> int:
+    return mock.calls(1 if kind == "bwd" else 0)
+
+
+# -- drawing calls ------------------------------------------------------------------------------
+
+SERVED_D = (32, 40, 64, 72, 96, 128)
+
+
+@st.composite
+def fwd_calls(draw):
+    dtype = draw(st.sampled_from([torch.float16, torch.bfloat16]))
+    d = draw(st.sampled_from(SERVED_D))
+    kv = draw(st.sampled_from([1, 2, 4]))
+    heads = kv * draw(st.sampled_from([1, 2, 3]))
+    batch = draw(st.integers(1, 3))
+    varlen = draw(st.booleans())
+    causal = draw(st.booleans())
+    window = draw(st.sampled_from([(-1, -1), (-1, -1), (16, 0), (7, 3)]))
+    det = draw(st.booleans())
+    softcap = draw(st.sampled_from([0.0, 0.0, 30.0]))
+    alibi = draw(st.sampled_from([None, None, "heads", "batch_heads"]))
+    sink = draw(st.booleans())
+    strided = draw(st.booleans())  # q a view of a wider tensor (aligned, non-contiguous)
+    if varlen:
+        lens_q = draw(st.lists(st.integers(1, 40), min_size=batch, max_size=batch))
+        lens_k = draw(st.lists(st.integers(1, 40), min_size=batch, max_size=batch))
+        cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+        cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+        q_shape, k_shape = (sum(lens_q), heads, d), (sum(lens_k), kv, d)
+        max_q, max_k = max(lens_q), max(lens_k)
+    else:
+        sq, sk = draw(st.integers(1, 70)), draw(st.integers(1, 70))
+        q_shape, k_shape = (batch, sq, heads, d), (batch, sk, kv, d)
+        cu_q = cu_k = None
+        max_q = max_k = 0
+    if strided:
+        wide = torch.randn(*q_shape[:-2], heads * 2, d, dtype=dtype)
+        q = wide[..., :heads, :]
+    else:
+        q = torch.randn(q_shape, dtype=dtype)
+    k, v = torch.randn(k_shape, dtype=dtype), torch.randn(k_shape, dtype=dtype)
+    slopes = None
+    if alibi == "heads":
+        slopes = torch.rand(heads)
+    elif alibi == "batch_heads":
+        slopes = torch.rand(batch, heads)
+    sinks = torch.randn(heads) if sink else None
+    scale = draw(st.sampled_from([d**-0.5, 0.1]))
+    return (q, k, v, cu_q, cu_k, max_q, max_k, 0.0, scale, causal, *window, det, softcap,
+            slopes, sinks)  # fmt: skip
+
+
+def _normalised(rec: dict, outputs: dict) -> dict:
+    """rec with each output pointer checked against its tensor and blanked."""
+    out = dict(rec)
+    for field, t in outputs.items():
+        assert rec[field] == t.data_ptr(), field
+        out[field] = "output"
+    return out
+
+
+FWD_OUTPUTS = ("o", "lse")
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(fwd_calls())
+def test_forward_struct_equals_the_python_paths(mock, args):
+    before = calls(mock, "fwd")
+    out, lse, seed, offset = torch.ops.flashgen.fwd.default(*args)
+    fast = taken(mock, "fwd")
+    assert calls(mock, "fwd") == before + 1
+    py_out, py_lse, py_seed, py_offset = ops._fwd_impl(*args)
+    slow = taken(mock, "fwd")
+    assert out.shape == py_out.shape and out.dtype == py_out.dtype
+    assert lse.shape == py_lse.shape and lse.stride() == py_lse.stride()
+    assert (seed.item(), offset.item()) == (py_seed.item(), py_offset.item()) == (0, 0)
+    assert _normalised(fast, {"o": out, "lse": lse}) == _normalised(
+        slow, {"o": py_out, "lse": py_lse}
+    )
+
+
+def test_the_second_call_of_a_key_is_a_plan_hit(mock):
+    q, k, v = (torch.randn(2, 33, 4, 64, dtype=torch.bfloat16) for _ in range(3))
+    args = (q, k, v, None, None, 0, 0, 0.0, 0.125, True, -1, -1, False)
+    s0 = ops.BINDING.stats()
+    torch.ops.flashgen.fwd.default(*args)
+    s1 = ops.BINDING.stats()
+    torch.ops.flashgen.fwd.default(*args)
+    s2 = ops.BINDING.stats()
+    assert (s1["misses"] - s0["misses"], s1["hits"] - s0["hits"]) == (1, 0)
+    assert (s2["misses"] - s1["misses"], s2["hits"] - s1["hits"]) == (0, 1)
+    # another length is another key; the per-call scale is not part of it
+    q2 = torch.randn(2, 34, 4, 64, dtype=torch.bfloat16)
+    torch.ops.flashgen.fwd.default(q2, k, v, None, None, 0, 0, 0.0, 0.125, True, -1, -1, False)
+    torch.ops.flashgen.fwd.default(q, k, v, None, None, 0, 0, 0.0, 0.5, True, -1, -1, False)
+    s3 = ops.BINDING.stats()
+    assert (s3["misses"] - s2["misses"], s3["hits"] - s2["hits"]) == (1, 1)
+    assert taken(mock, "fwd")["softmax_scale"] == 0.5
+
+
+def test_varlen_keys_ignore_the_packed_lengths(mock):
+    def call(lens):
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        total = sum(lens)
+        q, k, v = (torch.randn(total, 4, 64, dtype=torch.bfloat16) for _ in range(3))
+        torch.ops.flashgen.fwd.default(
+            q, k, v, cu, cu, max(lens), max(lens), 0.0, 0.125, True, -1, -1, False
+        )
+        return taken(mock, "fwd")
+
+    s0 = ops.BINDING.stats()
+    a = call([5, 17])
+    b = call([30, 2])
+    s1 = ops.BINDING.stats()
+    assert (s1["misses"] - s0["misses"], s1["hits"] - s0["hits"]) == (1, 1)
+    assert (a["seqlen_q"], a["total_q"], b["seqlen_q"], b["total_q"]) == (17, 22, 30, 32)
+
+
+def test_refusals_are_the_python_paths_errors_every_time():
+    q = torch.randn(1, 16, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(1, 16, 4, 64, dtype=torch.float16)
+    for _ in range(2):
+        with pytest.raises(UnsupportedCall, match="k has dtype float16 but q has bfloat16"):
+            torch.ops.flashgen.fwd.default(q, k, k, None, None, 0, 0, 0.0, 0.1, False, -1, -1,
+                                           False)  # fmt: skip
+    with pytest.raises(UnsupportedCall, match="softcap"):
+        torch.ops.flashgen.fwd.default(q, q, q, None, None, 0, 0, 0.0, 0.1, False, -1, -1,
+                                       False, -1.0)  # fmt: skip
+    # a bad scale on a key that has a plan: the fast path leaves it to the Python check
+    torch.ops.flashgen.fwd.default(q, q, q, None, None, 0, 0, 0.0, 0.1, False, -1, -1, False)
+    with pytest.raises(UnsupportedCall, match="softmax_scale"):
+        torch.ops.flashgen.fwd.default(q, q, q, None, None, 0, 0, 0.0, float("inf"), False, -1,
+                                       -1, False)  # fmt: skip
+
+
+def test_dropout_and_empty_calls_take_the_python_implementation(monkeypatch, mock):
+    monkeypatch.setattr(ops, "philox_state", lambda device, p: (1234, 8))
+    q = torch.randn(1, 16, 4, 64, dtype=torch.bfloat16)
+    s0 = ops.BINDING.stats()
+    out, lse, seed, offset = torch.ops.flashgen.fwd.default(
+        q, q, q, None, None, 0, 0, 0.1, 0.1, False, -1, -1, False
+    )
+    assert (seed.item(), offset.item()) == (1234, 8)
+    assert taken(mock, "fwd")["seed"] == 1234
+    empty = torch.randn(1, 0, 4, 64, dtype=torch.bfloat16)
+    out, lse, _, _ = torch.ops.flashgen.fwd.default(
+        q, empty, empty, None, None, 0, 0, 0.0, 0.1, False, -1, -1, False
+    )
+    assert bool((out == 0).all()) and bool(torch.isinf(lse).all())
+    assert ops.BINDING.stats()["fallbacks"] - s0["fallbacks"] == 2
+
+
+def test_a_refused_launch_raises_the_launchers_message(monkeypatch, mock):
+    from flashgen.runtime import LaunchError
+
+    monkeypatch.setattr(cache, "kernel_library", lambda spec: MockLibrary(spec, mock, fail=True))
+    q = torch.randn(1, 16, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(LaunchError, match="mock_forward: mock: refused"):
+        torch.ops.flashgen.fwd.default(q, q, q, None, None, 0, 0, 0.0, 0.1, False, -1, -1, False)
+
+
+# -- backward and autograd ---------------------------------------------------------------------
+
+
+def _bwd_args(fwd_args, out, lse, seed, offset):
+    (q, k, v, cu_q, cu_k, max_q, max_k, p, scale, causal, wl, wr, det, softcap, slopes,
+     sinks) = fwd_args  # fmt: skip
+    dout = torch.randn_like(out)
+    return (dout, q, k, v, out, lse, seed, offset, cu_q, cu_k, max_q, max_k, p, scale, causal,
+            wl, wr, det, softcap, slopes, sinks)  # fmt: skip
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(fwd_calls())
+def test_backward_struct_equals_the_python_paths(mock, args):
+    out, lse, seed, offset = ops._fwd_impl(*args)
+    bargs = _bwd_args(args, out, lse, seed, offset)
+    dq, dk, dv, dsink = torch.ops.flashgen.bwd.default(*bargs)
+    fast = taken(mock, "bwd")
+    py = ops._bwd_impl(*bargs)
+    slow = taken(mock, "bwd")
+    for a, b in zip((dq, dk, dv, dsink), py):
+        assert a.shape == b.shape and a.dtype == b.dtype
+    names = ("dq", "dk", "dv")
+    fast_n = _normalised(fast, dict(zip(names, (dq, dk, dv))))
+    slow_n = _normalised(slow, dict(zip(names, py[:3])))
+    for rec in (fast_n, slow_n):  # the carve, relative to the workspace's base
+        base = rec["dq_accum"]
+        rec["dq_accum"] = 0
+        rec["dsum"] -= base
+        rec["dq_sem"] = rec["dq_sem"] - base if rec["dq_sem"] else 0
+    if args[-1] is not None:
+        assert fast["dsinks"] == dsink.data_ptr() and slow["dsinks"] == py[3].data_ptr()
+        fast_n["dsinks"] = slow_n["dsinks"] = "output"
+    assert fast_n == slow_n
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 4),
+    sq=st.integers(1, 300),
+    heads=st.integers(1, 16),
+    d=st.sampled_from([8, 40, 64, 128, 256]),
+    block_m=st.sampled_from([16, 64, 128]),
+    det=st.booleans(),
+)
+def test_workspace_carve_is_the_runtime_layout(batch, sq, heads, d, block_m, det):
+    from flashgen.runtime import workspace_layout
+
+    want = workspace_layout(batch, sq, heads, d, block_m=block_m, deterministic=det)
+    assert ops.BINDING.workspace_carve(batch, sq, heads, d, block_m, det) == want
+
+
+def test_autograd_runs_the_backward_kernel_and_the_sinks_gradient(mock):
+    q, k, v = (torch.randn(2, 20, 4, 64, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))  # fmt: skip
+    sink = torch.zeros(4, requires_grad=True)
+    slopes = torch.rand(4, requires_grad=True)
+    before = calls(mock, "bwd")
+    out, lse, _, _ = torch.ops.flashgen.fwd.default(
+        q, k, v, None, None, 0, 0, 0.0, 0.125, True, -1, -1, False, 0.0, slopes, sink
+    )
+    assert out.requires_grad and not lse.requires_grad
+    out.float().sum().backward()
+    assert calls(mock, "bwd") == before + 1
+    for t in (q, k, v):
+        assert t.grad is not None and t.grad.shape == t.shape
+    assert sink.grad is not None and sink.grad.shape == (4,)
+    assert slopes.grad is None  # as in flash-attn: the slopes get no gradient
+    rec = taken(mock, "bwd")
+    assert (rec["sinks"], rec["alibi_slopes"]) == (sink.data_ptr(), slopes.data_ptr())
+    assert rec["seqlen_q"] == 20 and rec["softmax_scale"] == 0.125
+
+
+def test_no_grad_calls_skip_the_autograd_graph(mock):
+    q = torch.randn(1, 16, 4, 64, dtype=torch.bfloat16, requires_grad=True)
+    with torch.no_grad():
+        out, *_ = torch.ops.flashgen.fwd.default(
+            q, q, q, None, None, 0, 0, 0.0, 0.1, False, -1, -1, False
+        )
+    assert out.grad_fn is None and not out.requires_grad
+
+
+def test_a_call_without_a_backward_kernel_is_refused_at_its_forward(monkeypatch):
+    def no_backward(call):
+        raise UnsupportedCall(f"head_dim {call.head_dim} has no backward kernel (test)")
+
+    monkeypatch.setattr(selection, "backward_spec", no_backward)
+    q = torch.randn(1, 16, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    before = calls(mock_lib(), "fwd")
+    for _ in range(2):  # refused every time: a refusal is not remembered
+        with pytest.raises(UnsupportedCall, match="head_dim 64 has no backward kernel"):
+            torch.ops.flashgen.fwd.default(q, q, q, None, None, 0, 0, 0.0, 0.1, False, -1, -1,
+                                           False)  # fmt: skip
+    assert calls(mock_lib(), "fwd") == before  # before the forward ran
+    with torch.no_grad():  # the forward alone is served
+        torch.ops.flashgen.fwd.default(q, q, q, None, None, 0, 0, 0.0, 0.1, False, -1, -1, False)
+    assert calls(mock_lib(), "fwd") == before + 1
+
+
+def test_flash_attn_func_goes_through_the_binding(mock):
+    from flashgen.torch import flash_attn_func
+
+    q = torch.randn(2, 24, 4, 64, dtype=torch.bfloat16)
+    s0 = ops.BINDING.stats()
+    flash_attn_func(q, q, q, causal=True)
+    flash_attn_func(q, q, q, causal=True)
+    s1 = ops.BINDING.stats()
+    assert s1["hits"] + s1["misses"] - s0["hits"] - s0["misses"] == 2
+    assert s1["fallbacks"] == s0["fallbacks"]
+
+
+def test_the_schemas_are_the_python_implementations():
+    for name, impl in (("fwd", ops._fwd_impl), ("bwd", ops._bwd_impl)):
+        op = getattr(torch.ops.flashgen, name).default
+        want = torch.library.infer_schema(impl, mutates_args=())
+        assert op._schema == torch._C.parse_schema(f"flashgen::{name}{want}")
+
+
+def test_the_extension_is_cached_by_its_sources():
+    assert binding.build() == binding.build()
+    assert Path(binding.build()).parent.name == binding._stamp()
