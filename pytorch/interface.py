@@ -24,6 +24,8 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 from flashgen.generator.spec import KernelKind
+from flashgen.torch import kvcache_prep as prep
+from flashgen.torch import kvcache_select as ks
 from flashgen.torch import ops, selection
 from flashgen.torch.selection import UnsupportedCall
 from torch import Tensor
@@ -62,6 +64,7 @@ def _readable(t: Tensor) -> Tensor:
     mid-vector is then refused by the op at run time, as before."""
     if selection.layout_ok(t.stride()) and (
         torch.compiler.is_compiling()
+        or t.storage_offset() == 0  # the common case: the storage's (aligned) start
         or not selection.misaligned(t.shape, t.storage_offset(), t.element_size())
     ):
         return t
@@ -141,7 +144,9 @@ def _attention(
     q, k, v, kernel_head_dim = _kernel_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backward
     )
-    if backward and not torch.compiler.is_compiling():
+    if backward and ops.BINDING is None and not torch.compiler.is_compiling():
+        # (the binding's autograd kernel makes the same check, once per key, before the
+        # forward runs)
         # Refuse an unsupported backward before the forward runs (and perhaps compiles);
         # under torch.compile the op's autograd set-up does the same at trace time. A call
         # of a kind check_backward accepted before skips it: the forward then refuses
@@ -285,12 +290,47 @@ def flash_attn_varlen_func(
     would need a device-to-host copy). Masks and the ALiBi distance are per sequence,
     aligned to each sequence's own bottom-right corner; `alibi_slopes` `(batch, heads)` has
     one row per sequence. `softmax_lse` is float32 `(heads, total_q)`. Everything else is as
-    in `flash_attn_func`; `block_table` (paged K/V) is not implemented.
+    in `flash_attn_func`.
+
+    `block_table` (paged K/V, flash-attn's paged prefill as vLLM calls it): k and v are then
+    paged caches `(num_pages, page_size, kv_heads, head_dim)` (any page_size >= 1) and
+    `block_table` int32 `(batch, max_pages)`: key j of sequence b (j below `cu_seqlens_k[b + 1]
+    - cu_seqlens_k[b]`) is row `j % page_size` of page `block_table[b, j // page_size]`. The
+    kernels read packed K/V, so the used rows are first gathered into a packed copy
+    (`kvcache_prep.pack`: `cu_seqlens_k[-1]` rows of k and of v, one read and one write of
+    each, every call); learning that size and checking the lengths (`0..max_pages *
+    page_size`) and the used page ids (`[0, num_pages)`) is one device-to-host copy (a sync).
+    Bad values raise `UnsupportedCall` naming them. Gradients, where q, k or v require grad,
+    flow back through the gather into the pages (flash-attn's paged forward has no backward).
+    flash-attn 2.8's function has no `seqused_k`, nor has this one.
     """
     if block_table is not None:
-        raise UnsupportedCall("block_table: paged K/V caches are not implemented (allowed: None)")
+        k, v = _paged_kv(k, v, cu_seqlens_k, block_table)
     return _attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), dropout_p,
         softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
         return_attn_probs, learnable_sink,
     )  # fmt: skip
+
+
+def _paged_kv(k: Tensor, v: Tensor, cu_seqlens_k: Tensor, block_table: Tensor):
+    """(k, v) packed from their pages for the varlen forward (see flash_attn_varlen_func)."""
+    for name, t in (("cu_seqlens_k", cu_seqlens_k), ("block_table", block_table)):
+        if not isinstance(t, Tensor):
+            raise UnsupportedCall(f"{name} must be an int32 CUDA tensor, got {type(t).__name__}")
+    page_size, num_pages = ks.check_paged_kv(
+        ops._meta(k), ops._meta(v), ops._meta(block_table), ops._meta(cu_seqlens_k)
+    )
+    devices = {t.device for t in (k, v, cu_seqlens_k, block_table)}
+    if len(devices) > 1:
+        raise UnsupportedCall(
+            "k, v, cu_seqlens_k and block_table must be on one device, got "
+            + ", ".join(str(d) for d in devices)
+        )
+    table = block_table.detach()
+    total = prep.paged_total(cu_seqlens_k.detach(), table, page_size=page_size, num_pages=num_pages)
+    cu = cu_seqlens_k.detach()
+    return (
+        prep.pack(k, cu, total, block_table=table),
+        prep.pack(v, cu, total, block_table=table),
+    )
