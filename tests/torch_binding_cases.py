@@ -37,14 +37,45 @@ if ops.BINDING is None:  # pragma: no cover - the outer test sets the environmen
     pytest.skip("run through tests/test_torch_binding.py", allow_module_level=True)
 
 MOCK_C = r"""
+#include <stdint.h>
 #include <string.h>
 #include "params.h"
 #include "bwd_params.h"
 static fg_fwd_params last_fwd;
 static fg_bwd_params last_bwd;
 static int fwd_calls, bwd_calls;
-int fwd_launch(const fg_fwd_params* p, void* stream) { last_fwd = *p; ++fwd_calls; return 0; }
-int bwd_launch(const fg_bwd_params* p, void* stream) { last_bwd = *p; ++bwd_calls; return 0; }
+/* zero a (batch, rows, heads, cols) tensor of `bytes`-wide elements through its strides
+   (dense calls; varlen: one batch of packed rows), so outputs are deterministic for opcheck */
+static void zero(void* base, int64_t batch, int64_t rows, int64_t heads, int64_t cols,
+                 int64_t bs, int64_t rs, int64_t hs, int bytes) {
+  if (!base) return;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t h = 0; h < heads; ++h)
+        memset((char*)base + (b * bs + r * rs + h * hs) * bytes, 0, cols * bytes);
+}
+int fwd_launch(const fg_fwd_params* p, void* stream) {
+  last_fwd = *p; ++fwd_calls;
+  int64_t batch = p->cu_seqlens_q ? 1 : p->batch, rows = p->cu_seqlens_q ? p->total_q : p->seqlen_q;
+  zero(p->o, batch, rows, p->heads, p->head_dim_v, p->o_batch_stride, p->o_row_stride,
+       p->o_head_stride, 2);
+  zero(p->lse, batch, 1, p->heads, rows, p->lse_batch_stride, 0, p->lse_head_stride, 4);
+  return 0;
+}
+int bwd_launch(const fg_bwd_params* p, void* stream) {
+  last_bwd = *p; ++bwd_calls;
+  int64_t batch = p->cu_seqlens_q ? 1 : p->batch;
+  int64_t rq = p->cu_seqlens_q ? -1 : p->seqlen_q, rk = p->cu_seqlens_q ? -1 : p->seqlen_k;
+  if (rq < 0) return 0; /* varlen: the tests compare structs only */
+  zero(p->dq, batch, rq, p->heads, p->head_dim, p->dq_batch_stride, p->dq_row_stride,
+       p->dq_head_stride, 2);
+  zero(p->dk, batch, rk, p->kv_heads, p->head_dim, p->dk_batch_stride, p->dk_row_stride,
+       p->dk_head_stride, 2);
+  zero(p->dv, batch, rk, p->kv_heads, p->head_dim_v, p->dv_batch_stride, p->dv_row_stride,
+       p->dv_head_stride, 2);
+  if (p->score.dsinks) memset(p->score.dsinks, 0, p->heads * 4);
+  return 0;
+}
 int fail_launch(const void* p, void* stream) { return 1; }
 const char* check_ok(const void* p) { return 0; }
 const char* check_refuses(const void* p) { return "mock: refused (allowed: nothing)"; }
@@ -418,3 +449,38 @@ def test_the_schemas_are_the_python_implementations():
 def test_the_extension_is_cached_by_its_sources():
     assert binding.build() == binding.build()
     assert Path(binding.build()).parent.name == binding._stamp()
+
+
+# -- torch.library's checks and torch.compile ---------------------------------------------------
+
+
+def _op_args(grad=False, sink=False):
+    q, k, v = (torch.randn(2, 24, 4, 64, dtype=torch.bfloat16, requires_grad=grad)
+               for _ in range(3))  # fmt: skip
+    sinks = torch.randn(4, requires_grad=grad) if sink else None
+    return (q, k, v, None, None, 0, 0, 0.0, 0.125, True, -1, -1, False, 0.0, None, sinks)
+
+
+@pytest.mark.parametrize("sink", [False, True])
+def test_opcheck_passes_on_the_compiled_ops(sink):
+    args = _op_args(grad=True, sink=sink)
+    torch.library.opcheck(torch.ops.flashgen.fwd.default, args)
+    out, lse, seed, offset = torch.ops.flashgen.fwd.default(*args)
+    bargs = _bwd_args(tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
+                      out.detach(), lse, seed, offset)  # fmt: skip
+    torch.library.opcheck(torch.ops.flashgen.bwd.default, bargs)
+
+
+def test_torch_compile_fullgraph_traces_the_compiled_ops(mock):
+    def step(q, k, v):
+        out, *_ = torch.ops.flashgen.fwd.default(
+            q, k, v, None, None, 0, 0, 0.0, 0.125, True, -1, -1, False
+        )
+        return out.float().sum()
+
+    args = _op_args(grad=True)[:3]
+    before = (calls(mock, "fwd"), calls(mock, "bwd"))
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    compiled(*args).backward()
+    assert (calls(mock, "fwd"), calls(mock, "bwd")) == (before[0] + 1, before[1] + 1)
+    assert all(t.grad is not None and bool((t.grad == 0).all()) for t in args)
