@@ -4,30 +4,27 @@ Run by tests/test_torch_binding.py in a subprocess with FLASHGEN_TORCH_BINDING=1
 binding's CPU registration on (the C++ kernels then serve CPU tensors, which the mocks below
 describe as CUDA ones), never collected directly (its name does not start with test_).
 
-The kernel libraries are a mock (`mock_kernels.c`, compiled here): `<kind>_launch` copies the
-parameter struct it is given into a buffer. The same call runs through the C++ op and
-through the Python implementation (`ops._fwd_impl` / `_bwd_impl`, ctypes), and the two
-structs must be equal field for field, output pointers aside (each must point at its own
-path's outputs) and the workspace carve compared relative to its base.
+The kernel libraries are a mock (`flashgen.bench.mock_kernels`, compiled here):
+`<kind>_launch` copies the parameter struct it is given into a buffer. The same call runs
+through the C++ op and through the Python implementation (`ops._fwd_impl` / `_bwd_impl`,
+ctypes), and the two structs must be equal field for field, output pointers aside (each
+must point at its own path's outputs) and the workspace carve compared relative to its base.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from flashgen.bench import mock_kernels  # noqa: E402
+from flashgen.bench.mock_kernels import MockLibrary  # noqa: E402
 from flashgen.generator.families import family  # noqa: E402
-from flashgen.generator.paths import TEMPLATES_DIR  # noqa: E402
 from flashgen.generator.spec import KernelKind  # noqa: E402
-from flashgen.runtime import KernelLibrary  # noqa: E402
-from flashgen.runtime.library import _packing, params_struct  # noqa: E402
+from flashgen.runtime.library import params_struct  # noqa: E402
 from flashgen.torch import binding, cache, ops, selection  # noqa: E402
 from flashgen.torch.selection import UnsupportedCall  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -35,55 +32,6 @@ from hypothesis import strategies as st  # noqa: E402
 
 if ops.BINDING is None:  # pragma: no cover - the outer test sets the environment
     pytest.skip("run through tests/test_torch_binding.py", allow_module_level=True)
-
-MOCK_C = r"""
-#include <stdint.h>
-#include <string.h>
-#include "params.h"
-#include "bwd_params.h"
-static fg_fwd_params last_fwd;
-static fg_bwd_params last_bwd;
-static int fwd_calls, bwd_calls;
-/* zero a (batch, rows, heads, cols) tensor of `bytes`-wide elements through its strides
-   (dense calls; varlen: one batch of packed rows), so outputs are deterministic for opcheck */
-static void zero(void* base, int64_t batch, int64_t rows, int64_t heads, int64_t cols,
-                 int64_t bs, int64_t rs, int64_t hs, int bytes) {
-  if (!base) return;
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t h = 0; h < heads; ++h)
-        memset((char*)base + (b * bs + r * rs + h * hs) * bytes, 0, cols * bytes);
-}
-int fwd_launch(const fg_fwd_params* p, void* stream) {
-  last_fwd = *p; ++fwd_calls;
-  int64_t batch = p->cu_seqlens_q ? 1 : p->batch, rows = p->cu_seqlens_q ? p->total_q : p->seqlen_q;
-  zero(p->o, batch, rows, p->heads, p->head_dim_v, p->o_batch_stride, p->o_row_stride,
-       p->o_head_stride, 2);
-  zero(p->lse, batch, 1, p->heads, rows, p->lse_batch_stride, 0, p->lse_head_stride, 4);
-  return 0;
-}
-int bwd_launch(const fg_bwd_params* p, void* stream) {
-  last_bwd = *p; ++bwd_calls;
-  int64_t batch = p->cu_seqlens_q ? 1 : p->batch;
-  int64_t rq = p->cu_seqlens_q ? -1 : p->seqlen_q, rk = p->cu_seqlens_q ? -1 : p->seqlen_k;
-  if (rq < 0) return 0; /* varlen: the tests compare structs only */
-  zero(p->dq, batch, rq, p->heads, p->head_dim, p->dq_batch_stride, p->dq_row_stride,
-       p->dq_head_stride, 2);
-  zero(p->dk, batch, rk, p->kv_heads, p->head_dim, p->dk_batch_stride, p->dk_row_stride,
-       p->dk_head_stride, 2);
-  zero(p->dv, batch, rk, p->kv_heads, p->head_dim_v, p->dv_batch_stride, p->dv_row_stride,
-       p->dv_head_stride, 2);
-  if (p->score.dsinks) memset(p->score.dsinks, 0, p->heads * 4);
-  return 0;
-}
-int fail_launch(const void* p, void* stream) { return 1; }
-const char* check_ok(const void* p) { return 0; }
-const char* check_refuses(const void* p) { return "mock: refused (allowed: nothing)"; }
-size_t workspace(const void* p) { return (size_t)1 << 22; }
-void take_fwd(fg_fwd_params* out) { *out = last_fwd; }
-void take_bwd(fg_bwd_params* out) { *out = last_bwd; }
-int calls(int bwd) { return bwd ? bwd_calls : fwd_calls; }
-"""
 
 
 _MOCK = []
@@ -95,59 +43,14 @@ def mock_lib():
 
 @pytest.fixture(scope="session")
 def mock(tmp_path_factory):
-    where = tmp_path_factory.mktemp("mock")
-    (where / "mock_kernels.c").write_text(MOCK_C)
-    so = where / "mock_kernels.so"
-    include = TEMPLATES_DIR / "include" / "flashgen"
-    subprocess.run(
-        [os.environ.get("CC", "cc"), "-O1", "-shared", "-fPIC", f"-I{include}",
-         str(where / "mock_kernels.c"), "-o", str(so)],
-        check=True,
-    )  # fmt: skip
-    _MOCK.append(ctypes.CDLL(str(so)))
+    _MOCK.append(mock_kernels.build(tmp_path_factory.mktemp("mock")))
     return _MOCK[0]
-
-
-class MockLibrary(KernelLibrary):
-    """A KernelLibrary whose entry points are the mock's (the Python path packs and launches
-    through ctypes exactly as with a real kernel)."""
-
-    def __init__(self, spec, mock, fail=False):  # noqa: D107 - no .so of the spec is loaded
-        self.spec, self.family, self.name = spec, family(spec), "mock_" + spec.kernel.yaml
-        self.Params, self._packing = params_struct(self.family), _packing(self.family)
-        self._lib = mock
-        ptr = ctypes.POINTER(self.Params)
-        bwd = spec.kernel == KernelKind.BACKWARD
-        self._launch = mock.fail_launch if fail else (mock.bwd_launch if bwd else mock.fwd_launch)
-        self._launch.argtypes, self._launch.restype = [ptr, ctypes.c_void_p], ctypes.c_int
-        self._check = mock.check_refuses if fail else mock.check_ok
-        self._check.argtypes, self._check.restype = [ptr], ctypes.c_char_p
-        self._workspace = mock.workspace if bwd else None
-        if self._workspace is not None:
-            self._workspace.argtypes, self._workspace.restype = [ptr], ctypes.c_size_t
-        self.entry_points = {}
 
 
 @pytest.fixture(autouse=True)
 def cuda_mocked(monkeypatch, mock):
     """CPU tensors taken for CUDA ones on a (9, 0) device 0; kernels from the mock."""
-    real_meta = ops._meta
-
-    def meta(t, device=None):
-        m = real_meta(t, device)
-        return m._replace(device="cuda") if m.device == "cpu" else m
-
-    monkeypatch.setattr(ops, "_meta", meta)
-    monkeypatch.setattr(ops, "_PROBLEMS", {})
-    monkeypatch.setattr(ops, "_CALLS", {})
-    monkeypatch.setattr(ops, "_SCORES", {})
-    monkeypatch.setattr(ops, "_BACKWARD_OK", set())
-    monkeypatch.setattr(ops, "_capability", lambda index: (9, 0))
-    monkeypatch.setattr(ops, "_device_index", lambda t: 0)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(ops, "_stream", lambda device: 0)
-    monkeypatch.setattr(ops, "_OnDevice", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(cache, "kernel_library", lambda spec: MockLibrary(spec, mock))
+    mock_kernels.mock_cuda(monkeypatch.setattr, mock)
     ops.BINDING.clear()
     yield
     ops.BINDING.clear()

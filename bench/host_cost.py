@@ -1,0 +1,99 @@
+"""Host cost of flashgen.torch's layers without a GPU: CPU tensors, mocked kernels.
+
+    python -m flashgen.bench.host_cost            # the ctypes path, then the binding
+
+Times `torch.ops.flashgen.fwd` and `flash_attn_func` (no grad, with grad, forward +
+backward) on CPU tensors described as CUDA ones, with the kernels replaced by C functions
+that return (`flashgen.bench.mock_kernels`). It leaves out the CUDA allocator and driver,
+so it compares the Python and C++ layers of the two paths (`FLASHGEN_TORCH_BINDING`); what a
+GPU call costs is `flashgen.bench.torch_overhead`'s to measure. Each path runs in its own
+process (the ops are defined once per process). Median of `--repeats` means of `--iters`
+calls; shape (2, 64, 4, 64) bf16, causal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _time(fn, iters: int, repeats: int) -> float:
+    for _ in range(30):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        samples.append((time.perf_counter() - start) / iters * 1e6)
+    return statistics.median(samples)
+
+
+def _child(iters: int, repeats: int) -> dict:
+    import torch
+    from flashgen.bench import mock_kernels
+    from flashgen.torch import flash_attn_func, interface, ops
+
+    mock_kernels.mock_cuda(setattr, mock_kernels.build(tempfile.mkdtemp()))
+    interface._on_cuda = lambda t: True
+    interface._kernel_head_dim = lambda d, index, backward: d
+    q, k, v = (torch.randn(2, 64, 4, 64, dtype=torch.bfloat16) for _ in range(3))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    g = torch.randn_like(q)
+
+    def op_no_grad():
+        with torch.no_grad():
+            torch.ops.flashgen.fwd.default(q, k, v, None, None, 0, 0, 0.0, 0.125, True, -1, -1,
+                                           False)  # fmt: skip
+
+    def no_grad():
+        with torch.no_grad():
+            flash_attn_func(q, k, v, causal=True)
+
+    cases = {
+        "op_no_grad": op_no_grad,
+        "no_grad": no_grad,
+        "fwd_grad": lambda: flash_attn_func(qg, kg, vg, causal=True),
+        "fwd_bwd": lambda: flash_attn_func(qg, kg, vg, causal=True).backward(g),
+        "empty_floor": lambda: (torch.empty_like(q), torch.empty(2, 4, 64)),
+    }
+    path = "binding" if ops.BINDING is not None else "ctypes"
+    return {"path": path, **{c: _time(fn, iters, repeats) for c, fn in cases.items()}}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(_child(args.iters, args.repeats)))
+        return {}
+    results = []
+    for on in ("0", "1"):
+        env = dict(os.environ, FLASHGEN_TORCH_BINDING=on, FLASHGEN_TORCH_BINDING_CPU_TESTS=on)
+        cmd = [sys.executable, "-m", "flashgen.bench.host_cost", "--child",
+               f"--iters={args.iters}", f"--repeats={args.repeats}"]  # fmt: skip
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+        results.append(json.loads(res.stdout))
+    print(f"{'case':12s} " + " ".join(f"{r['path']:>9s}" for r in results) + "  (us per call)")
+    for case in results[0]:
+        if case != "path":
+            print(f"{case:12s} " + " ".join(f"{r[case]:9.1f}" for r in results))
+    report = {"note": "CPU tensors, mocked kernels: relative host cost", "results": results}
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(report, fh, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()
