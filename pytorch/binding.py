@@ -109,7 +109,10 @@ def build(verbose: bool = False) -> Path:
     final = root / f"{MODULE}.so"
     if final.is_file():
         return final
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BindingUnavailable(f"cannot create the binding's cache folder {root}: {e}") from None
     with open(root / "build.lock", "a+") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         try:
@@ -119,16 +122,22 @@ def build(verbose: bool = False) -> Path:
             tmp = Path(tempfile.mkdtemp(prefix=".build.", dir=root))
             try:
                 out = tmp / final.name
-                cmd = [_compiler(), "-O2", "-std=c++17", "-fPIC", "-shared", "-w", str(SOURCE),
-                       "-o", str(out), *flags, *libs]  # fmt: skip
                 print("flashgen: compiling the torch binding (first use) ...", file=sys.stderr)
-                try:
-                    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-                except FileNotFoundError as e:
-                    raise BindingUnavailable(f"no C++ compiler ({_compiler()}): {e}") from None
-                if res.returncode != 0 or not out.is_file():
+                # C++17 serves torch's headers up to 2.13 at least; newer ones may need C++20
+                for std in ("-std=c++17", "-std=c++20"):
+                    cmd = [_compiler(), "-O2", std, "-fPIC", "-shared", "-w", str(SOURCE),
+                           "-o", str(out), *flags, *libs]  # fmt: skip
+                    try:
+                        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                    except FileNotFoundError as e:
+                        raise BindingUnavailable(f"no C++ compiler ({_compiler()}): {e}") from None
+                    if res.returncode == 0 and out.is_file():
+                        break
+                else:
+                    errors = [line for line in res.stderr.splitlines() if "error" in line]
+                    first = errors[0] if errors else "no error line"
                     raise BindingUnavailable(
-                        f"compiling {SOURCE.name} failed ({_compiler()}):\n"
+                        f"compiling {SOURCE.name} failed ({_compiler()}): {first}\n"
                         + (res.stderr if verbose else res.stderr[-4000:])
                     )
                 os.replace(out, final)  # atomic: readers see all of it or nothing
@@ -153,7 +162,7 @@ def load() -> ModuleType:
         module = importlib.util.module_from_spec(spec)
         try:
             spec.loader.exec_module(module)
-        except ImportError as e:
+        except (ImportError, OSError) as e:
             raise BindingUnavailable(f"loading {path} failed: {e}") from None
         _MODULE = module
     return _MODULE

@@ -25,13 +25,19 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX") or "c++")
 
 
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One binding build for the module's subprocesses (the caller's cache if it set one)."""
+    return os.environ.get("FLASHGEN_CACHE_DIR") or str(tmp_path_factory.mktemp("cache"))
+
+
 @pytest.mark.skipif(_compiler() is None, reason="no C++ compiler")
-def test_binding_fast_path_equals_the_python_path(tmp_path):
+def test_binding_fast_path_equals_the_python_path(cache_dir):
     env = dict(os.environ)
     env.update(
         FLASHGEN_TORCH_BINDING="1",
         FLASHGEN_TORCH_BINDING_CPU_TESTS="1",
-        FLASHGEN_CACHE_DIR=os.environ.get("FLASHGEN_CACHE_DIR", str(tmp_path / "cache")),
+        FLASHGEN_CACHE_DIR=cache_dir,
     )
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -40,6 +46,31 @@ def test_binding_fast_path_equals_the_python_path(tmp_path):
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
     assert " passed" in res.stdout and "skipped" not in res.stdout.splitlines()[-1]
+
+
+@pytest.mark.skipif(_compiler() is None, reason="no C++ compiler")
+def test_binding_refuses_cpu_tensors_with_the_python_paths_message(cache_dir):
+    env = dict(os.environ)
+    env.pop("FLASHGEN_TORCH_BINDING_CPU_TESTS", None)
+    env.update(
+        FLASHGEN_TORCH_BINDING="1",
+        FLASHGEN_CACHE_DIR=cache_dir,
+    )
+    code = (
+        "import torch, pytest\n"
+        "from flashgen.torch import flash_attn_func, ops\n"
+        "from flashgen.torch.selection import UnsupportedCall\n"
+        "assert ops.BINDING is not None\n"
+        "q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)\n"
+        "for grad in (False, True):\n"
+        "    x = q.clone().requires_grad_(grad)\n"
+        "    with pytest.raises(UnsupportedCall, match='CUDA devices only'):\n"
+        "        flash_attn_func(x, x, x)\n"
+        "    with pytest.raises(UnsupportedCall, match='CUDA devices only'):\n"
+        "        torch.ops.flashgen.fwd.default(x, x, x, None, None, 0, 0, 0.0, 0.1, False, -1,"
+        " -1, False)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
 
 
 def test_binding_off_by_default_keeps_the_ctypes_ops():

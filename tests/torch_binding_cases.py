@@ -387,3 +387,82 @@ def test_torch_compile_fullgraph_traces_the_compiled_ops(mock):
     compiled(*args).backward()
     assert (calls(mock, "fwd"), calls(mock, "bwd")) == (before[0] + 1, before[1] + 1)
     assert all(t.grad is not None and bool((t.grad == 0).all()) for t in args)
+
+
+# -- tracing, compiled autograd, double backward, slopes (review findings) ---------------------
+
+
+def _graph_counter():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    return graphs, backend
+
+
+def _fwd_sum(q, k, v, cu=None, m=0):
+    out, *_ = torch.ops.flashgen.fwd.default(q, k, v, cu, cu, m, m, 0.0, 0.125, True, -1, -1,
+                                             False)  # fmt: skip
+    return out.float().sum()
+
+
+def test_dynamic_shapes_with_grad_compile_one_graph():
+    torch._dynamo.reset()
+    graphs, backend = _graph_counter()
+    compiled = torch.compile(_fwd_sum, backend=backend, dynamic=True)
+    for s in (24, 32, 40):
+        q, k, v = (torch.randn(2, s, 4, 64, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))  # fmt: skip
+        compiled(q, k, v).backward()
+    assert len(graphs) == 1  # the autograd kernel reads no symbolic size
+
+
+def test_varlen_with_grad_compiles_with_dynamic_shapes():
+    torch._dynamo.reset()
+    graphs, backend = _graph_counter()
+    compiled = torch.compile(_fwd_sum, backend=backend, dynamic=True, fullgraph=True)
+    for lens in ([5, 17], [30, 2], [3, 9, 11]):
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        q, k, v = (torch.randn(sum(lens), 4, 64, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))  # fmt: skip
+        compiled(q, k, v, cu, max(lens)).backward()
+    assert len(graphs) <= 2  # the batch count (cu_seqlens' length) may specialise once
+
+
+def test_compiled_autograd_runs_the_backward():
+    q, k, v = _op_args(grad=True)[:3]
+    loss = _fwd_sum(q, k, v)
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
+        loss.backward()
+    assert all(t.grad is not None for t in (q, k, v))
+
+
+def test_double_backward_is_refused():
+    q, k, v = _op_args(grad=True)[:3]
+    (dq,) = torch.autograd.grad(_fwd_sum(q, k, v), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="derivative|autograd|not implemented"):
+        torch.autograd.grad(dq.float().sum(), k)
+
+
+def test_slopes_alone_requiring_grad_make_the_output_require_grad():
+    q = torch.randn(2, 24, 4, 64, dtype=torch.bfloat16)
+    slopes = torch.rand(4, requires_grad=True)
+    out, *_ = torch.ops.flashgen.fwd.default(
+        q, q, q, None, None, 0, 0, 0.0, 0.125, True, -1, -1, False, 0.0, slopes, None
+    )
+    assert out.requires_grad  # as with the Python path's custom op
+    out.float().sum().backward()
+    assert slopes.grad is None  # the slopes get no gradient (flash-attn's rule)
+
+
+def test_varlen_backward_keys_ignore_the_packed_lengths():
+    s0 = ops.BINDING.stats()
+    for lens in ([5, 17], [30, 2], [8, 8], [1, 40]):
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        q, k, v = (torch.randn(sum(lens), 4, 64, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))  # fmt: skip
+        _fwd_sum(q, k, v, cu, max(lens)).backward()
+    s1 = ops.BINDING.stats()
+    assert (s1["misses"] - s0["misses"], s1["hits"] - s0["hits"]) == (2, 6)  # fwd + bwd once

@@ -25,6 +25,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <array>
@@ -178,6 +179,9 @@ py::object to_py(const IValue& v) {
   if (v.isBool()) return py::bool_(v.toBool());
   if (v.isInt()) return py::int_(v.toInt());
   if (v.isString()) return py::str(v.toStringRef());
+  if (v.isSymInt()) return py::cast(v.toSymInt());
+  if (v.isSymFloat()) return py::cast(c10::Scalar(v.toSymFloat()));
+  if (v.isSymBool()) return py::cast(c10::Scalar(v.toSymBool()));
   TORCH_CHECK(false, "flashgen binding: unexpected argument type ", v.tagKind());
 }
 
@@ -386,7 +390,10 @@ Key bwd_key(c10::ArrayRef<IValue> a, bool varlen) {
   key.push(2);
   for (int i = 0; i < 5; ++i) key.push_tensor(a[i].toTensor(), varlen);
   key.push_tensor(a[5].toTensor(), false);  // lse: (batch, heads, sq) or (heads, total_q)
-  if (varlen && a[5].toTensor().dim() == 2) key.v[key.n - 2] = -2;  // varlen: packed total_q
+  if (varlen && a[5].toTensor().dim() == 2) {  // varlen (heads, total_q): total_q is packed
+    key.v[key.n - 2] = -2;  // size(1)
+    key.v[key.n - 3] = -2;  // stride(0)
+  }
   for (int i = 6; i < 8; ++i) key.push_tensor(a[i].toTensor(), false);
   for (int i = 8; i < 10; ++i) key.push_tensor(a[i].isNone() ? Tensor() : a[i].toTensor(), false);
   key.push_f64(a[12].toDouble());
@@ -479,6 +486,8 @@ void bwd_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
 
   const Carve carve =
       carve_workspace(batch, seqlen_q, heads, q.size(-1), plan->block_m, plan->deterministic);
+  TORCH_CHECK(plan->workspace != nullptr, plan->name,
+              " exports no <name>_workspace_bytes: not a backward kernel library");
   const int64_t asked = static_cast<int64_t>(plan->workspace(&p));
   TORCH_CHECK(asked >= carve.bytes, plan->name, "_workspace_bytes returned ", asked,
               " bytes, less than the ", carve.bytes,
@@ -517,10 +526,12 @@ c10::optional<Tensor> opt(const Tensor& t) {
 IValue opt_iv(const Tensor& t) { return t.defined() ? IValue(t) : IValue(); }
 
 // dout as the kernel takes it: unit last stride, other strides multiples of 8 (else one copy).
+// Symbolic strides (a traced backward) are compared symbolically: guards, not specialisation.
 Tensor usable(const Tensor& dout) {
-  if (dout.stride(-1) != 1) return dout.contiguous();
-  for (int64_t d = 0; d + 1 < dout.dim(); ++d)
-    if (dout.stride(d) % 8) return dout.contiguous();
+  const int64_t dim = dout.dim();
+  if (dout.sym_stride(dim - 1) != 1) return dout.contiguous();
+  for (int64_t d = 0; d + 1 < dim; ++d)
+    if (dout.sym_stride(d) % 8 != 0) return dout.contiguous();
   return dout;
 }
 
@@ -530,29 +541,39 @@ const char* const kAttrNames[] = {"max_seqlen_q", "max_seqlen_k", "dropout_p",
                                   "softmax_scale", "causal", "window_left",
                                   "window_right", "deterministic", "softcap"};
 
+// The forward's other outputs (lse, seed, offset), handed out of FwdFunction::forward beside
+// the one differentiable output: returned from the Function they would need
+// mark_non_differentiable, which compiled autograd does not support.
+struct FwdExtras {
+  Tensor lse, seed, offset;
+};
+
 struct FwdFunction : public torch::autograd::Function<FwdFunction> {
+  // q, k, v, the slopes and the sink are the variables autograd tracks (args holds every
+  // argument, extras receives the other outputs); the slopes and softcap get no gradient,
+  // as in flash-attn, but slopes that require grad make the output require grad too, as
+  // the Python path's custom op does.
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                std::vector<IValue> args,
+                                                std::vector<IValue> args, FwdExtras* extras,
                                                 const Tensor& q, const Tensor& k, const Tensor& v,
+                                                const c10::optional<Tensor>& alibi,
                                                 const c10::optional<Tensor>& sink) {
-    // q, k, v and the sink are the variables autograd tracks (args holds every argument);
-    // the slopes and softcap get no gradient (as in flash-attn)
-    (void)q, (void)k, (void)v;
+    (void)q, (void)k, (void)v, (void)alibi;
     static const auto fwd = op_handle("flashgen::fwd");
     std::vector<IValue> saved_args = args;
     auto outs = call_below_autograd(fwd, std::move(args));
-    Tensor out = outs[0].toTensor(), lse = outs[1].toTensor(), seed = outs[2].toTensor(),
-           offset = outs[3].toTensor();
+    Tensor out = outs[0].toTensor();
+    extras->lse = outs[1].toTensor(), extras->seed = outs[2].toTensor();
+    extras->offset = outs[3].toTensor();
     const auto& a = saved_args;
-    ctx->save_for_backward({a[0].toTensor(), a[1].toTensor(), a[2].toTensor(), out, lse, seed,
-                            offset, a[3].isNone() ? Tensor() : a[3].toTensor(),
+    ctx->save_for_backward({a[0].toTensor(), a[1].toTensor(), a[2].toTensor(), out, extras->lse,
+                            extras->seed, extras->offset,
+                            a[3].isNone() ? Tensor() : a[3].toTensor(),
                             a[4].isNone() ? Tensor() : a[4].toTensor(),
-                            a[14].isNone() ? Tensor() : a[14].toTensor(),
-                            sink ? *sink : Tensor()});
+                            alibi ? *alibi : Tensor(), sink ? *sink : Tensor()});
     // max_q, max_k, dropout_p, scale, causal, window_left, window_right, deterministic, softcap
     for (int i = kFirstAttr; i < kEndAttr; ++i) ctx->saved_data[kAttrNames[i - kFirstAttr]] = a[i];
-    ctx->mark_non_differentiable({lse, seed, offset});
-    return {out, lse, seed, offset};
+    return {out};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -567,39 +588,68 @@ struct FwdFunction : public torch::autograd::Function<FwdFunction> {
     args.push_back(opt_iv(s[10]));
     torch::jit::Stack stack(std::move(args));
     bwd.callBoxed(&stack);
-    // one gradient per forward argument: (args, q, k, v, sink); the sink is edge 3
-    const bool want_sink = s[10].defined() && ctx->needs_input_grad(3);
-    return {Tensor(), stack[0].toTensor(), stack[1].toTensor(), stack[2].toTensor(),
-            want_sink ? stack[3].toTensor() : Tensor()};
+    // one gradient per forward argument: (args, extras, q, k, v, slopes, sink); the sink's
+    // edge is 3, or 4 after the slopes
+    const int sink_edge = s[9].defined() ? 4 : 3;
+    const bool want_sink = s[10].defined() && ctx->needs_input_grad(sink_edge);
+    return {Tensor(), Tensor(), stack[0].toTensor(), stack[1].toTensor(), stack[2].toTensor(),
+            Tensor(), want_sink ? stack[3].toTensor() : Tensor()};
   }
 };
+
+// Whether a call is being traced (fake, functional or other Python-dispatched tensors, or
+// symbolic sizes or scalars): then no key is built, since reading its sizes would pin them,
+// and the backward check runs every time (ops._backward_key's rule: plain tensors only).
+bool traced(c10::ArrayRef<IValue> args) {
+  for (const IValue& x : args) {
+    if (x.isSymInt() || x.isSymFloat() || x.isSymBool()) return true;
+    if (!x.isTensor()) continue;
+    const auto* impl = x.toTensor().unsafeGetTensorImpl();
+    if (impl->is_python_dispatch() || impl->has_symbolic_sizes_strides() ||
+        impl->key_set().has(c10::DispatchKey::Functionalize))
+      return true;
+  }
+  return false;
+}
 
 void fwd_autograd(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   auto a = torch::jit::last(*stack, kFwdArgs);
   const Tensor q = a[0].toTensor(), k = a[1].toTensor(), v = a[2].toTensor();
-  const auto sink = a[15].toOptional<Tensor>();
+  const auto alibi = a[14].toOptional<Tensor>(), sink = a[15].toOptional<Tensor>();
   const bool grad = torch::autograd::GradMode::is_enabled() &&
                     (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
-                     (sink && sink->requires_grad()));
+                     (alibi && alibi->requires_grad()) || (sink && sink->requires_grad()));
   if (!grad) {
     at::AutoDispatchBelowADInplaceOrView guard;
     op.callBoxed(stack);
     return;
   }
-  // Refuse at the forward a call whose backward has no kernel (once per key).
-  const bool varlen = !a[3].isNone() || !a[4].isNone();
-  const Key key = fwd_key(a, varlen);
-  if (key.overflow || !g_backward_ok.has(key)) {
+  // Refuse at the forward a call whose backward has no kernel (once per key of real tensors).
+  Key key;
+  const bool cacheable = !traced(a);
+  if (cacheable) key = fwd_key(a, !a[3].isNone() || !a[4].isNone());
+  if (!cacheable || key.overflow || !g_backward_ok.has(key)) {
     {
       py::gil_scoped_acquire gil;
       g_py->check_backward(*py_args(a));
     }
-    if (!key.overflow) g_backward_ok.add(key);
+    if (cacheable && !key.overflow) g_backward_ok.add(key);
   }
   std::vector<IValue> args(a.begin(), a.end());
-  auto outs = FwdFunction::apply(std::move(args), q, k, v, sink);
+  FwdExtras extras;
+  auto outs = FwdFunction::apply(std::move(args), &extras, q, k, v, alibi, sink);
   torch::jit::drop(*stack, kFwdArgs);
-  for (auto& o : outs) torch::jit::push(*stack, std::move(o));
+  torch::jit::push(*stack, std::move(outs[0]), std::move(extras.lse), std::move(extras.seed),
+                   std::move(extras.offset));
+}
+
+// Calls on devices the fast path does not serve (CPU tensors outside the tests, ...): the
+// Python implementation, which refuses them with the Python path's message.
+void fwd_python(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  run_python(g_py->fwd_py, stack, kFwdArgs);
+}
+void bwd_python(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  run_python(g_py->bwd_py, stack, kBwdArgs);
 }
 
 // Kept alive for the life of the process: the operators' registrations.
@@ -622,19 +672,25 @@ void install(py::dict callbacks, const std::string& fwd_schema, const std::strin
   def->def(torch::schema(fwd_schema.c_str(), c10::AliasAnalysisKind::FROM_SCHEMA));
   def->def(torch::schema(bwd_schema.c_str(), c10::AliasAnalysisKind::FROM_SCHEMA));
   libs.push_back(std::move(def));
-  std::vector<c10::DispatchKey> keys = {c10::DispatchKey::CUDA};
-  if (cpu_for_tests) keys.push_back(c10::DispatchKey::CPU);
-  for (auto dk : keys) {
+  auto impl_for = [&](c10::DispatchKey dk, torch::CppFunction fwd, torch::CppFunction bwd) {
     auto impl = std::make_unique<torch::Library>(torch::Library::IMPL, "flashgen", dk, __FILE__,
                                                  __LINE__);
-    impl->impl("fwd", torch::CppFunction::makeFromBoxedFunction<&fwd_cuda>());
-    impl->impl("bwd", torch::CppFunction::makeFromBoxedFunction<&bwd_cuda>());
+    impl->impl("fwd", std::move(fwd));
+    impl->impl("bwd", std::move(bwd));
     libs.push_back(std::move(impl));
-  }
-  auto ag = std::make_unique<torch::Library>(torch::Library::IMPL, "flashgen",
-                                             c10::DispatchKey::Autograd, __FILE__, __LINE__);
-  ag->impl("fwd", torch::CppFunction::makeFromBoxedFunction<&fwd_autograd>());
-  libs.push_back(std::move(ag));
+  };
+  impl_for(c10::DispatchKey::CUDA, torch::CppFunction::makeFromBoxedFunction<&fwd_cuda>(),
+           torch::CppFunction::makeFromBoxedFunction<&bwd_cuda>());
+  impl_for(c10::DispatchKey::CPU,
+           cpu_for_tests ? torch::CppFunction::makeFromBoxedFunction<&fwd_cuda>()
+                         : torch::CppFunction::makeFromBoxedFunction<&fwd_python>(),
+           cpu_for_tests ? torch::CppFunction::makeFromBoxedFunction<&bwd_cuda>()
+                         : torch::CppFunction::makeFromBoxedFunction<&bwd_python>());
+  // fwd's gradient is the C++ Function; bwd has none (no double backward), which raises
+  // when asked rather than returning a wrong gradient
+  impl_for(c10::DispatchKey::Autograd,
+           torch::CppFunction::makeFromBoxedFunction<&fwd_autograd>(),
+           torch::autograd::autogradNotImplementedFallback());
   g_installed = true;
 }
 
