@@ -99,7 +99,7 @@ def _shape_rows(args, shape: tuple[int, int, int, int]) -> list[dict]:
 
         return run
 
-    flashgen = {
+    ours = {
         "no_grad": no_grad(lambda: fg_dense(q, k, v)),
         "fwd_grad": lambda: fg_dense(qg, kg, vg),
         "fwd_bwd": lambda: fg_dense(qg, kg, vg).backward(g),
@@ -118,7 +118,7 @@ def _shape_rows(args, shape: tuple[int, int, int, int]) -> list[dict]:
     rows = []
     for case in args.cases:
         row = {"case": case, "shape": list(shape)}
-        row["flashgen_us"] = _time(flashgen[case], args.iters, args.warmup, args.repeats)
+        row["flashgen_us"] = _time(ours[case], args.iters, args.warmup, args.repeats)
         for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
                               ("cudnn", SDPBackend.CUDNN_ATTENTION)):  # fmt: skip
             try:
