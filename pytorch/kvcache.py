@@ -2,6 +2,8 @@
 
     from flashgen.torch import flash_attn_with_kvcache, merge_states
     out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, rotary_cos=cos,
+                                  rotary_sin=sin, cache_seqlens=lens, causal=True)
     out, lse = flash_attn_with_kvcache(q, pages_k, pages_v, cache_seqlens=lens,
                                        block_table=table, return_softmax_lse=True)
     o, lse = merge_states(o_parts, lse_parts)       # context parallelism: merge partial results
@@ -26,17 +28,28 @@ Head dims and layouts (docs/torch.md, "Head dims and layouts"): a head dim d in 
 decode kernels do not serve is zero-padded to the next one they serve (`_decode_inputs`: q and
 both caches are read through padded copies, the output is sliced back; `merge_states` pads
 o_parts alike), and a q or cache whose layout the kernels cannot read is copied once into the
-contiguous layout. A cache copy costs a copy of the whole cache per call. flashgen does not
-append to caches (k=, v= are refused), so every cache is read-only here and may be copied; a
-call that writes a cache in place would be refused instead (`kvcache_select.cache_copy`).
+contiguous layout. A cache copy costs a copy of the whole cache per call.
+
+The composite path (docs/torch.md, "Appending, rotary, batch indices, left padding"): a call
+with `k`, `v`, `rotary_cos`/`rotary_sin`, `cache_batch_idx`, `cache_leftpad` or more than 16
+queries runs torch operations around the kernels (`flashgen.torch.kvcache_prep`): rotary on q
+and k, the new rows written in place into the caller's caches (before the decode kernel reads
+them there, or after the kernel ran on a copy), a copy of the used cache rows for
+`cache_batch_idx`/`cache_leftpad` (the decode kernels index neither), and for more than 16
+queries the varlen forward (`interface._attention`) over a packed copy of each sequence's keys.
+Everything that can refuse the call runs before the first write to a cache. A call without
+those arguments (the plain decode step) takes the decode kernel directly, as before: no copy.
 
 Bad cache metadata (docs/decode.md, "Bad input"): a block-table entry outside `[0,
 num_pages)` for a used page, or a `cache_seqlens` entry outside `[0, capacity]`, is never
 dereferenced: the kernel sets a bit of the workspace's error word and the outputs are
-meaningless. Reading that word costs a device-to-host copy and a sync per call (and is not
-possible under CUDA graph capture), so it is opt-in: `check_inputs=True` (a keyword-only
-argument flash-attn does not have), or the environment variable FLASHGEN_KVCACHE_CHECK=1 for
-callers that cannot pass it; a flagged call then raises `kvcache_select.CacheInputError`.
+meaningless; an appended row whose destination is out of range is dropped. Reading that word
+costs a device-to-host copy and a sync per call (and is not possible under CUDA graph
+capture), so it is opt-in: `check_inputs=True` (a keyword-only argument flash-attn does not
+have), or the environment variable FLASHGEN_KVCACHE_CHECK=1 for callers that cannot pass it; a
+flagged call then raises `kvcache_select.CacheInputError`. On the composite path the same flag
+first checks the device values before anything is written (`kvcache_prep.check_values`,
+raising `UnsupportedCall`); calls with more than 16 queries always do (they sync anyway).
 """
 
 import operator
@@ -48,7 +61,8 @@ import torch.nn.functional as F
 from flashgen.generator.families.decode import WORKSPACE_HEADER
 from flashgen.generator.spec import Dtype, KernelKind
 from flashgen.runtime import DecodeLibrary
-from flashgen.torch import cache, selection
+from flashgen.torch import cache, interface, selection
+from flashgen.torch import kvcache_prep as prep
 from flashgen.torch import kvcache_select as ks
 from flashgen.torch.kvcache_select import CacheInputError, DecodeCall, KvProblem
 from flashgen.torch.ops import _capability as _device_capability
@@ -61,7 +75,7 @@ from flashgen.torch.ops import (
     score_features,
 )
 from flashgen.torch.ops import score_params as _score_params
-from flashgen.torch.selection import UnsupportedCall
+from flashgen.torch.selection import TensorMeta, UnsupportedCall
 from torch import Tensor
 
 __all__ = [
@@ -372,7 +386,7 @@ def flash_attn_with_kvcache(
     block_table: Optional[Tensor] = None,
     softmax_scale: Optional[float] = None,
     causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: Union[tuple[int, int], list, Tensor] = (-1, -1),
     softcap: float = 0.0,
     rotary_interleaved: bool = True,
     alibi_slopes: Optional[Tensor] = None,
@@ -382,60 +396,82 @@ def flash_attn_with_kvcache(
     check_inputs: Optional[bool] = None,
     learnable_sink: Optional[Tensor] = None,
 ) -> Result:
-    """Attention of a few new queries over a KV cache, as flash-attn 2's (without appending).
+    """Attention of new queries over a KV cache, appending new keys first, as flash-attn 2.8's.
 
-    Arguments:
-        q: `(batch, seqlen_q, heads, head_dim)`, float16 or bfloat16, on a CUDA device;
-            seqlen_q in 1..16 (0 gives empty outputs).
-        k_cache, v_cache: contiguous cache `(batch, max_seqlen, kv_heads, head_dim)`, or, with
-            `block_table`, a paged one `(num_pages, page_size, kv_heads, head_dim)` with
-            page_size a power of two in 16..256. `kv_heads` divides `heads` (GQA/MQA).
-            head_dim in 1..256: one the decode kernels do not serve is zero-padded to the
-            next one they serve, which reads q and both caches through padded copies (the
-            whole cache, every call). Views with a contiguous last dimension, other strides
-            multiples of 8 elements (dimensions of size 1 excepted) and 16-byte aligned data
-            are read in place; any other layout is read through one contiguous copy. The
-            caches are only read (never written), so a copy changes nothing but the cost.
-        k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad: not implemented;
-            anything but the defaults raises `UnsupportedCall` (write new tokens into the
-            cache before the call; `rotary_interleaved` is then ignored).
-        cache_seqlens: int32 `(batch,)` CUDA tensor of keys per sequence, **including** the
-            seqlen_q new ones (flash-attn's meaning when k, v are None); an int (every
-            sequence that long, checked against the capacity on the host) or None (the full
-            capacity: max_seqlen, or max_pages * page_size).
+    Arguments (positions are in keys; docs/torch.md, "Decode with a KV cache" and "Appending,
+    rotary, batch indices, left padding"):
+        q: `(batch, seqlen_q, heads, head_dim)`, float16 or bfloat16, on a CUDA device. Any
+            seqlen_q: 1..16 run on the decode kernels, longer chunks (chunked prefill) on the
+            varlen forward over a packed copy of the keys (0 gives empty outputs).
+        k_cache, v_cache: contiguous `(cache_rows, max_seqlen, kv_heads, head_dim)`
+            (cache_rows = batch without `cache_batch_idx`), or, with `block_table`, paged
+            `(num_pages, page_size, kv_heads, head_dim)` (the decode kernels take page sizes
+            that are powers of two in 16..256; the varlen path any). `kv_heads` divides
+            `heads` (GQA/MQA). head_dim in 1..256: one the kernels do not serve is read
+            through zero-padded copies (the whole caches, every call). Layouts the kernels
+            cannot read are read through one contiguous copy.
+        k, v: None, or the new tokens `(batch, seqlen_new, kv_heads, head_dim)` in q's dtype:
+            written **in place** into the caller's caches at positions `cache_seqlens[b] ..
+            cache_seqlens[b] + seqlen_new - 1` of sequence b (its cache row, or its pages
+            through `block_table`), k after rotary, then attended with the cache. A row whose
+            destination lies outside the cache (bad `cache_seqlens`, `cache_batch_idx` or page
+            id, found only on the device) is dropped, never written out of bounds.
+        rotary_cos, rotary_sin: None, or `(rotary_rows, rotary_dim / 2)` tables in q's dtype
+            (or float32), only with k and v, rotary_rows >= the capacity, rotary_dim <=
+            head_dim (the columns past it pass through). Appended key i of sequence b is
+            rotated at position `cache_seqlens[b] + i`; query i at `cache_seqlens[b] + i` when
+            causal or local (a window remains after the normalisation of `window_size`), else
+            every query at `cache_seqlens[b]`. In float32, rounded once to q's dtype.
+        cache_seqlens: int32 `(batch,)` CUDA tensor; an int (every sequence, checked on the
+            host); or None (the full capacity: max_seqlen, or max_pages * page_size). Without
+            k, v: the keys of each sequence, including the seqlen_q new ones. With k, v
+            (required then): the keys before the call; they become `cache_seqlens +
+            seqlen_new`. With `cache_leftpad` the keys are positions `cache_leftpad[b] ..
+            cache_seqlens[b] + seqlen_new - 1` (absolute positions; rotary uses them too).
+        cache_batch_idx: None, or int32 `(batch,)`: sequence b reads (and appends to) cache
+            row `cache_batch_idx[b]` (contiguous caches only, as in flash-attn).
+        cache_leftpad: None, or int32 `(batch,)`: where each sequence's keys start
+            (contiguous caches only). With either of the two, the decode kernels read a copy
+            of the selected rows: `batch * max_seqlen * kv_heads * head_dim` elements of each
+            cache, every call.
         block_table: int32 `(batch, max_pages)` page ids: key j of sequence b is row
             `j % page_size` of page `block_table[b, j // page_size]`. Entries past a
             sequence's last page are never read.
         softmax_scale: default `1 / sqrt(head_dim)`.
-        causal: bottom-right aligned (query i of n sees keys `j <= cache_seqlens - n + i`).
-        window_size: `(left, right)`, -1 unbounded, bottom-right aligned; `causal=True` sets
-            `right = 0`.
+        causal: bottom-right aligned over each sequence's keys (query i of n sees keys
+            `j <= keys - n + i`, j counted from `cache_leftpad`).
+        window_size: `(left, right)`, -1 unbounded, bottom-right aligned; a tuple or list of
+            two ints, or an integer tensor of 2 elements (its values are read on the host: a
+            sync for a CUDA tensor). `causal=True` sets `right = 0`; a side >= the capacity
+            counts as -1, as flash-attn's binding makes it (it matters when seqlen_q exceeds
+            the capacity, and for the rotary positions).
         softcap: 0.0 (off) or c > 0: scores s become `c * tanh(s / c)`, as in flash_attn_func.
+        rotary_interleaved: pairs (2i, 2i + 1) when True (GPT-J), (i, i + rotary_dim / 2) when
+            False (GPT-NeoX); only with rotary_cos/sin.
         alibi_slopes: None, or float32 `(heads,)` or `(batch, heads)` on q's device: the bias
-            `-slope[b, h] * |i + cache_seqlens[b] - seqlen_q - j|` (flash-attn's).
-        num_splits: 0 lets the heuristic choose the split-KV factor (docs/decode.md); 1..128
-            forces it.
+            `-slope[b, h] * |i + keys - seqlen_q - j|` (flash-attn's).
+        num_splits: 0 lets the heuristic choose the decode split-KV factor (docs/decode.md);
+            1..128 forces it (the varlen path ignores it, as flash-attn's).
         return_softmax_lse: also return the float32 `(batch, heads, seqlen_q)` natural-log LSE
             (-inf on rows that see no key, whose output is 0).
-        check_inputs: read the kernel's error word after the call and raise
-            `CacheInputError` on bad page ids or cache_seqlens; costs a sync per call. Default:
-            the environment variable FLASHGEN_KVCACHE_CHECK == "1".
+        check_inputs: before anything is written, copy the device values of cache_seqlens,
+            cache_leftpad, cache_batch_idx, the used block-table entries and the rotary
+            positions to the host and refuse bad ones (one sync), and read the decode
+            kernel's error word after the call (`CacheInputError`; a second sync). Default:
+            the environment variable FLASHGEN_KVCACHE_CHECK == "1". Calls with seqlen_q > 16
+            always check the values (they sync anyway, to size the packed copy).
         learnable_sink: None, or float32 `(heads,)` on q's device: attention sinks, as in
             flash_attn_func (`exp(sink_h)` joins each row's softmax denominator and its LSE; a
             row that sees no key gives O = 0 and LSE = sink_h). No gradient here.
 
     Returns `out` `(batch, seqlen_q, heads, head_dim)` in q's dtype, or `(out, softmax_lse)`.
     No gradient: inputs are detached (inference only).
+
+    Raises `UnsupportedCall` (a ValueError), before anything is written to a cache, for
+    arguments no path serves (shapes, dtypes, devices, an int cache_seqlens beyond the
+    capacity, tables shorter than the capacity, batch indices or left padding with a paged
+    cache, the kernels' own rules), and, when the values are checked, for bad device values.
     """
-    ks.check_features(
-        k=k is not None,
-        v=v is not None,
-        rotary_cos=rotary_cos is not None,
-        rotary_sin=rotary_sin is not None,
-        cache_batch_idx=cache_batch_idx is not None,
-        cache_leftpad=cache_leftpad is not None,
-    )
-    del rotary_interleaved  # only meaningful with rotary_cos/sin
     if type(softcap) is not float:
         softcap = as_softcap(softcap)
     if alibi_slopes is not None or learnable_sink is not None:
@@ -445,12 +481,12 @@ def flash_attn_with_kvcache(
         softmax_scale = head_dim**-0.5 if head_dim > 0 else 1.0
     if check_inputs is None:
         check_inputs = os.environ.get(CHECK_ENV, "") == "1"
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise UnsupportedCall(
-            f"window_size must be a pair of ints (left, right), got {window_size!r}"
+    window_left, window_right = ks.window_pair(window_size)
+    capacity = _capacity(k_cache, block_table)
+    if capacity is not None:  # flash-attn's binding: a side >= the capacity is unbounded
+        window_left, window_right, _ = ks.kvcache_window(
+            causal, (window_left, window_right), capacity
         )
-    window_left, window_right = int(window_size[0]), int(window_size[1])
-    max_seqlen_k = 0
     if not isinstance(cache_seqlens, Tensor):
         if isinstance(cache_seqlens, bool):
             raise UnsupportedCall("cache_seqlens must be an int32 tensor (batch,), an int or None")
@@ -462,9 +498,54 @@ def flash_attn_with_kvcache(
                     "cache_seqlens must be an int32 tensor (batch,), an int or None; got "
                     f"{type(cache_seqlens).__name__}"
                 ) from None
-    written = k is not None or v is not None  # never today: check_features refused k and v
+    if (
+        k is not None
+        or v is not None
+        or rotary_cos is not None
+        or rotary_sin is not None
+        or cache_batch_idx is not None
+        or cache_leftpad is not None
+        or (q.dim() == 4 and q.shape[1] > ks.MAX_QUERIES)
+    ):
+        out, lse = _composite(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+            cache_leftpad, block_table, float(softmax_scale), causal,
+            (window_left, window_right), softcap, rotary_interleaved, alibi_slopes,
+            num_splits, bool(check_inputs), learnable_sink,
+        )  # fmt: skip
+        return (out, lse) if return_softmax_lse else out
+    out, lse = _run_decode(
+        q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_left,
+        window_right, num_splits, check_inputs, softcap, alibi_slopes, learnable_sink,
+    )  # fmt: skip
+    return (out, lse) if return_softmax_lse else out
+
+
+def _capacity(k_cache: Tensor, block_table: Optional[Tensor]) -> Optional[int]:
+    """Keys a sequence can hold (flash-attn's seqlen_k of the cache), or None for shapes the
+    checks will refuse anyway."""
+    if not isinstance(k_cache, Tensor) or k_cache.dim() != 4:
+        return None
+    if block_table is None:
+        return k_cache.shape[1]
+    if not isinstance(block_table, Tensor) or block_table.dim() != 2:
+        return None
+    return block_table.shape[1] * k_cache.shape[1]
+
+
+def _run_decode(
+    q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_left,
+    window_right, num_splits, check_inputs, softcap, alibi_slopes, learnable_sink,
+    max_seqlen_k: int = 0,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The decode kernel over the caches as they are (the plain call, and the composite path
+    once its caches hold the appended rows): head-dim padding and layout copies
+    (`_decode_inputs`), an int or None cache_seqlens made a tensor, flashgen::decode, the
+    output sliced back to the caller's head dim. `max_seqlen_k` bounds a tensor
+    cache_seqlens (0: unknown)."""
+    head_dim = q.shape[-1]
     q, k_cache, v_cache, kernel_head_dim = _decode_inputs(
-        q, k_cache, v_cache, cache_seqlens, block_table, num_splits, softmax_scale, written,
+        q, k_cache, v_cache, cache_seqlens, block_table, num_splits, softmax_scale, False,
     )  # fmt: skip
     if not isinstance(cache_seqlens, Tensor):
         pb = ks.check_kvcache(
@@ -497,7 +578,144 @@ def flash_attn_with_kvcache(
     )
     if kernel_head_dim != head_dim:  # zero-padded: the output's first head_dim columns
         out = out[..., :head_dim].contiguous()
-    return (out, lse) if return_softmax_lse else out
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------
+# The composite path: append, rotary, copies (kvcache_prep) around the kernels
+# --------------------------------------------------------------------------------------------
+
+
+def _maybe_meta(t: Optional[Tensor]):
+    return None if t is None else _meta(t)
+
+
+def _decode_precheck(q, k_cache, v_cache, block_table, num_splits, scale, causal, window,
+                     softcap, alibi_slopes, learnable_sink) -> None:  # fmt: skip
+    """Every refusal of the decode op (and of `_decode_inputs`) for these tensors, before the
+    composite path writes a cache: `check_kvcache` on the shapes as the kernel will read them
+    (readable strides: a layout copy fixes the caller's), the head dim the kernel runs at, the
+    score arguments and the decode spec of the device."""
+    lens = TensorMeta((q.shape[0],), (1,), "int32", "cuda")
+    pb = ks.check_kvcache(
+        _padded_meta(q), _padded_meta(k_cache), _padded_meta(v_cache), cache_seqlens=lens,
+        block_table=_maybe_meta(block_table), num_splits=num_splits, softmax_scale=scale,
+    )  # fmt: skip
+    padded = _decode_head_dim(operator.index(pb.head_dim), q.device.index, "decode")
+    feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
+    _spec(q, pb._replace(head_dim=padded), causal, window[0], window[1], feats)
+
+
+def _composite(
+    q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+    cache_leftpad, block_table, scale, causal, window, softcap, rotary_interleaved,
+    alibi_slopes, num_splits, check_inputs, learnable_sink,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """flash_attn_with_kvcache with k, v, rotary, cache_batch_idx, cache_leftpad or more than
+    16 queries (docs/torch.md, "Appending, rotary, batch indices, left padding"). Everything
+    that can refuse the call runs before the first write to a caller's cache: the host
+    checks, the device values when checked, and the kernel itself where it reads a copy."""
+    lens_arg = cache_seqlens if isinstance(cache_seqlens, Tensor) else None
+    pc = ks.check_prep(
+        _meta(q), _meta(k_cache), _meta(v_cache), k=_maybe_meta(k), v=_maybe_meta(v),
+        rotary_cos=_maybe_meta(rotary_cos), rotary_sin=_maybe_meta(rotary_sin),
+        cache_seqlens=cache_seqlens if lens_arg is None else _meta(lens_arg),
+        cache_batch_idx=_maybe_meta(cache_batch_idx), cache_leftpad=_maybe_meta(cache_leftpad),
+        block_table=_maybe_meta(block_table), num_splits=num_splits, softmax_scale=scale,
+    )  # fmt: skip
+    _one_device(
+        q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin, cache_seqlens=lens_arg, cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad, block_table=block_table,
+    )  # fmt: skip
+    rotary = pc.rotary_dim > 0
+    if rotary and not isinstance(rotary_interleaved, bool):
+        raise UnsupportedCall(
+            f"rotary_interleaved must be True or False, got {rotary_interleaved!r}"
+        )
+    left, right, advance = ks.kvcache_window(causal, window, pc.capacity)
+    q, k_cache, v_cache = q.detach(), k_cache.detach(), v_cache.detach()
+    k, v = (None if t is None else t.detach() for t in (k, v))
+    device = q.device
+    if lens_arg is not None:
+        lens = lens_arg.detach()
+    else:
+        known = pc.capacity if cache_seqlens is None else cache_seqlens
+        lens = torch.full((pc.batch,), known, dtype=torch.int32, device=device)
+    checked = None
+    if not pc.decode or check_inputs:
+        checked = prep.check_values(
+            lens, capacity=pc.capacity, seqlen_new=pc.seqlen_new, cache_leftpad=cache_leftpad,
+            cache_batch_idx=cache_batch_idx, cache_rows=pc.cache_rows, block_table=block_table,
+            page_size=pc.page_size, num_pages=pc.num_pages, rotary_rows=pc.rotary_rows,
+            rotary_last=(pc.seqlen_q - 1 if advance else 0) if rotary and pc.seqlen_q else None,
+        )  # fmt: skip
+    if rotary:
+        q = prep.rotate(q, rotary_cos, rotary_sin, prep.positions(lens, pc.seqlen_q, advance),
+                        interleaved=rotary_interleaved)  # fmt: skip
+        k = prep.rotate(k, rotary_cos, rotary_sin, prep.positions(lens, pc.seqlen_new),
+                        interleaved=rotary_interleaved)  # fmt: skip
+    start = cache_leftpad
+    old = lens if start is None else lens - start  # keys before the append, from the start
+    keys = old + pc.seqlen_new  # int32 (batch,): what the kernels attend to
+    score = (softcap, alibi_slopes, learnable_sink)
+    if not pc.decode:  # the varlen forward over a packed copy; the caches are written last
+        assert checked is not None
+        out, lse = _packed_attention(q, k_cache, v_cache, k, v, pc, checked, old, keys, start,
+                                     cache_batch_idx, block_table, scale, causal, (left, right),
+                                     score)  # fmt: skip
+    elif cache_batch_idx is not None or start is not None:  # a copy of the rows, written last
+        k_run = prep.cache_rows(k_cache, pc.batch, cache_batch_idx=cache_batch_idx,
+                                cache_leftpad=start)  # fmt: skip
+        v_run = prep.cache_rows(v_cache, pc.batch, cache_batch_idx=cache_batch_idx,
+                                cache_leftpad=start)  # fmt: skip
+        if k is not None:
+            prep.append(k_run, v_run, k, v, old)
+        out, lse = _run_decode(q, k_run, v_run, keys, None, scale, causal, left, right,
+                               num_splits, check_inputs, *score)  # fmt: skip
+    else:  # the decode kernel reads the caller's caches: append first, after every check
+        _decode_precheck(q, k_cache, v_cache, block_table, num_splits, scale, causal,
+                         (left, right), *score)  # fmt: skip
+        if k is not None:
+            prep.append(k_cache, v_cache, k, v, lens, block_table=block_table)
+        bound = 0 if lens_arg is not None else _keys_after(pc, cache_seqlens)
+        return _run_decode(q, k_cache, v_cache, keys, block_table, scale, causal, left, right,
+                           num_splits, check_inputs, *score, max_seqlen_k=bound)  # fmt: skip
+    if k is not None:
+        prep.append(k_cache, v_cache, k, v, lens, cache_batch_idx=cache_batch_idx,
+                    block_table=block_table)  # fmt: skip
+    return out, lse
+
+
+def _keys_after(pc: ks.PrepCall, cache_seqlens: Optional[int]) -> int:
+    """The keys per sequence after the append when cache_seqlens is an int or None."""
+    return (pc.capacity if cache_seqlens is None else cache_seqlens) + pc.seqlen_new
+
+
+def _packed_attention(q, k_cache, v_cache, k, v, pc, checked, old, keys, start,
+                      cache_batch_idx, block_table, scale, causal, window,
+                      score) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """More than 16 queries: the varlen forward (`interface._attention`, bottom-right causal
+    and windows per sequence) over a packed copy of each sequence's keys, its cached rows
+    from `start` (or 0) followed by the new (rotated) k, v; q as `(batch * seqlen_q, heads,
+    d)`. The copy holds exactly the used keys (`checked.total` rows, learnt with the value
+    check's sync)."""
+    batch, sq, heads, d = pc.batch, pc.seqlen_q, pc.heads, pc.head_dim
+    cu_k = prep.cumulative(keys)
+    kp, vp = (
+        prep.pack(cache, cu_k, checked.total, lengths=old, starts=start,
+                  cache_batch_idx=cache_batch_idx, block_table=block_table, new=new)
+        for cache, new in ((k_cache, k), (v_cache, v))
+    )  # fmt: skip
+    cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * sq
+    softcap, alibi_slopes, learnable_sink = score
+    out, lse, _ = interface._attention(
+        q.reshape(batch * sq, heads, d), kp, vp, cu_q, cu_k, sq, checked.longest, 0.0, scale,
+        causal, window, softcap, alibi_slopes, False, True, learnable_sink,
+    )  # fmt: skip
+    out = out.reshape(batch, sq, heads, d)
+    lse = lse.reshape(heads, batch, sq).transpose(0, 1).contiguous()
+    return out, lse
 
 
 # --------------------------------------------------------------------------------------------

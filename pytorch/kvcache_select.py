@@ -14,11 +14,18 @@ the mask is normalised so that the shipped specs of specs/decode.yaml serve the 
 
 The score-stage features (`softcap`, `alibi_slopes`, `learnable_sink`) are checked and turned
 into the spec's `features` by `selection.score_features`, as for `flash_attn_func`.
+
+Calls that append `k`, `v`, rotate with `rotary_cos`/`rotary_sin`, index the cache with
+`cache_batch_idx`, start keys at `cache_leftpad` or bring more than MAX_QUERIES queries take
+the composite path (`flashgen.torch.kvcache_prep`, torch operations around the kernels):
+`check_prep` checks their host-side arguments and `kvcache_window` normalises their window as
+flash-attn's binding does; `window_pair` reads a window given as a tuple, a list or a tensor.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, NamedTuple
@@ -54,16 +61,20 @@ __all__ = [
     "CacheInputError",
     "DecodeCall",
     "KvProblem",
+    "PrepCall",
     "cache_copy",
     "cache_layout_ok",
-    "check_features",
     "check_kvcache",
     "check_merge",
+    "check_paged_kv",
+    "check_prep",
     "decode_mask",
     "decode_spec",
     "describe_errors",
+    "kvcache_window",
     "merge_layout_ok",
     "merge_spec",
+    "window_pair",
 ]
 
 INT32_MAX = 2**31 - 1
@@ -163,40 +174,346 @@ def merge_spec(dtype: Dtype, head_dim: int, capability: tuple[int, int]) -> Kern
 # --------------------------------------------------------------------------------------------
 
 
-def check_features(
+def _is_bool(x: Any) -> bool:
+    """A Python bool or a bool tensor (which `operator.index` would read as 0 or 1)."""
+    return isinstance(x, bool) or str(getattr(x, "dtype", "")) == "torch.bool"
+
+
+def window_pair(window_size: Any) -> tuple[int, int]:
+    """flash-attn's `window_size` as two ints `(left, right)`: a tuple or list of two ints, or
+    of two 0-dim integer tensors, or an integer tensor of shape (2,) (flash-attn's own tests
+    pass `torch.randint(0, seqlen_k, (2,))`; its C++ binding takes each element through
+    `__index__`). Each element is read with `operator.index`, so a tensor's values are copied
+    to the host (a sync for a CUDA tensor). bool and floating-point elements are refused."""
+    pair = None
+    try:
+        if len(window_size) == 2:
+            left, right = window_size
+            if not (_is_bool(left) or _is_bool(right)):
+                pair = (operator.index(left), operator.index(right))
+    except (TypeError, ValueError, RuntimeError):
+        pass
+    if pair is None:
+        raise UnsupportedCall(
+            "window_size must be (left, right): a tuple or list of two ints, or an integer "
+            f"tensor of 2 elements; got {window_size!r}"
+        )
+    return pair
+
+
+def kvcache_window(causal: bool, window: tuple[int, int], capacity: int) -> tuple[int, int, bool]:
+    """`(left, right, advance)` of a `flash_attn_with_kvcache` call that appends, rotates,
+    gathers or takes more than 16 queries (the composite path): the window as flash-attn's
+    binding normalises it (a side >= the cache's capacity is unbounded, -1) and whether the
+    rotary position of query i is `cache_seqlens + i` (`advance`: causal or a window remains
+    after that normalisation) or `cache_seqlens` for every query. Refuses what
+    `selection.resolve_mask` refuses (sides below -1, a causal flag that is not a bool)."""
+    resolve_mask(causal, window)
+    left, right = window
+    if left >= capacity:
+        left = -1
+    if right >= capacity:
+        right = -1
+    return left, right, bool(causal or left >= 0 or right >= 0)
+
+
+class PrepCall(NamedTuple):
+    """The sizes of a `flash_attn_with_kvcache` call on the composite path (appended `k`, `v`,
+    rotary, `cache_batch_idx`, `cache_leftpad` or more than MAX_QUERIES queries).
+    `capacity`: keys a sequence can hold (contiguous: the cache's rows; paged: max_pages *
+    page_size); `cache_rows`: the contiguous cache's first dimension (0 when paged);
+    `seqlen_new`: rows of k, v (0 without them); `rotary_dim`: 2 * rotary_cos.shape[1] (0
+    without rotary); `rotary_rows`: rotary_cos.shape[0]; `decode`: seqlen_q <= MAX_QUERIES
+    (the decode kernels serve it; beyond, the varlen forward does)."""
+
+    batch: int
+    seqlen_q: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    paged: bool
+    capacity: int
+    cache_rows: int
+    page_size: int
+    num_pages: int
+    max_pages: int
+    seqlen_new: int
+    rotary_dim: int
+    rotary_rows: int
+    decode: bool
+
+
+def _check_on_cuda(name: str, t: TensorMeta) -> None:
+    if t.device != "cuda":
+        raise UnsupportedCall(
+            f"{name} is on device {t.device!r}; flashgen kernels run on CUDA devices only "
+            "(move the tensors with .cuda())"
+        )
+
+
+def check_prep(
+    q: TensorMeta,
+    k_cache: TensorMeta,
+    v_cache: TensorMeta,
     *,
-    k: bool = False,
-    v: bool = False,
-    rotary_cos: bool = False,
-    rotary_sin: bool = False,
-    cache_batch_idx: bool = False,
-    cache_leftpad: bool = False,
-) -> None:
-    """Refuse flash-attn features flashgen does not implement (booleans: "was given"). The
-    score-stage ones (softcap, alibi_slopes, learnable_sink) are served:
-    `selection.score_features` checks them."""
-    if k or v:
-        names = " and ".join(n for n, on in (("k", k), ("v", v)) if on)
+    k: TensorMeta | None = None,
+    v: TensorMeta | None = None,
+    rotary_cos: TensorMeta | None = None,
+    rotary_sin: TensorMeta | None = None,
+    cache_seqlens: TensorMeta | int | None = None,
+    cache_batch_idx: TensorMeta | None = None,
+    cache_leftpad: TensorMeta | None = None,
+    block_table: TensorMeta | None = None,
+    num_splits: int = 0,
+    softmax_scale: float = 1.0,
+) -> PrepCall:
+    """The host-side checks of a composite `flash_attn_with_kvcache` call (shapes, dtypes,
+    device types, an int cache_seqlens against the capacity; no tensor values, no strides:
+    every tensor is read through torch indexing or a copy) and its sizes. Layouts and rules
+    as flash-attn 2.8's (docs/torch.md, "Appending, rotary, batch indices, left padding"):
+
+    - q `(batch, seqlen_q, heads, d)`, float16/bfloat16; caches `(cache_rows, capacity,
+      kv_heads, d)` (contiguous) or `(num_pages, page_size, kv_heads, d)` with an int32
+      `block_table (batch, max_pages)`;
+    - k, v (together) `(batch, seqlen_new, kv_heads, d)` in q's dtype, and cache_seqlens
+      given (the keys each sequence holds before the call);
+    - rotary_cos, rotary_sin (together, only with k and v) `(rotary_rows, rotary_dim / 2)`
+      in q's dtype or float32, rotary_dim <= d, rotary_rows >= capacity;
+    - cache_batch_idx, cache_leftpad: int32 `(batch,)`, contiguous caches only.
+
+    The decode kernels' own rules (page sizes, head dims, strides) are checked by
+    `check_kvcache` on what they will read, also before anything is written."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_on_cuda(name, t)
+    if q.dtype not in DTYPES:
         raise UnsupportedCall(
-            f"{names}: appending new tokens to the cache is not implemented (allowed: None); "
-            "write them into k_cache/v_cache first (e.g. k_cache[b, n:n + s] = k[b]) and pass "
-            "cache_seqlens that include them"
+            f"q has dtype {q.dtype}; flashgen kernels take float16 or bfloat16 "
+            "(cast the cache and q with .half() or .bfloat16())"
         )
-    if rotary_cos or rotary_sin:
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise UnsupportedCall(f"{name} has dtype {t.dtype} but q has {q.dtype}; all must match")
+    paged = block_table is not None
+    cache_layout = (
+        "(num_pages, page_size, kv_heads, head_dim) with a block_table"
+        if paged
+        else "(batch, max_seqlen, kv_heads, head_dim)"
+    )
+    for name, t, layout in (
+        ("q", q, "(batch, seqlen_q, heads, head_dim)"),
+        ("k_cache", k_cache, cache_layout),
+        ("v_cache", v_cache, cache_layout),
+    ):
+        if len(t.shape) != 4:
+            raise UnsupportedCall(
+                f"{name} has {len(t.shape)} dimensions {tuple(t.shape)}; it must be {layout}"
+            )
+    if k_cache.shape != v_cache.shape:
         raise UnsupportedCall(
-            "rotary_cos/rotary_sin: rotary embedding is not implemented (allowed: None); "
-            "apply it to q, and to the keys before writing them into the cache, yourself"
+            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the "
+            "same shape"
         )
-    if cache_batch_idx:
+    batch, sq, heads, d = q.shape
+    if k_cache.shape[-1] != d:
         raise UnsupportedCall(
-            "cache_batch_idx: indexing the cache's batch is not implemented (allowed: None); "
-            "use a block_table (paged cache) or pass k_cache[cache_batch_idx]"
+            f"q's head_dim {d} differs from k_cache's {k_cache.shape[-1]}; they must match"
         )
-    if cache_leftpad:
+    kv_heads = k_cache.shape[2]
+    if kv_heads < 1 or heads < 1 or heads % kv_heads:
         raise UnsupportedCall(
-            "cache_leftpad: left-padded caches are not implemented (allowed: None); every "
-            "sequence's keys start at row 0"
+            f"q has {heads} heads and k_cache, v_cache have {kv_heads}: the number of k/v "
+            "heads must divide the number of query heads (GQA/MQA)"
         )
+    if paged:
+        assert block_table is not None
+        for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+            if t is not None:
+                raise UnsupportedCall(
+                    f"{name} with a block_table: not served (flash-attn refuses the pair "
+                    f"too); allowed: {name}=None with a paged cache (index pages through "
+                    "block_table), or a contiguous cache"
+                )
+        num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+        if num_pages < 1 or page_size < 1:
+            raise UnsupportedCall(
+                f"k_cache {tuple(k_cache.shape)} has no pages or no rows per page; a paged "
+                "cache needs num_pages >= 1 and page_size >= 1"
+            )
+        if len(block_table.shape) != 2:
+            raise UnsupportedCall(
+                f"block_table must be int32 (batch, max_pages); got {len(block_table.shape)} "
+                f"dimensions {tuple(block_table.shape)}"
+            )
+        max_pages = block_table.shape[1]
+        _check_int_vector(
+            "block_table", block_table, (batch, max_pages), "page ids, one row per sequence"
+        )
+        if max_pages < 1:
+            raise UnsupportedCall("block_table has no columns; it needs max_pages >= 1")
+        capacity, cache_rows = max_pages * page_size, 0
+    else:
+        num_pages = page_size = max_pages = 0
+        cache_rows, capacity = k_cache.shape[0], k_cache.shape[1]
+        if cache_batch_idx is None and cache_rows != batch:
+            raise UnsupportedCall(
+                f"q has batch {batch} but k_cache has {cache_rows}; a contiguous cache is "
+                "(batch, max_seqlen, kv_heads, head_dim), or any number of rows with "
+                "cache_batch_idx (sequence b reads row cache_batch_idx[b])"
+            )
+        if cache_batch_idx is not None:
+            _check_int_vector("cache_batch_idx", cache_batch_idx, (batch,), "k_cache rows")
+            if cache_rows < 1 and batch > 0:
+                raise UnsupportedCall(
+                    "k_cache has no rows; cache_batch_idx needs a cache of at least one row"
+                )
+        if cache_leftpad is not None:
+            _check_int_vector(
+                "cache_leftpad", cache_leftpad, (batch,), "the row where each sequence's keys start"
+            )
+    if capacity > INT32_MAX:
+        raise UnsupportedCall("the cache's capacity must stay below 2^31 keys per sequence")
+    if (k is None) != (v is None):
+        given, missing = ("k", "v") if v is None else ("v", "k")
+        raise UnsupportedCall(
+            f"{given} without {missing}: k and v append new tokens together (allowed: both "
+            "or neither)"
+        )
+    seqlen_new = 0
+    if k is not None and v is not None:
+        want = (batch, k.shape[1] if len(k.shape) == 4 else "seqlen_new", kv_heads, d)
+        for name, t in (("k", k), ("v", v)):
+            _check_on_cuda(name, t)
+            if t.dtype != q.dtype:
+                raise UnsupportedCall(
+                    f"{name} has dtype {t.dtype} but q has {q.dtype}; all must match"
+                )
+            if len(t.shape) != 4 or tuple(t.shape) != want:
+                raise UnsupportedCall(
+                    f"{name} has shape {tuple(t.shape)}; it must be (batch, seqlen_new, "
+                    f"kv_heads, head_dim) = {want} (q's batch and head_dim, the caches' "
+                    "kv_heads; k and v alike)"
+                )
+        seqlen_new = k.shape[1]
+        if seqlen_new > capacity:
+            raise UnsupportedCall(
+                f"k has seqlen_new {seqlen_new}, more than the cache's capacity {capacity} "
+                "keys per sequence"
+            )
+        if cache_seqlens is None:
+            raise UnsupportedCall(
+                "cache_seqlens is required with k, v (allowed: an int32 (batch,) tensor or an "
+                "int): the keys each sequence holds before the call, where k, v are appended"
+            )
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise UnsupportedCall(
+            "rotary_cos and rotary_sin: both or neither (allowed: two (rotary_rows, "
+            "rotary_dim / 2) tables, or None)"
+        )
+    rotary_dim = rotary_rows = 0
+    if rotary_cos is not None and rotary_sin is not None:
+        if k is None:
+            raise UnsupportedCall(
+                "rotary_cos/rotary_sin need k and v (flash-attn rotates q and the appended "
+                "keys, at their positions in the cache): pass the new tokens as k, v"
+            )
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            _check_on_cuda(name, t)
+            if len(t.shape) != 2:
+                raise UnsupportedCall(
+                    f"{name} has {len(t.shape)} dimensions {tuple(t.shape)}; it must be "
+                    "(rotary_rows, rotary_dim / 2)"
+                )
+            if t.dtype not in (q.dtype, "float32"):
+                raise UnsupportedCall(
+                    f"{name} has dtype {t.dtype}; allowed: q's {q.dtype} (as flash-attn) or float32"
+                )
+        if tuple(rotary_sin.shape) != tuple(rotary_cos.shape):
+            raise UnsupportedCall(
+                f"rotary_sin {tuple(rotary_sin.shape)} and rotary_cos "
+                f"{tuple(rotary_cos.shape)} must have the same shape"
+            )
+        rotary_rows, rotary_dim = rotary_cos.shape[0], 2 * rotary_cos.shape[1]
+        if rotary_dim > d:
+            raise UnsupportedCall(
+                f"rotary_cos has shape {tuple(rotary_cos.shape)}: rotary_dim = 2 * "
+                f"{rotary_cos.shape[1]} = {rotary_dim} exceeds head_dim {d} (allowed: "
+                f"rotary_dim <= head_dim; the columns past it pass through)"
+            )
+        if rotary_dim and rotary_rows < capacity:
+            raise UnsupportedCall(
+                f"rotary_cos has {rotary_rows} rows; it needs at least the cache's capacity "
+                f"{capacity} (one row per position the cache holds, as flash-attn requires)"
+            )
+    if isinstance(cache_seqlens, TensorMeta):
+        _check_int_vector("cache_seqlens", cache_seqlens, (batch,), "keys per sequence")
+    elif cache_seqlens is not None:
+        if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int):
+            raise UnsupportedCall(
+                f"cache_seqlens must be an int32 tensor (batch,), an int or None; got "
+                f"{type(cache_seqlens).__name__}"
+            )
+        if not 0 <= cache_seqlens <= capacity - seqlen_new:
+            raise UnsupportedCall(
+                f"cache_seqlens={cache_seqlens} is outside 0..{capacity - seqlen_new} (the "
+                f"cache's capacity {capacity}, less the {seqlen_new} appended keys)"
+            )
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise UnsupportedCall(f"num_splits must be an int, got {type(num_splits).__name__}")
+    if not 0 <= num_splits <= MAX_SPLITS:
+        raise UnsupportedCall(
+            f"num_splits={num_splits}: allowed 0 (the heuristic, docs/decode.md) or 1..{MAX_SPLITS}"
+        )
+    if not (softmax_scale > 0.0) or math.isinf(softmax_scale):
+        raise UnsupportedCall(f"softmax_scale must be finite and > 0, got {softmax_scale}")
+    return PrepCall(
+        batch, sq, heads, kv_heads, d, paged, capacity, cache_rows, page_size, num_pages,
+        max_pages, seqlen_new, rotary_dim, rotary_rows, sq <= MAX_QUERIES,
+    )  # fmt: skip
+
+
+def check_paged_kv(
+    k: TensorMeta, v: TensorMeta, block_table: TensorMeta, cu_seqlens_k: TensorMeta
+) -> tuple[int, int]:
+    """The host-side checks of `flash_attn_varlen_func(..., block_table=...)` (paged prefill):
+    k, v `(num_pages, page_size, kv_heads, d)` of one shape, an int32 `block_table (batch,
+    max_pages)` with batch = `cu_seqlens_k.shape[0] - 1`, all on CUDA. Returns `(page_size,
+    num_pages)`. What the varlen forward itself refuses (dtypes, q's shape, head dims) it
+    refuses on the packed copy, with its own messages."""
+    for name, t in (("k", k), ("v", v), ("cu_seqlens_k", cu_seqlens_k)):
+        _check_on_cuda(name, t)
+    for name, t in (("k", k), ("v", v)):
+        if len(t.shape) != 4:
+            raise UnsupportedCall(
+                f"{name} has {len(t.shape)} dimensions {tuple(t.shape)}; with a block_table it "
+                "must be a paged cache (num_pages, page_size, kv_heads, head_dim)"
+            )
+    if k.shape != v.shape:
+        raise UnsupportedCall(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    num_pages, page_size = k.shape[0], k.shape[1]
+    if num_pages < 1 or page_size < 1:
+        raise UnsupportedCall(
+            f"k {tuple(k.shape)} has no pages or no rows per page; a paged cache needs "
+            "num_pages >= 1 and page_size >= 1"
+        )
+    if cu_seqlens_k.dtype != "int32" or len(cu_seqlens_k.shape) != 1 or cu_seqlens_k.shape[0] < 1:
+        raise UnsupportedCall(
+            "cu_seqlens_k must be a 1-D int32 CUDA tensor of batch + 1 cumulative lengths; got "
+            f"{cu_seqlens_k.dtype} {tuple(cu_seqlens_k.shape)}"
+        )
+    batch = cu_seqlens_k.shape[0] - 1
+    if len(block_table.shape) != 2:
+        raise UnsupportedCall(
+            f"block_table must be int32 (batch, max_pages); got {len(block_table.shape)} "
+            f"dimensions {tuple(block_table.shape)}"
+        )
+    _check_int_vector(
+        "block_table", block_table, (batch, block_table.shape[1]), "page ids, one row per sequence"
+    )
+    if block_table.shape[1] < 1:
+        raise UnsupportedCall("block_table has no columns; it needs max_pages >= 1")
+    if block_table.shape[1] * page_size > INT32_MAX:
+        raise UnsupportedCall("block_table's max_pages * page_size must stay below 2^31 keys")
+    return page_size, num_pages
 
 
 class KvProblem(NamedTuple):
@@ -301,9 +618,10 @@ def cache_copy(
     A read-only cache may be copied (the whole tensor, per call: docs/torch.md says what it
     costs). A cache the call writes in place (appended `k`, `v`) must not be: the new rows
     would land in the copy, not in the caller's cache. Such a call is refused, naming the
-    head dim and the served ones, or with the layout's own message. (flashgen does not
-    append yet: `check_features` refuses `k`, `v` first, so today every cache is read-only
-    here; this rule is what an appending call will meet.)"""
+    head dim and the served ones, or with the layout's own message. (`flash_attn_with_kvcache`
+    appends `k`, `v` with torch operations on the caller's caches before the kernel reads
+    them (`kvcache_prep.append`), so the kernel may then read them through a copy: it passes
+    `written=False`; the rule stays for a kernel that would write the caches itself.)"""
     layout = _layout_message(name, t) if len(t.shape) else None
     aligned = not misaligned(t.shape, storage_offset)
     if padded == head_dim and layout is None and aligned:
@@ -394,8 +712,7 @@ def check_kvcache(
     if sq > MAX_QUERIES:
         raise UnsupportedCall(
             f"q has seqlen_q {sq}; decode kernels take 1..{MAX_QUERIES} new queries per "
-            "sequence (for longer chunks, e.g. a prefill, use flash_attn_func or "
-            "flash_attn_varlen_func)"
+            "sequence (flash_attn_with_kvcache serves longer chunks with the varlen forward)"
         )
     if paged:
         assert block_table is not None
@@ -432,8 +749,8 @@ def check_kvcache(
         if k_cache.shape[0] != batch:
             raise UnsupportedCall(
                 f"q has batch {batch} but k_cache has {k_cache.shape[0]}; a contiguous cache "
-                "is (batch, max_seqlen, kv_heads, head_dim) (cache_batch_idx is not "
-                "implemented)"
+                "is (batch, max_seqlen, kv_heads, head_dim), or any number of rows with "
+                "cache_batch_idx (flash_attn_with_kvcache)"
             )
         capacity = k_cache.shape[1]
         if capacity > INT32_MAX:

@@ -23,16 +23,19 @@ from flashgen.generator.spec import Causal, Dtype, KernelKind, Target
 from flashgen.torch.kvcache_select import (
     CacheInputError,
     DecodeCall,
-    check_features,
     check_kvcache,
     check_merge,
+    check_paged_kv,
+    check_prep,
     decode_mask,
     decode_spec,
     describe_errors,
+    kvcache_window,
     merge_spec,
     used_strides,
+    window_pair,
 )
-from flashgen.torch.selection import SCORE_ARGS, TensorMeta, UnsupportedCall, score_features
+from flashgen.torch.selection import TensorMeta, UnsupportedCall, score_features
 
 H200 = (9, 0)
 
@@ -211,32 +214,164 @@ def test_gqa_mqa_and_zero_sizes():
 # -- refusals ----------------------------------------------------------------------------------
 
 
+# -- the composite path's host checks (appending, rotary, batch indices, left padding) ----------
+
+
+def prep_call(batch=2, sq=1, heads=8, kv=2, d=64, cap=32, paged=False, **kw):
+    """check_prep of a call with these sizes; keyword arguments replace the tensors' metas
+    (True: the default meta of that argument)."""
+    q = meta((batch, sq, heads, d))
+    cache = meta((3 * batch, 16, kv, d)) if paged else meta((batch, cap, kv, d))
+    defaults = {
+        "k": meta((batch, 2, kv, d)),
+        "v": meta((batch, 2, kv, d)),
+        "rotary_cos": meta((cap, 8), "bfloat16"),
+        "rotary_sin": meta((cap, 8), "bfloat16"),
+        "cache_batch_idx": meta((batch,), "int32"),
+        "cache_leftpad": meta((batch,), "int32"),
+    }
+    args = {"cache_seqlens": meta((batch,), "int32")}
+    if paged:
+        args["block_table"] = meta((batch, cap // 16), "int32")
+    for name, value in kw.items():
+        args[name] = defaults[name] if value is True else value
+    return check_prep(q, args.pop("k_cache", cache), args.pop("v_cache", cache), **args)
+
+
+def test_composite_call_sizes():
+    pc = prep_call(k=True, v=True, rotary_cos=True, rotary_sin=True, cache_leftpad=True)
+    assert (pc.batch, pc.seqlen_q, pc.heads, pc.kv_heads, pc.head_dim) == (2, 1, 8, 2, 64)
+    assert (pc.capacity, pc.cache_rows, pc.seqlen_new) == (32, 2, 2)
+    assert (pc.rotary_dim, pc.rotary_rows, pc.decode, pc.paged) == (16, 32, True, False)
+    long = prep_call(sq=300, paged=True, cap=64)
+    assert not long.decode and long.paged and long.capacity == 64 and long.page_size == 16
+    assert (long.num_pages, long.max_pages, long.cache_rows) == (6, 4, 0)
+    # any number of cache rows with cache_batch_idx; float32 tables; rotary_dim up to d
+    many = meta((7, 32, 2, 64))
+    assert prep_call(k_cache=many, v_cache=many, cache_batch_idx=True).cache_rows == 7
+    f32 = meta((40, 32), "float32")
+    assert prep_call(k=True, v=True, rotary_cos=f32, rotary_sin=f32).rotary_dim == 64
+    assert prep_call(k=True, v=True, cache_seqlens=30).seqlen_new == 2  # 30 + 2 fits 32
+
+
 @pytest.mark.parametrize(
-    ("given", "match"),
+    ("kw", "match"),
     [
-        ({"k": True, "v": True}, r"k and v: appending new tokens .*not implemented.*first"),
-        ({"k": True}, r"^flashgen.torch: k: appending"),
-        ({"rotary_cos": True}, r"rotary_cos/rotary_sin: rotary embedding is not implemented"),
-        ({"rotary_sin": True}, r"rotary embedding is not implemented \(allowed: None\)"),
-        ({"cache_batch_idx": True}, r"cache_batch_idx: .*not implemented \(allowed: None\)"),
-        ({"cache_leftpad": True}, r"cache_leftpad: .*not implemented \(allowed: None\)"),
+        ({"k": True}, r"k without v: k and v append new tokens together"),
+        ({"v": True}, r"v without k"),
+        ({"k": meta((2, 2, 8, 64)), "v": meta((2, 2, 8, 64))},
+         r"k has shape \(2, 2, 8, 64\); it must be \(batch, seqlen_new, kv_heads, head_dim\) = "
+         r"\(2, 2, 2, 64\)"),
+        ({"k": True, "v": meta((2, 3, 2, 64))}, r"v has shape \(2, 3, 2, 64\)"),
+        ({"k": True, "v": meta((2, 2, 2, 64), "float16")}, r"v has dtype float16 but q has"),
+        ({"k": True, "v": meta((2, 2, 2, 64), device="cpu")}, r"v is on device 'cpu'"),
+        ({"k": meta((2, 33, 2, 64)), "v": meta((2, 33, 2, 64))},
+         r"k has seqlen_new 33, more than the cache's capacity 32"),
+        ({"k": True, "v": True, "cache_seqlens": None}, r"cache_seqlens is required with k, v"),
+        ({"k": True, "v": True, "cache_seqlens": 31},
+         r"cache_seqlens=31 is outside 0\.\.30 \(the cache's capacity 32, less the 2"),
+        ({"rotary_cos": True, "rotary_sin": True}, r"rotary_cos/rotary_sin need k and v"),
+        ({"k": True, "v": True, "rotary_cos": True},
+         r"rotary_cos and rotary_sin: both or neither"),
+        ({"k": True, "v": True, "rotary_cos": meta((31, 8)), "rotary_sin": meta((31, 8))},
+         r"rotary_cos has 31 rows; it needs at least the cache's capacity 32"),
+        ({"k": True, "v": True, "rotary_cos": meta((32, 33)), "rotary_sin": meta((32, 33))},
+         r"rotary_dim = 2 \* 33 = 66 exceeds head_dim 64"),
+        ({"k": True, "v": True, "rotary_cos": meta((32, 8), "float16"),
+          "rotary_sin": meta((32, 8), "float16")},
+         r"rotary_cos has dtype float16; allowed: q's bfloat16 \(as flash-attn\) or float32"),
+        ({"k": True, "v": True, "rotary_cos": True, "rotary_sin": meta((32, 4))},
+         r"rotary_sin \(32, 4\) and rotary_cos \(32, 8\) must have the same shape"),
+        ({"k": True, "v": True, "rotary_cos": meta((32,)), "rotary_sin": meta((32,))},
+         r"rotary_cos has 1 dimensions \(32,\); it must be \(rotary_rows, rotary_dim / 2\)"),
+        ({"cache_batch_idx": meta((2,), "int64")},
+         r"cache_batch_idx must be an int32 tensor of shape \(2,\)"),
+        ({"cache_leftpad": meta((3,), "int32")},
+         r"cache_leftpad must be an int32 tensor of shape \(2,\)"),
+        ({"cache_leftpad": meta((2,), "int32", device="cpu")},
+         r"cache_leftpad is on device 'cpu'"),
+        ({"k_cache": meta((3, 32, 2, 64)), "v_cache": meta((3, 32, 2, 64))},
+         r"q has batch 2 but k_cache has 3; .*any number of rows with cache_batch_idx"),
+        ({"k_cache": meta((0, 32, 2, 64)), "v_cache": meta((0, 32, 2, 64)),
+          "cache_batch_idx": True}, r"k_cache has no rows; cache_batch_idx needs"),
+        ({"num_splits": 129}, r"num_splits=129: allowed 0"),
+        ({"softmax_scale": 0.0}, r"softmax_scale must be finite and > 0"),
     ],
-)
-def test_unimplemented_features_are_refused(given, match):
+)  # fmt: skip
+def test_composite_refusals_name_the_argument_and_what_is_allowed(kw, match):
     with pytest.raises(UnsupportedCall, match=match):
-        check_features(**given)
+        prep_call(**kw)
 
 
-def test_defaults_pass_the_feature_check():
-    check_features()
+@pytest.mark.parametrize("name", ["cache_batch_idx", "cache_leftpad"])
+def test_batch_indices_and_left_padding_are_not_served_with_pages(name):
+    with pytest.raises(UnsupportedCall, match=rf"{name} with a block_table: not served"):
+        prep_call(paged=True, **{name: True})
 
 
-def test_the_score_stage_features_are_no_longer_refused_here():
-    """softcap, alibi_slopes and learnable_sink are served (selection.score_features checks
-    them): check_features does not take them."""
-    for name in SCORE_ARGS:
-        with pytest.raises(TypeError):
-            check_features(**{name: True})
+def test_the_shared_rules_match_check_kvcache():
+    """Dtypes, devices, dimensions, head dims and heads: the same messages as the decode
+    call's check."""
+    for q, cache, match in [
+        (meta((2, 1, 8, 64), "float32"), meta((2, 32, 2, 64), "float32"), r"q has dtype float32"),
+        (meta((2, 1, 8, 64)), meta((2, 32, 2, 64), "float16"), r"k_cache has dtype float16"),
+        (meta((2, 8, 64)), meta((2, 32, 2, 64)), r"q has 3 dimensions"),
+        (meta((2, 1, 8, 64)), meta((2, 32, 2, 32)), r"q's head_dim 64 differs from k_cache's 32"),
+        (meta((2, 1, 8, 64)), meta((2, 32, 3, 64)), r"k/v heads must divide"),
+        (meta((2, 1, 8, 64), device="cpu"), meta((2, 32, 2, 64)), r"q is on device 'cpu'"),
+    ]:
+        with pytest.raises(UnsupportedCall, match=match):
+            check_prep(q, cache, cache, cache_seqlens=meta((2,), "int32"))
+    with pytest.raises(UnsupportedCall, match=r"block_table must be an int32 tensor"):
+        prep_call(paged=True, block_table=meta((2, 2), "int64"))
+
+
+def test_window_pair_takes_tuples_lists_and_two_element_tensors():
+    assert window_pair((-1, -1)) == (-1, -1)
+    assert window_pair([3, 0]) == (3, 0)
+    for bad in ((1.0, 2), (True, 0), (1, 2, 3), 5, "ab", None, (1,)):
+        with pytest.raises(UnsupportedCall, match=r"window_size must be \(left, right\)"):
+            window_pair(bad)
+    if importlib.util.find_spec("torch") is None:
+        return
+    import torch
+
+    assert window_pair(torch.tensor([5, 2])) == (5, 2)
+    assert window_pair((torch.tensor(4), torch.tensor(-1))) == (4, -1)
+    for bad in (torch.tensor([1.0, 2.0]), torch.tensor([[1, 2]]), torch.tensor([True, False])):
+        with pytest.raises(UnsupportedCall, match=r"window_size must be \(left, right\)"):
+            window_pair(bad)
+
+
+def test_kvcache_window_normalises_as_flash_attns_binding():
+    """A side >= the capacity is unbounded; rotary positions of queries advance when causal
+    or when a window remains."""
+    assert kvcache_window(False, (-1, -1), 10) == (-1, -1, False)
+    assert kvcache_window(True, (-1, -1), 10) == (-1, -1, True)
+    assert kvcache_window(False, (10, 12), 10) == (-1, -1, False)
+    assert kvcache_window(False, (9, 10), 10) == (9, -1, True)
+    assert kvcache_window(False, (-1, 0), 10) == (-1, 0, True)
+    with pytest.raises(UnsupportedCall, match="window_size"):
+        kvcache_window(False, (-2, 0), 10)
+    with pytest.raises(UnsupportedCall, match="causal must be True or False"):
+        kvcache_window(1, (-1, -1), 10)
+
+
+def test_check_paged_kv():
+    pages, table, cu = meta((9, 5, 2, 64)), meta((3, 4), "int32"), meta((4,), "int32")
+    assert check_paged_kv(pages, pages, table, cu) == (5, 9)
+    for k, v, t, c, match in [
+        (meta((9, 2, 64)), pages, table, cu, r"k has 3 dimensions .*paged cache"),
+        (pages, meta((9, 5, 1, 64)), table, cu, r"must have the same shape"),
+        (meta((0, 5, 2, 64)), meta((0, 5, 2, 64)), table, cu, r"has no pages"),
+        (pages, pages, meta((2, 4), "int32"), cu, r"block_table must be an int32 tensor of "
+         r"shape \(3, 4\)"),
+        (pages, pages, meta((3, 0), "int32"), cu, r"block_table has no columns"),
+        (pages, pages, table, meta((4,), "int64"), r"cu_seqlens_k must be a 1-D int32"),
+        (pages, pages, table, cu._replace(device="cpu"), r"cu_seqlens_k is on device 'cpu'"),
+    ]:  # fmt: skip
+        with pytest.raises(UnsupportedCall, match=match):
+            check_paged_kv(k, v, t, c)
 
 
 @pytest.mark.parametrize("feature", [f.name for f in FEATURES])

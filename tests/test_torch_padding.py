@@ -883,8 +883,10 @@ def test_unreadable_caches_are_read_through_one_copy_and_aligned_ones_in_place(g
 
 
 def test_a_cache_the_call_would_write_is_refused_not_copied(gpu):
-    """flashgen does not append yet (k=, v= are refused first), so `written` is what the
-    entry point will pass once it does: the guard, exercised directly."""
+    """The guard for a kernel that would write the caches itself (`written`), exercised
+    directly; flash_attn_with_kvcache appends with torch operations on the caller's caches
+    before the kernel reads them, so it passes written=False and such caches are written in
+    place, then read through a copy."""
     torch = _torch()
     lens = torch.tensor([5, 5], dtype=torch.int32)
     q = _randn(2, 1, 4, 64, seed=36)
@@ -899,9 +901,25 @@ def test_a_cache_the_call_would_write_is_refused_not_copied(gpu):
         qd, cd = _randn(2, 1, 4, d, seed=39), _randn(2, 16, 2, d, seed=40)
         with pytest.raises(UnsupportedCall, match=rf"k_cache has head_dim {d}, which has no"):
             gpu.kvcache._decode_inputs(qd, cd, cd, lens, None, 0, 0.1, True)
-    with pytest.raises(UnsupportedCall, match=r"appending new tokens to the cache"):
-        _kvcache(q, cache, cache, k=q, v=q, cache_seqlens=lens)
     assert not gpu.launches
+    before = odd.clone()
+    v_cache = cache.clone()
+    new_k, new_v = _randn(2, 1, 2, 64, seed=43), _randn(2, 1, 2, 64, seed=44)
+    out = _kvcache(q, odd, v_cache, k=new_k, v=new_v, cache_seqlens=lens)
+    assert torch.equal(odd[:, 5], new_k[:, 0]) and torch.equal(v_cache[:, 5], new_v[:, 0])
+    assert torch.equal(odd[:, :5], before[:, :5]) and torch.equal(odd[:, 6:], before[:, 6:])
+    ((_, p),) = gpu.launches
+    assert p["k"] != odd.data_ptr() and p["v"] == v_cache.data_ptr()  # a copy of odd only
+    _decode_check(q, odd, v_cache, [6, 6], out)
+    if DECODE_DIMS:  # an unserved head dim: written at d, read through copies padded to d'
+        d = DECODE_DIMS[0]
+        qd, kd, vd = (_randn(2, 1, 4, d, seed=45 + i) for i in range(3))
+        cd, vcd = _randn(2, 16, 2, d, seed=48), _randn(2, 16, 2, d, seed=49)
+        out = _kvcache(qd, cd, vcd, k=kd[:, :, :2], v=vd[:, :, :2], cache_seqlens=lens)
+        assert torch.equal(cd[:, 5], kd[:, 0, :2]) and torch.equal(vcd[:, 5], vd[:, 0, :2])
+        spec, p = gpu.launches[-1]
+        assert spec.head_dim == padded_head_dim(d, H200, (D,)) and p["k"] != cd.data_ptr()
+        _decode_check(qd, cd, vcd, [6, 6], out)
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,15 @@ serve (zero-padded copies of q and the caches, asked of the family: `PADDED_DIMS
 they cannot read (copied; the caller's caches untouched), the device-side input check, the
 operators under opcheck and torch.compile, and the message of every refused call.
 
+The composite path (flash-attn's whole signature): appended k, v with rotary (both layouts,
+rotary_dim <= d), cache_batch_idx, cache_leftpad, windows at the capacity, 1..130 queries and
+a 512-query chunk over a 3000-key paged cache, against the float64 reference of the keys after
+the append (caches poisoned with NaN wherever no key lies), the caches after the call against
+the reference caches, paged == contiguous bitwise with an append, a decode step captured in a
+CUDA graph and replayed (bitwise the eager steps), window_size as a tensor, the refusals
+leaving the caches untouched; and flash_attn_varlen_func with a block_table bitwise equal to
+the varlen call on the keys packed by hand, gradients included.
+
 Skips without torch or a CUDA device (and, like the whole GPU suite, without PyCUDA). Drawn
 cases: FLASHGEN_GPU_EXAMPLES / 10 per test (default 20). Kernels missing from
 $FLASHGEN_BUILD_DIR compile into the kernel cache on first use (docs/torch.md); the bf16
@@ -33,6 +42,7 @@ if not torch.cuda.is_available():
 from flashgen.generator.spec import KernelKind  # noqa: E402
 from flashgen.torch import (  # noqa: E402
     UnsupportedCall,
+    flash_attn_varlen_func,
     flash_attn_with_kvcache,
     kvcache,
     merge_states,
@@ -539,6 +549,390 @@ def test_under_torch_compile(d):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+# -- appending, rotary, batch indices, left padding, long chunks (the composite path) ----------
+
+
+def _rope64(x, cos, sin, pos, interleaved):
+    """float64 rotary of x `(b, s, h, d)` at positions pos `(b, s)`, pair by pair, from
+    flash-attn's apply_rotary_emb: pair i is columns (2i, 2i + 1) interleaved, else (i, i +
+    r / 2); cos, sin `(rows, r / 2)`; columns past r unchanged."""
+    x = np.asarray(x, dtype=np.float64)
+    cos, sin = np.asarray(cos, dtype=np.float64), np.asarray(sin, dtype=np.float64)
+    half = cos.shape[1]
+    out = x.copy()
+    for i in range(half):
+        a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+        c, s = cos[pos, i][..., None], sin[pos, i][..., None]
+        out[..., a] = x[..., a] * c - x[..., b] * s
+        out[..., b] = x[..., b] * c + x[..., a] * s
+    return out
+
+
+def _normalised(window, capacity):
+    """flash-attn's binding: a window side >= the cache's capacity is unbounded."""
+    return tuple(-1 if side >= capacity else side for side in window)
+
+
+@st.composite
+def append_case(draw, sqs=(1, 2, 7, 16, 17, 64, 130), paged=None):
+    paged = draw(st.booleans()) if paged is None else paged
+    batch = draw(st.integers(1, 4))
+    kv_heads = draw(st.integers(1, 2))
+    sq = draw(st.sampled_from(sqs))
+    n_new = draw(st.sampled_from([0, 1, 1, 3, sq]))
+    page = draw(st.sampled_from([16, 64, 256])) if paged else None
+    capacity = draw(st.integers(max(n_new, 1), 700))
+    if paged:
+        capacity = -(-capacity // page) * page
+    top = capacity - n_new
+    lens = [
+        draw(st.one_of(st.sampled_from([0, 1, top]), st.integers(0, top))) for _ in range(batch)
+    ]
+    lens = [min(x, top) for x in lens]
+    leftpad = None
+    rows = batch
+    batch_idx = None
+    if not paged and draw(st.booleans()):
+        leftpad = [draw(st.integers(0, n)) for n in lens]
+    if not paged and draw(st.booleans()):
+        rows = batch + draw(st.integers(0, 3))
+        batch_idx = draw(st.permutations(range(rows)))[:batch]
+    rotary = n_new > 0 and draw(st.booleans())
+    side = st.sampled_from([-1, 0, 3, 70, capacity - 1, capacity])
+    return {
+        "seed": draw(st.integers(0, 2**32 - 1)),
+        "paged": paged,
+        "page": page,
+        "lens": lens,
+        "sq": sq,
+        "n_new": n_new,
+        "heads": kv_heads * draw(st.sampled_from([1, 2, 4])),
+        "kv_heads": kv_heads,
+        "capacity": capacity,
+        "rows": rows,
+        "leftpad": leftpad,
+        "batch_idx": batch_idx,
+        "rotary_dim": draw(st.sampled_from([8, 16, 32, 64])) if rotary else 0,
+        "interleaved": draw(st.booleans()),
+        "table_f32": draw(st.booleans()),
+        "causal": draw(st.booleans()),
+        "window": (draw(side), draw(side)) if draw(st.booleans()) else (-1, -1),
+        "splits": draw(st.sampled_from([0, 0, 1, 3])),
+    }
+
+
+def run_append(case, dtype: str, d: int):
+    """One composite flash_attn_with_kvcache call of the case (caches poisoned with NaN
+    wherever no key of a sequence lies); returns (out, lse, reference inputs, the caches
+    after the call and the reference caches after it, the appended rows' mask)."""
+    rng = np.random.default_rng(case["seed"])
+    batch, sq, h, hk, n = (
+        len(case["lens"]),
+        case["sq"],
+        case["heads"],
+        case["kv_heads"],
+        case["n_new"],
+    )
+    cap, lens = case["capacity"], case["lens"]
+    start = case["leftpad"] or [0] * batch
+    q = round_to(rng.standard_normal((batch, sq, h, d)).astype(np.float32), dtype)
+    k_new = round_to(rng.standard_normal((batch, n, hk, d)).astype(np.float32), dtype)
+    v_new = round_to(rng.standard_normal((batch, n, hk, d)).astype(np.float32), dtype)
+    logical_k = np.full((batch, cap, hk, d), np.nan, dtype=np.float32)
+    logical_v = logical_k.copy()
+    for b in range(batch):
+        span = slice(start[b], lens[b])
+        shape = logical_k[b, span].shape
+        logical_k[b, span] = round_to(rng.standard_normal(shape).astype(np.float32), dtype)
+        logical_v[b, span] = round_to(rng.standard_normal(shape).astype(np.float32), dtype)
+    rot = case["rotary_dim"]
+    advance = case["causal"] or any(x >= 0 for x in _normalised(case["window"], cap))
+    kw = {}
+    q_ref, k_rot = q, k_new
+    if rot:
+        rows = cap + sq
+        angle = rng.uniform(0, 2 * np.pi, (rows, rot // 2))
+        table = "fp32" if case["table_f32"] else dtype
+        cos = (
+            round_to(np.cos(angle).astype(np.float32), table)
+            if table != "fp32"
+            else np.cos(angle).astype(np.float32)
+        )
+        sin = (
+            round_to(np.sin(angle).astype(np.float32), table)
+            if table != "fp32"
+            else np.sin(angle).astype(np.float32)
+        )
+        t_dtype = torch.float32 if table == "fp32" else DTYPES[dtype]
+        kw["rotary_cos"] = torch.tensor(cos, dtype=t_dtype, device=DEV)
+        kw["rotary_sin"] = torch.tensor(sin, dtype=t_dtype, device=DEV)
+        kw["rotary_interleaved"] = case["interleaved"]
+        qpos = np.array(
+            [[lens[b] + (i if advance else 0) for i in range(sq)] for b in range(batch)]
+        )
+        kpos = np.array([[lens[b] + i for i in range(n)] for b in range(batch)]).reshape(batch, n)
+        q_ref = round_to(_rope64(q, cos, sin, qpos, case["interleaved"]).astype(np.float32), dtype)
+        k_rot = round_to(
+            _rope64(k_new, cos, sin, kpos, case["interleaved"]).astype(np.float32), dtype
+        )
+    after_k, after_v = logical_k.copy(), logical_v.copy()
+    for b in range(batch):
+        after_k[b, lens[b] : lens[b] + n] = k_rot[b]
+        after_v[b, lens[b] : lens[b] + n] = v_new[b]
+    keys = [lens[b] + n - start[b] for b in range(batch)]
+    k_ref = np.zeros((batch, max(keys + [1]), hk, d), dtype=np.float32)
+    v_ref = np.zeros_like(k_ref)
+    for b in range(batch):
+        k_ref[b, : keys[b]] = after_k[b, start[b] : lens[b] + n]
+        v_ref[b, : keys[b]] = after_v[b, start[b] : lens[b] + n]
+
+    def physical(logical):
+        if case["paged"]:
+            page, cols = case["page"], cap // case["page"]
+            pages = np.full((batch * cols + 2, page, hk, d), np.nan, dtype=np.float32)
+            order = np.random.default_rng(case["seed"] + 1).permutation(batch * cols + 2)
+            table = order[: batch * cols].reshape(batch, cols)
+            for b in range(batch):
+                for c in range(cols):
+                    pages[table[b, c]] = logical[b, c * page : (c + 1) * page]
+            return pages, table
+        out = np.full((case["rows"], cap, hk, d), np.nan, dtype=np.float32)
+        for b, r in enumerate(case["batch_idx"] or range(batch)):
+            out[r] = logical[b]
+        return out, None
+
+    k_cache, table = physical(logical_k)
+    v_cache, _ = physical(logical_v)
+    want_k, _ = physical(after_k)
+    want_v, _ = physical(after_v)
+    tk, tv = _t(k_cache, dtype), _t(v_cache, dtype)
+    if table is not None:
+        kw["block_table"] = _lens(table)
+    if case["leftpad"] is not None:
+        kw["cache_leftpad"] = _lens(case["leftpad"])
+    if case["batch_idx"] is not None:
+        kw["cache_batch_idx"] = _lens(case["batch_idx"])
+    if n:
+        kw["k"], kw["v"] = _t(k_new, dtype), _t(v_new, dtype)
+    out, lse = flash_attn_with_kvcache(
+        _t(q, dtype), tk, tv, cache_seqlens=_lens(lens), causal=case["causal"],
+        window_size=case["window"], num_splits=case["splits"], return_softmax_lse=True,
+        check_inputs=True, **kw,
+    )  # fmt: skip
+    ref_case = dict(case, lens=keys, window=_normalised(case["window"], cap))
+    appended = np.zeros(k_cache.shape, dtype=bool)  # every element of an appended row
+    rows_of = case["batch_idx"] or range(batch)
+    for b in range(batch):
+        for i in range(n):
+            p = lens[b] + i
+            if case["paged"]:
+                appended[table[b, p // case["page"]], p % case["page"]] = True
+            else:
+                appended[rows_of[b], p] = True
+    return out, lse, (q_ref, k_ref, v_ref, ref_case), (tk, tv, want_k, want_v, appended)
+
+
+def assert_caches(dtype, got_k, got_v, want_k, want_v, appended, rotary):
+    """Every element the call did not append is bitwise what it was (NaN included); appended
+    values are the reference's, k within one rounding when rotary applies."""
+    for name, got, want, tol in (
+        ("k_cache", got_k, want_k, rotary),
+        ("v_cache", got_v, want_v, False),
+    ):
+        g = got.float().cpu().numpy()
+        same = ~appended
+        assert np.array_equal(g[same], want[same], equal_nan=True), (
+            f"{name}: a row that must not change changed"
+        )
+        if tol:
+            eps = {"fp16": 2.0**-10, "bf16": 2.0**-7}[dtype]
+            err = np.abs(g[appended].astype(np.float64) - want[appended])
+            assert np.all(err <= eps * np.abs(want[appended]) + 1e-7), f"{name}: appended rows"
+        else:
+            assert np.array_equal(g[appended], want[appended]), f"{name}: appended rows"
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_append_rotary_batch_indices_left_padding_and_long_chunks_match_the_reference(dtype):
+    """flash-attn's test_flash_attn_kvcache, drawn: contiguous and paged caches (pages in
+    random order, NaN wherever no key lies), appended k, v, rotary of both layouts with
+    rotary_dim <= d and tables in the dtype or float32, cache_batch_idx, cache_leftpad,
+    causal and windows (sides at and past the capacity), 1..130 queries (the decode kernels
+    up to 16, the varlen forward over a packed copy beyond); O and LSE by the pass rule
+    against the float64 reference of the keys after the append, and the caches after the
+    call against the reference caches."""
+
+    @SETTINGS
+    @given(case=append_case())
+    def prop(case):
+        out, lse, (q, k, v, ref_case), caches = run_append(case, dtype, 64)
+        assert out.shape == (len(case["lens"]), case["sq"], case["heads"], 64)
+        assert lse.shape == (len(case["lens"]), case["heads"], case["sq"])
+        assert_matches(dtype, 64, ref_case, out, lse, q, k, v)
+        assert_caches(dtype, *caches, rotary=case["rotary_dim"] > 0)
+
+    prop()
+
+
+@pytest.mark.parametrize("d", [128] + PADDED_DIMS[:1])
+def test_a_decode_step_with_append_and_rotary_at_other_head_dims(d):
+    """d = 128 (the serving shape) and a head dim the decode kernels do not serve (the caches
+    written in place at d, read through copies padded to the next served one)."""
+
+    @SETTINGS
+    @given(case=append_case(sqs=(1, 4, 16, 20)))
+    def prop(case):
+        case = dict(case, rotary_dim=min(case["rotary_dim"], d // 2 * 2))
+        out, lse, (q, k, v, ref_case), caches = run_append(case, "bf16", d)
+        assert_matches("bf16", d, ref_case, out, lse, q, k, v)
+        assert_caches("bf16", *caches, rotary=case["rotary_dim"] > 0)
+
+    prop()
+
+
+def test_chunked_prefill_over_a_long_paged_cache_matches_the_reference():
+    """512 new tokens over 3000 cached ones (page 256, causal, rotary): the varlen forward
+    over a packed copy of each sequence's keys, appended in place afterwards."""
+    case = {"seed": 21, "paged": True, "page": 256, "lens": [3000, 1700], "sq": 512,
+            "n_new": 512, "heads": 8, "kv_heads": 2, "capacity": 14 * 256, "rows": 2,
+            "leftpad": None, "batch_idx": None, "rotary_dim": 64, "interleaved": False,
+            "table_f32": False, "causal": True, "window": (-1, -1), "splits": 0}  # fmt: skip
+    out, lse, (q, k, v, ref_case), caches = run_append(case, "bf16", 128)
+    assert_matches("bf16", 128, ref_case, out, lse, q, k, v)
+    assert_caches("bf16", *caches, rotary=True)
+
+
+@pytest.mark.parametrize("sq", [3, 40])
+def test_append_into_paged_and_contiguous_caches_gives_bitwise_equal_results(sq):
+    """The same logical cache and call, contiguous and paged (page 16 and 64): outputs and
+    LSE bitwise equal for a fixed split count, and the same rows appended."""
+    base = {"seed": 22, "lens": [0, 17, 100, 255], "sq": sq, "n_new": 3, "heads": 8,
+            "kv_heads": 2, "capacity": 320, "rows": 4, "leftpad": None, "batch_idx": None,
+            "rotary_dim": 32, "interleaved": True, "table_f32": False, "causal": True,
+            "window": (-1, -1), "splits": 3}  # fmt: skip
+    ref = run_append(dict(base, paged=False, page=None), "bf16", 128)
+    for page in (16, 64):
+        got = run_append(dict(base, paged=True, page=page), "bf16", 128)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), page
+
+
+def test_a_decode_loop_captured_in_a_cuda_graph_replays_the_eager_steps():
+    """A whole decode step (rotary, append into the caller's paged cache, attention,
+    cache_seqlens + 1) captured once and replayed: no host sync on that path, so the replays
+    give, bitwise, the outputs and caches of the same steps run eagerly."""
+    rng = np.random.default_rng(23)
+    batch, page, cols, heads, kv, d, steps = 3, 16, 8, 8, 2, 128, 20
+    pages = _t(rng.standard_normal((batch * cols, page, kv, d)), "bf16")
+    table = torch.randperm(batch * cols, device=DEV).int().reshape(batch, cols)
+    angle = torch.rand(page * cols, 32, device=DEV) * 6.283
+    cos, sin = torch.cos(angle).bfloat16(), torch.sin(angle).bfloat16()
+    qs = _t(rng.standard_normal((steps, batch, 1, heads, d)), "bf16")
+    ks = _t(rng.standard_normal((steps, batch, 1, kv, d)), "bf16")
+    vs = _t(rng.standard_normal((steps, batch, 1, kv, d)), "bf16")
+
+    def step(q, k, v, kc, vc, lens):
+        out = flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin,
+                                      cache_seqlens=lens, block_table=table, causal=True,
+                                      num_splits=2, check_inputs=False)  # fmt: skip
+        lens.add_(1)
+        return out
+
+    eager_k, eager_v = pages.clone(), pages.clone()
+    eager_lens = _lens([0, 5, 60])
+    eager = [step(qs[i], ks[i], vs[i], eager_k, eager_v, eager_lens).clone() for i in range(steps)]
+    kc, vc = pages.clone(), pages.clone()
+    lens = _lens([0, 5, 60])
+    sq_, sk_, sv_ = qs[0].clone(), ks[0].clone(), vs[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: kernels loaded, caches allocated
+        warm_k, warm_v, warm_lens = pages.clone(), pages.clone(), _lens([0, 5, 60])
+        step(sq_, sk_, sv_, warm_k, warm_v, warm_lens)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step(sq_, sk_, sv_, kc, vc, lens)
+    got = []
+    for i in range(steps):
+        sq_.copy_(qs[i])
+        sk_.copy_(ks[i])
+        sv_.copy_(vs[i])
+        graph.replay()
+        got.append(static_out.clone())
+    torch.cuda.synchronize()
+    for i in range(steps):
+        assert torch.equal(got[i], eager[i]), f"step {i}"
+    assert torch.equal(kc, eager_k) and torch.equal(vc, eager_v)
+    assert torch.equal(lens, eager_lens)
+
+
+def test_window_size_as_a_cuda_tensor_is_the_tuple():
+    q, k, v, lens = _base(sq=4)
+    want = flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, window_size=(7, 0))
+    for w in ([7, 0], torch.tensor([7, 0], device=DEV), torch.tensor([7, 0])):
+        assert torch.equal(
+            flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, window_size=w), want
+        )
+
+
+def _paged_varlen(seed, page, batch=3, heads=8, kv=2, d=128):
+    """A paged varlen call (pages in random order, sequences of 0 keys allowed) and its keys
+    packed by hand: (q, k_pages, v_pages, table, cu_q, cu_k, max_q, max_k, rows), `rows`
+    the flat page rows of the packed keys in order."""
+    rng = np.random.default_rng(seed)
+    sk = rng.integers(0, 5 * page, batch)
+    sq = rng.integers(1, 300, batch)
+    cols = 5
+    order = rng.permutation(batch * cols + 3)[: batch * cols].reshape(batch, cols)
+    table = _lens(order)
+    k_pages = _t(rng.standard_normal((batch * cols + 3, page, kv, d)), "bf16")
+    v_pages = _t(rng.standard_normal((batch * cols + 3, page, kv, d)), "bf16")
+    q = _t(rng.standard_normal((int(sq.sum()), heads, d)), "bf16")
+    cu_q = _lens(np.concatenate([[0], np.cumsum(sq)]))
+    cu_k = _lens(np.concatenate([[0], np.cumsum(sk)]))
+    flat = [int(order[b, j // page]) * page + j % page for b in range(batch) for j in range(sk[b])]
+    rows = torch.tensor(flat, dtype=torch.int64, device=DEV)
+    return q, k_pages, v_pages, table, cu_q, cu_k, int(sq.max()), int(sk.max()), rows
+
+
+@pytest.mark.parametrize("page", [16, 256, 5])
+@pytest.mark.parametrize("causal", [False, True])
+def test_paged_varlen_equals_the_packed_call_bitwise(page, causal):
+    """flash_attn_varlen_func(block_table=...) (vLLM's paged prefill) gives, bitwise, the
+    varlen call on the same keys packed by hand; gradients of q equal too, and the pages'
+    gradients are the packed call's scattered back to the rows that were read."""
+    q, kp, vp, table, cu_q, cu_k, mq, mk, rows = _paged_varlen(24 + page, page)
+    k, v = kp.flatten(0, 1)[rows], vp.flatten(0, 1)[rows]
+    args = (cu_q, cu_k, mq, mk)
+    want = flash_attn_varlen_func(q, k, v, *args, causal=causal, return_attn_probs=True)
+    got = flash_attn_varlen_func(q, kp, vp, *args, causal=causal, return_attn_probs=True,
+                                 block_table=table)  # fmt: skip
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    qg = q.clone().requires_grad_()
+    kg, vg = kp.clone().requires_grad_(), vp.clone().requires_grad_()
+    out = flash_attn_varlen_func(qg, kg, vg, *args, causal=causal, deterministic=True,
+                                 block_table=table)  # fmt: skip
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    qw = q.clone().requires_grad_()
+    kw, vw = k.clone().requires_grad_(), v.clone().requires_grad_()
+    flash_attn_varlen_func(qw, kw, vw, *args, causal=causal, deterministic=True).backward(dout)
+    assert torch.equal(qg.grad, qw.grad)
+    for got_grad, packed_grad, pages in ((kg.grad, kw.grad, kp), (vg.grad, vw.grad, vp)):
+        want_grad = torch.zeros_like(pages).flatten(0, 1).index_add_(0, rows, packed_grad)
+        torch.testing.assert_close(got_grad, want_grad.view_as(pages), rtol=0, atol=0)
+
+
+def test_paged_varlen_refuses_bad_page_ids():
+    q, kp, vp, table, cu_q, cu_k, mq, mk, _ = _paged_varlen(25, 16)
+    lens = cu_k[1:] - cu_k[:-1]
+    b = int(lens.argmax())
+    assert int(lens[b]) > 0
+    table[b, 0] = kp.shape[0]  # a used page, past num_pages
+    with pytest.raises(UnsupportedCall, match=rf"block_table row {b} holds page id"):
+        flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, mq, mk, block_table=table)
+
+
 # -- refusals ------------------------------------------------------------------------------------
 
 
@@ -553,16 +947,40 @@ def _refused(match, q, k_cache, v_cache, cache_seqlens=None, **kw):
         flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, **kw)
 
 
-def test_unimplemented_arguments_are_refused():
+def test_composite_refusals_write_nothing():
+    """Refusals of calls that append, rotate, index or left-pad: before anything is written
+    (host checks, and with check_inputs the device values), the caches bitwise as they were."""
     q, k, v, lens = _base()
     new = torch.randn(2, 1, 2, 128, device=DEV).bfloat16()
-    cos = torch.randn(64, 64, device=DEV)
-    _refused(r"k and v: appending new tokens .*write them into k_cache", q, k, v, lens,
-             k=new, v=new)  # fmt: skip
-    _refused(r"rotary_cos/rotary_sin", q, k, v, rotary_cos=cos, rotary_sin=cos,
-             cache_seqlens=lens)  # fmt: skip
-    _refused(r"cache_batch_idx", q, k, v, cache_seqlens=lens, cache_batch_idx=lens.long())
-    _refused(r"cache_leftpad", q, k, v, cache_seqlens=lens, cache_leftpad=lens)
+    cos = torch.randn(64, 32, device=DEV).bfloat16()
+    before = k.clone(), v.clone()
+    bad_lens = _lens([10, 64])  # 64 + 1 appended > the capacity 64
+    for match, kw in [
+        (r"k without v", dict(k=new)),
+        (r"k has shape \(2, 1, 8, 128\); it must be", dict(k=q, v=q)),
+        (r"rotary_cos/rotary_sin need k and v", dict(rotary_cos=cos, rotary_sin=cos)),
+        (r"rotary_cos has 63 rows; it needs at least the cache's capacity 64",
+         dict(k=new, v=new, rotary_cos=cos[:63], rotary_sin=cos[:63])),
+        (r"rotary_cos has dtype float16; allowed: q's bfloat16",
+         dict(k=new, v=new, rotary_cos=cos.half(), rotary_sin=cos.half())),
+        (r"cache_batch_idx must be an int32 tensor", dict(cache_batch_idx=lens.long())),
+        (r"cache_leftpad is on device 'cpu'", dict(cache_leftpad=lens.cpu())),
+        (r"cache_seqlens\[1\] = 64 is outside 0\.\.63",
+         dict(k=new, v=new, cache_seqlens=bad_lens, check_inputs=True)),
+        (r"cache_leftpad\[0\] = 11 is outside 0\.\.cache_seqlens\[0\]",
+         dict(k=new, v=new, cache_seqlens=_lens([10, 5]), cache_leftpad=_lens([11, 0]),
+              check_inputs=True)),
+        (r"cache_batch_idx\[1\] = 2 is outside 0\.\.1",
+         dict(k=new, v=new, cache_seqlens=_lens([10, 5]), cache_batch_idx=_lens([0, 2]),
+              check_inputs=True)),
+    ]:  # fmt: skip
+        kw.setdefault("cache_seqlens", lens - 1)
+        _refused(match, q, k, v, **kw)
+        assert torch.equal(k, before[0]) and torch.equal(v, before[1]), match
+    # more than 16 queries always check the values (the packed copy needs a sync anyway)
+    _refused(r"cache_seqlens\[1\] = 64 is outside 0\.\.63", _base(sq=40)[0], k, v,
+             k=new, v=new, cache_seqlens=bad_lens)  # fmt: skip
+    assert torch.equal(k, before[0]) and torch.equal(v, before[1])
 
 
 def test_bad_score_arguments_are_refused():
@@ -589,8 +1007,6 @@ def test_bad_score_arguments_are_refused():
 
 def test_shapes_dtypes_and_devices_are_refused():
     q, k, v, lens = _base()
-    _refused(r"seqlen_q 17; decode kernels take 1\.\.16", _base(sq=17)[0], k, v,
-             cache_seqlens=lens)  # fmt: skip
     _refused(r"head_dim 300: allowed 1\.\.256 .*decode kernels serve", *_base(d=300))
     _refused(r"head_dim 59 differs from k_cache's 128", _base(d=59)[0], k, v, lens)
     served = selection.served_head_dims(CAP, (KernelKind.DECODE,))
