@@ -34,6 +34,7 @@ MOCK_C = r"""
 #include <string.h>
 #include "params.h"
 #include "bwd_params.h"
+#include "decode_params.h"
 static fg_fwd_params last_fwd;
 static fg_bwd_params last_bwd;
 static int fwd_calls, bwd_calls;
@@ -69,7 +70,25 @@ int bwd_launch(const fg_bwd_params* p, void* stream) {
   if (p->score.dsinks) memset(p->score.dsinks, 0, p->heads * 4);
   return 0;
 }
+static fg_decode_params last_decode;
+static int decode_calls;
+int decode_launch(const fg_decode_params* p, void* stream) {
+  last_decode = *p; ++decode_calls;
+  zero(p->o, p->batch, p->seqlen_q, p->heads, p->head_dim_v, p->o_batch_stride, p->o_row_stride,
+       p->o_head_stride, 2);
+  zero(p->lse, p->batch, 1, p->heads, p->seqlen_q, p->lse_batch_stride, 0, p->lse_head_stride, 4);
+  return 0;
+}
+void take_decode(fg_decode_params* out) { *out = last_decode; }
+int decode_count(void) { return decode_calls; }
 int fail_launch(const void* p, void* stream) { return 1; }
+static int flaky_left;
+void set_flaky(int n) { flaky_left = n; }
+/* fails its next `set_flaky(n)` calls with cudaErrorInvalidValue, then launches as fwd_launch */
+int flaky_fwd_launch(const fg_fwd_params* p, void* stream) {
+  if (flaky_left > 0) { --flaky_left; return 1; }
+  return fwd_launch(p, stream);
+}
 const char* check_ok(const void* p) { return 0; }
 const char* check_refuses(const void* p) { return "mock: refused (allowed: nothing)"; }
 size_t workspace(const void* p) { return (size_t)1 << 22; }
@@ -97,17 +116,21 @@ class MockLibrary(KernelLibrary):
     """A KernelLibrary whose entry points are the mock's (the Python path packs and launches
     through ctypes exactly as with a real kernel)."""
 
-    def __init__(self, spec, mock, fail=False):  # noqa: D107 - no .so of the spec is loaded
+    def __init__(self, spec, mock, fail=False, flaky=False):  # noqa: D107 - no .so of the spec is loaded
         self.spec, self.family, self.name = spec, family(spec), "mock_" + spec.kernel.yaml
         self.Params, self._packing = params_struct(self.family), _packing(self.family)
         self._lib = mock
         ptr = ctypes.POINTER(self.Params)
         bwd = spec.kernel == KernelKind.BACKWARD
-        self._launch = mock.fail_launch if fail else (mock.bwd_launch if bwd else mock.fwd_launch)
+        dec = spec.kernel == KernelKind.DECODE
+        launch = mock.decode_launch if dec else (mock.bwd_launch if bwd else mock.fwd_launch)
+        self._launch = mock.fail_launch if fail else launch
+        if flaky and not bwd:
+            self._launch = mock.flaky_fwd_launch
         self._launch.argtypes, self._launch.restype = [ptr, ctypes.c_void_p], ctypes.c_int
         self._check = mock.check_refuses if fail else mock.check_ok
         self._check.argtypes, self._check.restype = [ptr], ctypes.c_char_p
-        self._workspace = mock.workspace if bwd else None
+        self._workspace = mock.workspace if (bwd or dec) else None
         if self._workspace is not None:
             self._workspace.argtypes, self._workspace.restype = [ptr], ctypes.c_size_t
         self.entry_points = {}
@@ -137,3 +160,14 @@ def mock_cuda(patch: Callable[[Any, str, Any], None], mock: ctypes.CDLL) -> None
     patch(ops, "_stream", lambda device: 0)
     patch(ops, "_OnDevice", lambda device: contextlib.nullcontext())
     patch(cache, "kernel_library", lambda spec: libraries.setdefault(spec, MockLibrary(spec, mock)))
+    from flashgen.torch import kvcache
+
+    patch(kvcache, "_meta", meta)
+    patch(kvcache, "_capability", lambda device: (9, 0))
+    patch(kvcache, "_library", lambda spec: libraries.setdefault(spec, MockLibrary(spec, mock)))
+    patch(torch.cuda, "device", lambda device: contextlib.nullcontext())
+
+    class _Stream:
+        cuda_stream = 0
+
+    patch(torch.cuda, "current_stream", lambda device=None: _Stream())

@@ -64,6 +64,7 @@ from flashgen.runtime import DecodeLibrary
 from flashgen.torch import cache, interface, selection
 from flashgen.torch import kvcache_prep as prep
 from flashgen.torch import kvcache_select as ks
+from flashgen.torch import ops as _ops
 from flashgen.torch.kvcache_select import CacheInputError, DecodeCall, KvProblem
 from flashgen.torch.ops import _capability as _device_capability
 from flashgen.torch.ops import (
@@ -275,39 +276,10 @@ def _outputs(q: Tensor, pb: KvProblem) -> tuple[Tensor, Tensor]:
 # --------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("flashgen::decode", mutates_args=())
-def decode(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    cache_seqlens: Tensor,
-    block_table: Optional[Tensor],
-    softmax_scale: float,
-    causal: bool,
-    window_left: int,
-    window_right: int,
-    num_splits: int,
-    max_seqlen_k: int,
-    check_inputs: bool,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[Tensor] = None,
-    learnable_sink: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor]:
-    pb = _problem(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, softmax_scale)
-    feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
-    spec, (win_l, win_r) = _spec(q, pb, causal, window_left, window_right, feats)
-    device = q.device
-    out, lse = _outputs(q, pb)
-    if out.numel() == 0:  # no sequence or no query
-        return out, lse
-    if k_cache.numel() == 0:  # a contiguous cache of capacity 0: no key anywhere
-        if check_inputs and bool((cache_seqlens != 0).any()):
-            raise CacheInputError(ks.describe_errors(ks.ERR_SEQLEN, 0, None))
-        out.zero_()
-        _empty_lse(lse, learnable_sink)  # -inf, or the head's sink
-        return out, lse
-    _check_aligned(q=q, k_cache=k_cache, v_cache=v_cache)
-    lib = _library(spec)
+def _decode_params(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, pb, window,
+                   softmax_scale, max_seqlen_k, num_splits, feats, softcap, alibi_slopes,
+                   learnable_sink) -> dict:  # fmt: skip
+    """The decode kernel's launch fields (the workspace's are added at the launch)."""
     params = {
         "q": q.data_ptr(),
         "k": k_cache.data_ptr(),
@@ -335,12 +307,51 @@ def decode(
         "max_pages": pb.max_pages,
         "block_table_stride": pb.block_table_stride,
         "softmax_scale": softmax_scale,
-        "window_left": win_l,
-        "window_right": win_r,
+        "window_left": window[0],
+        "window_right": window[1],
         "num_splits": num_splits,
     }
     if feats:
         params.update(_score_params(feats, softcap, alibi_slopes, learnable_sink))
+    return params
+
+
+def _decode_impl(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: Tensor,
+    block_table: Optional[Tensor],
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    num_splits: int,
+    max_seqlen_k: int,
+    check_inputs: bool,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    learnable_sink: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
+    pb = _problem(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, softmax_scale)
+    feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
+    spec, window = _spec(q, pb, causal, window_left, window_right, feats)
+    device = q.device
+    out, lse = _outputs(q, pb)
+    if out.numel() == 0:  # no sequence or no query
+        return out, lse
+    if k_cache.numel() == 0:  # a contiguous cache of capacity 0: no key anywhere
+        if check_inputs and bool((cache_seqlens != 0).any()):
+            raise CacheInputError(ks.describe_errors(ks.ERR_SEQLEN, 0, None))
+        out.zero_()
+        _empty_lse(lse, learnable_sink)  # -inf, or the head's sink
+        return out, lse
+    _check_aligned(q=q, k_cache=k_cache, v_cache=v_cache)
+    lib = _library(spec)
+    params = _decode_params(
+        q, k_cache, v_cache, cache_seqlens, block_table, out, lse, pb, window, softmax_scale,
+        max_seqlen_k, num_splits, feats, softcap, alibi_slopes, learnable_sink,
+    )  # fmt: skip
     with torch.cuda.device(device):
         size = max(lib.workspace_bytes(params), WORKSPACE_HEADER)
         workspace = torch.empty(size, dtype=torch.uint8, device=device)
@@ -356,7 +367,69 @@ def decode(
     return out, lse
 
 
-@decode.register_fake
+# The compiled binding's decode plan (flashgen.torch.binding, csrc/binding.cpp): the struct of
+# the planning call as 8-byte words, and the words that change per call. Argument positions
+# follow the op's schema; the patch kinds are binding.cpp's PatchKind.
+_DECODE_ARG = {"q": 0, "k": 1, "v": 2, "cache_seqlens": 3, "block_table": 4}
+_DECODE_TORCH_ARG = {"alibi_slopes": 13, "learnable_sink": 14}
+_ARG_PTR, _OUT_PTR, _WORKSPACE, _WORKSPACE_SIZE, _ARG_F64, _ARG_CLAMPED = range(6)
+
+
+def _decode_plan(
+    q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_left,
+    window_right, num_splits, max_seqlen_k, check_inputs, softcap=0.0, alibi_slopes=None,
+    learnable_sink=None,
+):  # fmt: skip
+    """The binding's plan for this call's key, or None when the Python implementation serves
+    it (check_inputs reads the error word; empty outputs or caches). Raises what the Python
+    path raises."""
+    import struct
+
+    from flashgen.generator.features import FEATURES
+
+    pb = _problem(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, softmax_scale)
+    feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
+    spec, window = _spec(q, pb, causal, window_left, window_right, feats)
+    out, lse = _outputs(q, pb)
+    if check_inputs or out.numel() == 0 or k_cache.numel() == 0:
+        return None
+    lib = _library(spec)
+    params = _decode_params(
+        q, k_cache, v_cache, cache_seqlens, block_table, out, lse, pb, window, softmax_scale,
+        max_seqlen_k, num_splits, feats, softcap, alibi_slopes, learnable_sink,
+    )  # fmt: skip
+    raw = bytes(lib.pack(params))
+    words = list(struct.unpack(f"={len(raw) // 8}q", raw))
+    arg_of = {r.name: _DECODE_TORCH_ARG[f.torch_arg] for f in FEATURES for r in f.params
+              if r.ctype == "ptr" and f.torch_arg in _DECODE_TORCH_ARG}  # fmt: skip
+    patches = []
+    for index, row in enumerate(lib.family.params):
+        name = row.name
+        if name in _DECODE_ARG:
+            patches.append((index, _ARG_PTR, _DECODE_ARG[name], 0))
+        elif name in ("o", "lse"):
+            patches.append((index, _OUT_PTR, 0 if name == "o" else 1, 0))
+        elif name == "workspace":
+            patches.append((index, _WORKSPACE, 0, 0))
+        elif name == "workspace_size":
+            patches.append((index, _WORKSPACE_SIZE, 0, 0))
+        elif name == "softmax_scale":
+            patches.append((index, _ARG_F64, 5, 0))
+        elif name == "max_seqlen_k":
+            patches.append((index, _ARG_CLAMPED, 10, pb.capacity))
+        elif name in arg_of and name in params:
+            patches.append((index, _ARG_PTR, arg_of[name], 0))
+    return {
+        "name": lib.name,
+        **lib.entry_addresses(),
+        "template_words": words,
+        "patches": patches,
+        "out_shape": list(out.shape),
+        "lse_shape": list(lse.shape),
+        "workspace_header": WORKSPACE_HEADER,
+    }
+
+
 def _decode_fake(
     q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_left,
     window_right, num_splits, max_seqlen_k, check_inputs, softcap=0.0, alibi_slopes=None,
@@ -368,6 +441,26 @@ def _decode_fake(
     _spec(q, pb, causal, window_left, window_right, feats)
     return _outputs(q, pb)
 
+
+def _register_decode():
+    """flashgen::decode: the compiled binding's C++ kernel when the binding is on (see
+    flashgen.torch.binding), else the Python custom op."""
+    binding = _ops.BINDING
+    if binding is not None:
+        from flashgen.torch.binding import CPU_TESTS_ENV
+
+        schema = "decode" + torch.library.infer_schema(_decode_impl, mutates_args=())
+        binding.install_decode(
+            _decode_plan, _decode_impl, schema, os.environ.get(CPU_TESTS_ENV) == "1"
+        )
+        torch.library.register_fake("flashgen::decode")(_decode_fake)
+        return torch.ops.flashgen.decode
+    op = torch.library.custom_op("flashgen::decode", mutates_args=())(_decode_impl)
+    op.register_fake(_decode_fake)
+    return op
+
+
+decode = _register_decode()
 
 Result = Union[Tensor, tuple[Tensor, Tensor]]
 

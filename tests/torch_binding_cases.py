@@ -231,6 +231,22 @@ def test_a_refused_launch_raises_the_launchers_message(monkeypatch, mock):
         torch.ops.flashgen.fwd.default(q, q, q, None, None, 0, 0, 0.0, 0.1, False, -1, -1, False)
 
 
+def test_a_runtime_launch_error_is_retried_once_then_raised(monkeypatch, mock):
+    from flashgen.runtime import LaunchError
+
+    monkeypatch.setattr(cache, "kernel_library", lambda spec: MockLibrary(spec, mock, flaky=True))
+    q = torch.randn(1, 16, 4, 64, dtype=torch.bfloat16)
+    args = (q, q, q, None, None, 0, 0, 0.0, 0.1, False, -1, -1, False)
+    before, r0 = calls(mock, "fwd"), ops.BINDING.stats()["retries"]
+    mock.set_flaky(1)  # one transient error: the retry launches
+    torch.ops.flashgen.fwd.default(*args)
+    assert calls(mock, "fwd") == before + 1 and ops.BINDING.stats()["retries"] == r0 + 1
+    mock.set_flaky(2)  # twice in a row: the error is raised
+    with pytest.raises(LaunchError, match="cudaErrorInvalidValue"):
+        torch.ops.flashgen.fwd.default(*args)
+    mock.set_flaky(0)
+
+
 # -- backward and autograd ---------------------------------------------------------------------
 
 
@@ -466,3 +482,87 @@ def test_varlen_backward_keys_ignore_the_packed_lengths():
         _fwd_sum(q, k, v, cu, max(lens)).backward()
     s1 = ops.BINDING.stats()
     assert (s1["misses"] - s0["misses"], s1["hits"] - s0["hits"]) == (2, 6)  # fwd + bwd once
+
+
+# -- flashgen::decode ------------------------------------------------------------------------------
+
+DECODE_FAMILY = family(KernelKind.DECODE)
+
+
+def taken_decode(mock) -> dict:
+    Params = params_struct(DECODE_FAMILY)
+    buf = Params()
+    mock.take_decode(ctypes.byref(buf))
+    return {p.name: getattr(buf, p.name) for p in DECODE_FAMILY.params}
+
+
+@st.composite
+def decode_calls(draw):
+    dtype = draw(st.sampled_from([torch.float16, torch.bfloat16]))
+    d = draw(st.sampled_from((64, 128)))
+    kv = draw(st.sampled_from([1, 2]))
+    heads = kv * draw(st.sampled_from([1, 4]))
+    batch = draw(st.integers(1, 3))
+    sq = draw(st.integers(1, 16))
+    paged = draw(st.booleans())
+    if paged:
+        page = draw(st.sampled_from([16, 64]))
+        cols = draw(st.integers(1, 4))
+        pages = batch * cols + 1
+        k_cache = torch.randn(pages, page, kv, d, dtype=dtype)
+        table = torch.randperm(pages)[: batch * cols].to(torch.int32).reshape(batch, cols)
+        capacity = cols * page
+    else:
+        capacity = draw(st.integers(1, 300))
+        k_cache = torch.randn(batch, capacity, kv, d, dtype=dtype)
+        table = None
+    v_cache = torch.randn_like(k_cache)
+    lens = torch.tensor([draw(st.integers(0, capacity)) for _ in range(batch)], dtype=torch.int32)
+    q = torch.randn(batch, sq, heads, d, dtype=dtype)
+    causal = draw(st.booleans())
+    window = draw(st.sampled_from([(-1, -1), (32, 0), (5, 3)]))
+    splits = draw(st.sampled_from([0, 1, 3]))
+    softcap = draw(st.sampled_from([0.0, 30.0]))
+    slopes = draw(st.sampled_from([None, "h"]))
+    slopes = torch.rand(heads) if slopes else None
+    sinks = torch.randn(heads) if draw(st.booleans()) else None
+    max_k = draw(st.sampled_from([0, capacity // 2, capacity + 7]))
+    return (q, k_cache, v_cache, lens, table, d**-0.5, causal, *window, splits, max_k, False,
+            softcap, slopes, sinks)  # fmt: skip
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(decode_calls())
+def test_decode_struct_equals_the_python_paths(mock, args):
+    from flashgen.torch import kvcache
+
+    before = mock.decode_count()
+    out, lse = torch.ops.flashgen.decode.default(*args)
+    fast = taken_decode(mock)
+    assert mock.decode_count() == before + 1
+    py_out, py_lse = kvcache._decode_impl(*args)
+    slow = taken_decode(mock)
+    assert out.shape == py_out.shape and lse.shape == py_lse.shape
+    fast = _normalised(fast, {"o": out, "lse": lse})
+    slow = _normalised(slow, {"o": py_out, "lse": py_lse})
+    assert fast["workspace"] != 0 and slow["workspace"] != 0
+    fast["workspace"] = slow["workspace"] = "workspace"
+    assert fast == slow
+
+
+def test_decode_keys_hit_and_check_inputs_takes_the_python_path(monkeypatch, mock):
+    q = torch.randn(2, 1, 4, 64, dtype=torch.bfloat16)
+    cache_k = torch.randn(2, 100, 2, 64, dtype=torch.bfloat16)
+    lens = torch.tensor([50, 100], dtype=torch.int32)
+    args = [q, cache_k, cache_k, lens, None, 0.125, True, -1, -1, 0, 0, False]
+    s0 = ops.BINDING.stats()
+    for max_k in (0, 60, 100):  # a per-call value: one key
+        args[10] = max_k
+        torch.ops.flashgen.decode.default(*args)
+        assert taken_decode(mock)["max_seqlen_k"] == min(max_k, 100)
+    s1 = ops.BINDING.stats()
+    assert (s1["misses"] - s0["misses"], s1["hits"] - s0["hits"]) == (1, 2)
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: 0)  # the error word: no error
+    args[11] = True
+    torch.ops.flashgen.decode.default(*args)
+    assert ops.BINDING.stats()["fallbacks"] - s1["fallbacks"] == 1

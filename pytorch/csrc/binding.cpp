@@ -50,6 +50,7 @@ namespace {
 // ---- the Python side: planners, fallbacks and the launch-error raiser (set by install()).
 struct Callbacks {
   py::object fwd_plan, fwd_py, bwd_plan, bwd_py, check_backward, launch_error;
+  py::object decode_plan, decode_py;  // None until install_decode()
 };
 Callbacks* g_py = nullptr;  // leaked on purpose: never destroyed without the GIL at exit
 
@@ -256,6 +257,26 @@ std::shared_ptr<const Plan> get_plan(PlanCache& cache, const Key& key, const py:
   TORCH_CHECK(false, plan.name, ": launch failed (", err, ")");  // launch_error raises first
 }
 
+std::atomic<int64_t> g_retries{0};
+
+// One launch, retried once when the launcher reports a runtime error (not a refusal of the
+// parameters: `check` accepts them). Why: on an H200 the first backward of a kernel library
+// in autograd's worker thread returned cudaErrorInvalidValue with a struct that launches
+// from the main thread, and the next call in that thread worked (docs/torch_ecosystem.md,
+// "Open defect"); a launch writes every output afresh, so a second attempt is safe. The
+// count is in stats()["retries"], and the first retry says so on stderr.
+int launch_once_more_on_error(LaunchFn launch, CheckFn check, const void* params, void* stream,
+                              const std::string& name) {
+  int err = launch(params, stream);
+  if (err != 0 && check(params) == nullptr) {
+    if (g_retries.fetch_add(1) == 0)
+      fprintf(stderr, "flashgen: %s: launch error %d with accepted parameters; retrying once "
+              "(reported once per process)\n", name.c_str(), err);
+    err = launch(params, stream);
+  }
+  return err;
+}
+
 void* current_stream(const c10::Device& device) {
   if (device.type() != c10::DeviceType::CUDA) return nullptr;  // the CPU tests' mock kernels
   const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
@@ -372,7 +393,8 @@ void fwd_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
 
   {
     c10::DeviceGuard guard(q.device());
-    const int err = plan->launch(&p, current_stream(q.device()));
+    const int err = launch_once_more_on_error(plan->launch, plan->check, &p,
+                                              current_stream(q.device()), plan->name);
     if (err != 0) launch_failed(*plan, err, &p);
   }
   torch::jit::drop(*stack, kFwdArgs);
@@ -499,11 +521,185 @@ void bwd_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   if (plan->deterministic) p.dq_sem = reinterpret_cast<int32_t*>(base + carve.dq_sem);
   {
     c10::DeviceGuard guard(q.device());
-    const int err = plan->launch(&p, current_stream(q.device()));
+    const int err = launch_once_more_on_error(plan->launch, plan->check, &p,
+                                              current_stream(q.device()), plan->name);
+    if (std::getenv("FLASHGEN_BINDING_DEBUG")) {
+      const auto* w = reinterpret_cast<const int64_t*>(&p);
+      fprintf(stderr, "bwd err=%d words:", err);
+      for (size_t i = 0; i < sizeof p / 8; ++i) fprintf(stderr, " %lld", (long long)w[i]);
+      fprintf(stderr, "\n");
+    }
     if (err != 0) launch_failed(*plan, err, &p);
   }
   torch::jit::drop(*stack, kBwdArgs);
   torch::jit::push(*stack, std::move(dq), std::move(dk), std::move(dv), std::move(dsink));
+}
+
+// ---- flashgen::decode -----------------------------------------------------------------------
+// q k_cache v_cache cache_seqlens block_table softmax_scale causal window_left window_right
+// num_splits max_seqlen_k check_inputs softcap alibi_slopes learnable_sink
+//
+// The decode plan is data, not named fields: the Python planner packs the parameter struct of
+// the planning call (`template_words`, every field of the struct as an 8-byte word) and lists
+// the words that change from call to call (`patches`: which word, and from what). The key
+// holds every layout and scalar the constant words are derived from.
+constexpr size_t kDecodeArgs = 15;
+
+enum PatchKind : int64_t {
+  kPatchArgPtr = 0,     // the data pointer of tensor argument `arg` (0 if None)
+  kPatchOutPtr = 1,     // the data pointer of output `arg` (0: out, 1: lse)
+  kPatchWorkspace = 2,  // the workspace's data pointer
+  kPatchWorkspaceSize = 3,
+  kPatchArgF64 = 4,     // float argument `arg`, as a double
+  kPatchArgClamped = 5, // int argument `arg`, clamped to [0, value]
+};
+struct Patch {
+  int64_t word, kind, arg, value;
+};
+
+struct DecodePlan {
+  bool python = false;
+  std::string name;
+  LaunchFn launch = nullptr;
+  CheckFn check = nullptr;
+  WorkspaceFn workspace = nullptr;
+  std::vector<uint64_t> words;  // the struct of the planning call
+  std::vector<Patch> patches;
+  std::vector<int64_t> out_shape, lse_shape;
+  int64_t workspace_header = 0;  // bytes zeroed before the launch (the error word)
+};
+
+struct DecodePlanCache {
+  std::mutex mu;
+  std::unordered_map<Key, std::shared_ptr<const DecodePlan>, KeyHash> map;
+};
+DecodePlanCache g_decode_plans;
+
+std::shared_ptr<const DecodePlan> decode_plan_from_py(const py::object& obj) {
+  auto plan = std::make_shared<DecodePlan>();
+  if (obj.is_none()) {
+    plan->python = true;
+    return plan;
+  }
+  py::dict d = obj.cast<py::dict>();
+  plan->name = d["name"].cast<std::string>();
+  plan->launch = reinterpret_cast<LaunchFn>(static_cast<uintptr_t>(as_int(d["launch"])));
+  plan->check = reinterpret_cast<CheckFn>(static_cast<uintptr_t>(as_int(d["check"])));
+  plan->workspace =
+      reinterpret_cast<WorkspaceFn>(static_cast<uintptr_t>(as_int(d["workspace"])));
+  for (auto w : d["template_words"]) plan->words.push_back(static_cast<uint64_t>(as_int(w)));
+  for (auto item : d["patches"]) {
+    py::tuple t = item.cast<py::tuple>();
+    plan->patches.push_back({as_int(t[0]), as_int(t[1]), as_int(t[2]), as_int(t[3])});
+  }
+  for (auto x : d["out_shape"]) plan->out_shape.push_back(as_int(x));
+  for (auto x : d["lse_shape"]) plan->lse_shape.push_back(as_int(x));
+  plan->workspace_header = as_int(d["workspace_header"]);
+  TORCH_CHECK(plan->launch && plan->check && plan->workspace,
+              "flashgen binding: the decode planner returned no entry points for ", plan->name);
+  for (const Patch& p : plan->patches)
+    TORCH_CHECK(p.word >= 0 && p.word < static_cast<int64_t>(plan->words.size()),
+                "flashgen binding: bad decode patch");
+  return plan;
+}
+
+Key decode_key(c10::ArrayRef<IValue> a) {
+  Key key;
+  key.push(3);
+  for (int i = 0; i < 5; ++i) key.push_tensor(a[i].isNone() ? Tensor() : a[i].toTensor(), false);
+  key.push(a[6].toBool());
+  key.push(a[7].toInt());
+  key.push(a[8].toInt());
+  key.push(a[9].toInt());
+  key.push(a[11].toBool());
+  key.push_f64(a[12].toDouble());
+  for (int i = 13; i < 15; ++i)
+    key.push_tensor(a[i].isNone() ? Tensor() : a[i].toTensor(), false);
+  return key;
+}
+
+void decode_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  auto a = torch::jit::last(*stack, kDecodeArgs);
+  const Key key = decode_key(a);
+  std::shared_ptr<const DecodePlan> plan;
+  if (!key.overflow) {
+    std::lock_guard<std::mutex> lock(g_decode_plans.mu);
+    auto it = g_decode_plans.map.find(key);
+    if (it != g_decode_plans.map.end()) plan = it->second;
+  }
+  if (plan) {
+    g_hits.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    g_misses.fetch_add(1, std::memory_order_relaxed);
+    {
+      py::gil_scoped_acquire gil;
+      plan = decode_plan_from_py(g_py->decode_plan(*py_args(a)));
+    }
+    if (!key.overflow) {
+      std::lock_guard<std::mutex> lock(g_decode_plans.mu);
+      if (g_decode_plans.map.size() >= kPlanLimit) g_decode_plans.map.clear();
+      g_decode_plans.map[key] = plan;
+    }
+  }
+  const Tensor q = a[0].toTensor(), k = a[1].toTensor(), v = a[2].toTensor();
+  const bool serve = !plan->python && q.numel() > 0 && k.numel() > 0 && aligned(q) &&
+                     aligned(k) && aligned(v) && finite_positive(a[5].toDouble());
+  if (!serve) {
+    g_fallbacks.fetch_add(1, std::memory_order_relaxed);
+    run_python(g_py->decode_py, stack, kDecodeArgs);
+    return;
+  }
+  Tensor out = at::empty(plan->out_shape, q.options());
+  Tensor lse = at::empty(plan->lse_shape, q.options().dtype(at::kFloat));
+  std::vector<uint64_t> words = plan->words;
+  auto ptr_of = [](const IValue& x) -> uint64_t {
+    return x.isNone() ? 0 : reinterpret_cast<uintptr_t>(x.toTensor().data_ptr());
+  };
+  int64_t ws_word = -1, ws_size_word = -1;
+  for (const Patch& p : plan->patches) {
+    uint64_t value = 0;
+    switch (p.kind) {
+      case kPatchArgPtr: value = ptr_of(a[p.arg]); break;
+      case kPatchOutPtr:
+        value = reinterpret_cast<uintptr_t>(p.arg == 0 ? out.data_ptr() : lse.data_ptr());
+        break;
+      case kPatchWorkspace: ws_word = p.word; break;
+      case kPatchWorkspaceSize: ws_size_word = p.word; break;
+      case kPatchArgF64: {
+        const double x = a[p.arg].toDouble();
+        std::memcpy(&value, &x, sizeof value);
+        break;
+      }
+      case kPatchArgClamped: {
+        const int64_t x = std::max<int64_t>(0, std::min<int64_t>(a[p.arg].toInt(), p.value));
+        value = static_cast<uint64_t>(x);
+        break;
+      }
+      default: TORCH_CHECK(false, "flashgen binding: bad decode patch kind");
+    }
+    words[p.word] = value;
+  }
+  c10::DeviceGuard guard(q.device());
+  const int64_t asked = static_cast<int64_t>(plan->workspace(words.data()));
+  const int64_t size = std::max(asked, plan->workspace_header);
+  Tensor workspace = at::empty({size}, q.options().dtype(at::kByte));
+  workspace.narrow(0, 0, plan->workspace_header).zero_();  // the error word: kernels OR into it
+  if (ws_word >= 0) words[ws_word] = reinterpret_cast<uintptr_t>(workspace.data_ptr());
+  if (ws_size_word >= 0) words[ws_size_word] = static_cast<uint64_t>(size);
+  const int err = launch_once_more_on_error(plan->launch, plan->check, words.data(),
+                                            current_stream(q.device()), plan->name);
+  if (err != 0) {
+    const char* msg = err == 1 ? plan->check(words.data()) : nullptr;
+    py::gil_scoped_acquire gil;
+    g_py->launch_error(plan->name, err, msg == nullptr ? py::none() : py::object(py::str(msg)));
+    TORCH_CHECK(false, plan->name, ": launch failed (", err, ")");
+  }
+  torch::jit::drop(*stack, kDecodeArgs);
+  torch::jit::push(*stack, std::move(out), std::move(lse));
+}
+
+void decode_python(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  run_python(g_py->decode_py, stack, kDecodeArgs);
 }
 
 // ---- autograd ---------------------------------------------------------------------------------
@@ -663,9 +859,10 @@ bool g_installed = false;
 void install(py::dict callbacks, const std::string& fwd_schema, const std::string& bwd_schema,
              bool cpu_for_tests) {
   TORCH_CHECK(!g_installed, "flashgen binding: install() runs once per process");
-  g_py = new Callbacks{callbacks["fwd_plan"], callbacks["fwd_py"], callbacks["bwd_plan"],
-                       callbacks["bwd_py"], callbacks["check_backward"],
-                       callbacks["launch_error"]};
+  g_py = new Callbacks{callbacks["fwd_plan"],       callbacks["fwd_py"],
+                       callbacks["bwd_plan"],       callbacks["bwd_py"],
+                       callbacks["check_backward"], callbacks["launch_error"],
+                       py::none(),                  py::none()};
   auto& libs = libraries();
   auto def = std::make_unique<torch::Library>(torch::Library::FRAGMENT, "flashgen",
                                               c10::nullopt, __FILE__, __LINE__);
@@ -694,13 +891,46 @@ void install(py::dict callbacks, const std::string& fwd_schema, const std::strin
   g_installed = true;
 }
 
+bool g_decode_installed = false;
+
+// flashgen::decode in C++ (kvcache.py calls this when the binding is on): no gradient.
+void install_decode(py::object plan, py::object python, const std::string& schema,
+                    bool cpu_for_tests) {
+  TORCH_CHECK(g_installed, "flashgen binding: install() first");
+  TORCH_CHECK(!g_decode_installed, "flashgen binding: install_decode() runs once per process");
+  g_py->decode_plan = plan;
+  g_py->decode_py = python;
+  auto& libs = libraries();
+  auto def = std::make_unique<torch::Library>(torch::Library::FRAGMENT, "flashgen",
+                                              c10::nullopt, __FILE__, __LINE__);
+  def->def(torch::schema(schema.c_str(), c10::AliasAnalysisKind::FROM_SCHEMA));
+  libs.push_back(std::move(def));
+  auto impl = [&](c10::DispatchKey dk, torch::CppFunction fn) {
+    auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "flashgen", dk, __FILE__,
+                                                __LINE__);
+    lib->impl("decode", std::move(fn));
+    libs.push_back(std::move(lib));
+  };
+  impl(c10::DispatchKey::CUDA, torch::CppFunction::makeFromBoxedFunction<&decode_cuda>());
+  impl(c10::DispatchKey::CPU, cpu_for_tests
+                                  ? torch::CppFunction::makeFromBoxedFunction<&decode_cuda>()
+                                  : torch::CppFunction::makeFromBoxedFunction<&decode_python>());
+  impl(c10::DispatchKey::Autograd, torch::autograd::autogradNotImplementedFallback());
+  g_decode_installed = true;
+}
+
 py::dict stats() {
   py::dict d;
   d["hits"] = g_hits.load(), d["misses"] = g_misses.load(), d["fallbacks"] = g_fallbacks.load();
+  d["retries"] = g_retries.load();
   return d;
 }
 
 void clear() {
+  {
+    std::lock_guard<std::mutex> lock(g_decode_plans.mu);
+    g_decode_plans.map.clear();
+  }
   g_fwd_plans.clear();
   g_bwd_plans.clear();
   g_backward_ok.clear();
@@ -720,6 +950,7 @@ py::dict workspace_carve(int64_t batch, int64_t seqlen_q, int64_t heads, int64_t
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "flashgen.torch's compiled host path (see flashgen.torch.binding)";
   m.def("install", &install, "define flashgen::fwd/bwd with C++ kernels");
+  m.def("install_decode", &install_decode, "define flashgen::decode with a C++ kernel");
   m.def("stats", &stats, "plan-cache hits, misses and Python fallbacks since load");
   m.def("clear", &clear, "forget every plan");
   m.def("workspace_carve", &workspace_carve, "the backward's workspace carve (tests)");
