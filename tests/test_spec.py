@@ -533,7 +533,7 @@ MUTATIONS = [
     ("gqa", 1),
     ("target", "sm_75"),
     ("sparsity", "blocks"),
-    ("kernel", "decode"),
+    ("kernel", "prefill"),  # not a kind (decode accepts some of these mappings since d 8)
     ("kernel", "fwd"),
     ("heads", 8),
     ("mask", {"causal": "bottom-right"}),

@@ -566,6 +566,14 @@ def test_derivative_forms(text, deriv):
     assert U.canonical(U.derivative(parse(text))) == deriv
 
 
+def test_a_divisor_that_folds_to_zero_folds_to_the_run_time_value():
+    # `0 // abs(0)` is no literal zero divisor, so it parses; simplifying it gives 0, the
+    # value a kernel computes, instead of building the refused `x // 0`
+    mod = U.parse_score_mod("s + bias[h, 7 // abs(0)] + 3 % abs(0)", {"bias": "table"})
+    assert U.canonical(U.simplify(mod.tree)) == "s + bias[h, 0]"
+    assert U.canonical(U.derivative(mod.tree)) == "1.0"
+
+
 def test_derivative_refuses_int_and_bool_trees():
     with pytest.raises(U.UserModError, match="d/ds is taken of a float expression"):
         U.derivative(parse("i - j"))

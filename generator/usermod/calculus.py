@@ -105,6 +105,10 @@ def _negative(node: Expr) -> bool:
 
 
 def _binary(op: str, left: Expr, right: Expr, col: int | None = None) -> Expr:
+    if op in ("//", "%") and isinstance(right, Const) and right.value == 0:
+        # a divisor that folds to 0 (`0 // abs(0)`): the value is 0, as at run time (a
+        # literal 0 divisor, which the tree refuses, is only refused as written)
+        return Const(0, col=col)
     node = Binary(op, left, right, col=col)
     folded = _fold(node)
     if folded is not None:
