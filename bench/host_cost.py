@@ -16,23 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
-
-def _time(fn, iters: int, repeats: int) -> float:
-    for _ in range(30):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        samples.append((time.perf_counter() - start) / iters * 1e6)
-    return statistics.median(samples)
+from flashgen.bench.torch_overhead import median_us
 
 
 def _child(iters: int, repeats: int) -> dict:
@@ -64,7 +52,8 @@ def _child(iters: int, repeats: int) -> dict:
         "empty_floor": lambda: (torch.empty_like(q), torch.empty(2, 4, 64)),
     }
     path = "binding" if ops.BINDING is not None else "ctypes"
-    return {"path": path, **{c: _time(fn, iters, repeats) for c, fn in cases.items()}}
+    times = {c: median_us(fn, iters, 30, repeats, sync=lambda: None) for c, fn in cases.items()}
+    return {"path": path, **times}
 
 
 def main(argv: list[str] | None = None) -> dict:

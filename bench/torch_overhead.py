@@ -41,20 +41,24 @@ SHAPES = ((1, 128, 16, 64), (4, 512, 16, 128), (16, 1024, 12, 64), (2, 4096, 16,
 CASES = ("no_grad", "fwd_grad", "fwd_bwd", "varlen", "kvcache")
 
 
-def _time(fn, iters: int, warmup: int, repeats: int) -> float:
-    """Median over `repeats` of the mean host microseconds per call of `iters` calls."""
-    import torch
+def median_us(fn, iters: int, warmup: int, repeats: int, sync=None) -> float:
+    """Median over `repeats` of the mean host microseconds per call of `iters` calls, after
+    `warmup` calls; `sync` (default torch.cuda.synchronize) ends the warm-up and each
+    repeat, outside the timed loop."""
+    if sync is None:
+        import torch
 
+        sync = torch.cuda.synchronize
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync()
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(iters):
             fn()
         samples.append((time.perf_counter() - start) / iters * 1e6)
-        torch.cuda.synchronize()
+        sync()
     return statistics.median(samples)
 
 
@@ -118,12 +122,12 @@ def _shape_rows(args, shape: tuple[int, int, int, int]) -> list[dict]:
     rows = []
     for case in args.cases:
         row = {"case": case, "shape": list(shape)}
-        row["flashgen_us"] = _time(ours[case], args.iters, args.warmup, args.repeats)
+        row["flashgen_us"] = median_us(ours[case], args.iters, args.warmup, args.repeats)
         for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
                               ("cudnn", SDPBackend.CUDNN_ATTENTION)):  # fmt: skip
             try:
                 with sdpa_kernel(backend):
-                    us = _time(sdpa[case], args.iters, args.warmup, args.repeats)
+                    us = median_us(sdpa[case], args.iters, args.warmup, args.repeats)
             except RuntimeError as e:  # the backend refuses the shape
                 us, row[f"sdpa_{name}_error"] = None, str(e).splitlines()[0]
             row[f"sdpa_{name}_us"] = us

@@ -251,6 +251,28 @@ def _check_on_cuda(name: str, t: TensorMeta) -> None:
         )
 
 
+def _cache_shapes(q: TensorMeta, k_cache: TensorMeta, v_cache: TensorMeta) -> tuple:
+    """(batch, seqlen_q, heads, head_dim, kv_heads) of 4-D q and caches that agree: the caches
+    alike, one head dim, kv_heads dividing heads (GQA/MQA); else UnsupportedCall."""
+    if k_cache.shape != v_cache.shape:
+        raise UnsupportedCall(
+            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the "
+            "same shape"
+        )
+    batch, sq, heads, d = q.shape
+    if k_cache.shape[-1] != d:
+        raise UnsupportedCall(
+            f"q's head_dim {d} differs from k_cache's {k_cache.shape[-1]}; they must match"
+        )
+    kv_heads = k_cache.shape[2]
+    if kv_heads < 1 or heads < 1 or heads % kv_heads:
+        raise UnsupportedCall(
+            f"q has {heads} heads and k_cache, v_cache have {kv_heads}: the number of k/v "
+            "heads must divide the number of query heads (GQA/MQA)"
+        )
+    return batch, sq, heads, d, kv_heads
+
+
 def check_prep(
     q: TensorMeta,
     k_cache: TensorMeta,
@@ -308,22 +330,7 @@ def check_prep(
             raise UnsupportedCall(
                 f"{name} has {len(t.shape)} dimensions {tuple(t.shape)}; it must be {layout}"
             )
-    if k_cache.shape != v_cache.shape:
-        raise UnsupportedCall(
-            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the "
-            "same shape"
-        )
-    batch, sq, heads, d = q.shape
-    if k_cache.shape[-1] != d:
-        raise UnsupportedCall(
-            f"q's head_dim {d} differs from k_cache's {k_cache.shape[-1]}; they must match"
-        )
-    kv_heads = k_cache.shape[2]
-    if kv_heads < 1 or heads < 1 or heads % kv_heads:
-        raise UnsupportedCall(
-            f"q has {heads} heads and k_cache, v_cache have {kv_heads}: the number of k/v "
-            "heads must divide the number of query heads (GQA/MQA)"
-        )
+    batch, sq, heads, d, kv_heads = _cache_shapes(q, k_cache, v_cache)
     if paged:
         assert block_table is not None
         for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
@@ -693,22 +700,7 @@ def check_kvcache(
     _check_layout("q", q, "(batch, seqlen_q, heads, head_dim)")
     _check_layout("k_cache", k_cache, cache_layout)
     _check_layout("v_cache", v_cache, cache_layout)
-    if k_cache.shape != v_cache.shape:
-        raise UnsupportedCall(
-            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the "
-            "same shape"
-        )
-    batch, sq, heads, d = q.shape
-    if k_cache.shape[-1] != d:
-        raise UnsupportedCall(
-            f"q's head_dim {d} differs from k_cache's {k_cache.shape[-1]}; they must match"
-        )
-    kv_heads = k_cache.shape[2]
-    if kv_heads < 1 or heads < 1 or heads % kv_heads:
-        raise UnsupportedCall(
-            f"q has {heads} heads and k_cache, v_cache have {kv_heads}: the number of k/v "
-            "heads must divide the number of query heads (GQA/MQA)"
-        )
+    batch, sq, heads, d, kv_heads = _cache_shapes(q, k_cache, v_cache)
     if sq > MAX_QUERIES:
         raise UnsupportedCall(
             f"q has seqlen_q {sq}; decode kernels take 1..{MAX_QUERIES} new queries per "

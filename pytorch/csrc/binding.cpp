@@ -194,6 +194,18 @@ py::tuple py_args(c10::ArrayRef<IValue> args) {
 
 int64_t as_int(const py::handle& h) { return h.cast<int64_t>(); }
 
+// A plan's name and C entry points from the planner's dict (ops._plan, kvcache._decode_plan).
+template <class P>
+void read_entry_points(const py::dict& d, P* plan) {
+  auto fn = [&](const char* key) {
+    return reinterpret_cast<void*>(static_cast<uintptr_t>(as_int(d[key])));
+  };
+  plan->name = d["name"].cast<std::string>();
+  plan->launch = reinterpret_cast<LaunchFn>(fn("launch"));
+  plan->check = reinterpret_cast<CheckFn>(fn("check"));
+  plan->workspace = reinterpret_cast<WorkspaceFn>(fn("workspace"));
+}
+
 std::shared_ptr<const Plan> plan_from_py(const py::object& obj) {
   auto plan = std::make_shared<Plan>();
   if (obj.is_none()) {
@@ -201,11 +213,7 @@ std::shared_ptr<const Plan> plan_from_py(const py::object& obj) {
     return plan;
   }
   py::dict d = obj.cast<py::dict>();
-  plan->name = d["name"].cast<std::string>();
-  plan->launch = reinterpret_cast<LaunchFn>(static_cast<uintptr_t>(as_int(d["launch"])));
-  plan->check = reinterpret_cast<CheckFn>(static_cast<uintptr_t>(as_int(d["check"])));
-  plan->workspace =
-      reinterpret_cast<WorkspaceFn>(static_cast<uintptr_t>(as_int(d["workspace"])));
+  read_entry_points(d, plan.get());
   plan->window_left = as_int(d["window_left"]);
   plan->window_right = as_int(d["window_right"]);
   plan->block_m = as_int(d["block_m"]);
@@ -582,11 +590,7 @@ std::shared_ptr<const DecodePlan> decode_plan_from_py(const py::object& obj) {
     return plan;
   }
   py::dict d = obj.cast<py::dict>();
-  plan->name = d["name"].cast<std::string>();
-  plan->launch = reinterpret_cast<LaunchFn>(static_cast<uintptr_t>(as_int(d["launch"])));
-  plan->check = reinterpret_cast<CheckFn>(static_cast<uintptr_t>(as_int(d["check"])));
-  plan->workspace =
-      reinterpret_cast<WorkspaceFn>(static_cast<uintptr_t>(as_int(d["workspace"])));
+  read_entry_points(d, plan.get());
   for (auto w : d["template_words"]) plan->words.push_back(static_cast<uint64_t>(as_int(w)));
   for (auto item : d["patches"]) {
     py::tuple t = item.cast<py::tuple>();
