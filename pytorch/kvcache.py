@@ -316,6 +316,18 @@ def _decode_params(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, pb
     return params
 
 
+def _decode_select(
+    q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_left,
+    window_right, num_splits, softcap, alibi_slopes, learnable_sink,
+):  # fmt: skip
+    """Every check of a decode call and its kernel: (problem, features, spec, runtime window).
+    The Python implementation and the binding's planner both start here."""
+    pb = _problem(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, softmax_scale)
+    feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
+    spec, window = _spec(q, pb, causal, window_left, window_right, feats)
+    return pb, feats, spec, window
+
+
 def _decode_impl(
     q: Tensor,
     k_cache: Tensor,
@@ -333,9 +345,10 @@ def _decode_impl(
     alibi_slopes: Optional[Tensor] = None,
     learnable_sink: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    pb = _problem(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, softmax_scale)
-    feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
-    spec, window = _spec(q, pb, causal, window_left, window_right, feats)
+    pb, feats, spec, window = _decode_select(
+        q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_left,
+        window_right, num_splits, softcap, alibi_slopes, learnable_sink,
+    )  # fmt: skip
     device = q.device
     out, lse = _outputs(q, pb)
     if out.numel() == 0:  # no sequence or no query
@@ -387,9 +400,10 @@ def _decode_plan(
 
     from flashgen.generator.features import FEATURES
 
-    pb = _problem(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, softmax_scale)
-    feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
-    spec, window = _spec(q, pb, causal, window_left, window_right, feats)
+    pb, feats, spec, window = _decode_select(
+        q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_left,
+        window_right, num_splits, softcap, alibi_slopes, learnable_sink,
+    )  # fmt: skip
     out, lse = _outputs(q, pb)
     if check_inputs or out.numel() == 0 or k_cache.numel() == 0:
         return None

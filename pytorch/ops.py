@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 from flashgen.generator.features import FEATURES, SCORE_PARAMS
 from flashgen.runtime import workspace_layout
-from flashgen.runtime.library import _CUDA_ERRORS, LaunchError
+from flashgen.runtime.library import launch_error
 from flashgen.torch import cache, selection
 from flashgen.torch.selection import (
     NO_FEATURES,
@@ -414,12 +414,17 @@ def _lse_strides(lse: Tensor, varlen: bool) -> dict[str, int]:
     return {"lse_batch_stride": batch, "lse_head_stride": head}
 
 
+def _i64(value: int) -> int:
+    """A uint64 (or any int, taken mod 2^64) as the int64 of the same 8 bytes."""
+    value &= 2**64 - 1
+    return value - 2**64 if value >= 2**63 else value
+
+
 def _scalar(value: int) -> Tensor:
     """A 0-dim int64 CPU tensor holding a uint64 (two's complement): a new one per call.
     (`torch.scalar_tensor` makes what `torch.tensor(value, dtype=torch.int64)` does, on the
     default device as well, without parsing Python data; int64 Scalars fill exactly.)"""
-    value &= 2**64 - 1
-    return torch.scalar_tensor(value - 2**64 if value >= 2**63 else value, dtype=torch.int64)
+    return torch.scalar_tensor(_i64(value), dtype=torch.int64)
 
 
 def _u64(t: Tensor) -> int:
@@ -894,11 +899,6 @@ _SLOT_KINDS = {"alibi_slopes": 1, "learnable_sink": 2}  # binding.cpp's SlotKind
 _DSINKS_SLOT = "dsinks"
 
 
-def _i64(value: int) -> int:
-    value &= 2**64 - 1
-    return value - 2**64 if value >= 2**63 else value
-
-
 def _score_slots(feats, softcap, alibi_slopes, learnable_sink, dsinks: bool) -> list[tuple]:
     """(slot index, kind, value) of each score field a call sets: kind 0 a constant (its 8
     bytes as an int64), 1/2 the slopes'/sink's data pointer, 3 the backward's dsink output."""
@@ -964,9 +964,7 @@ def _bwd_plan(
 
 def _launch_error(name: str, err: int, msg: Optional[str]) -> None:
     """Raise the Python path's LaunchError for a failed launch of the binding."""
-    if msg is not None:
-        raise LaunchError(f"{name}: {msg}")
-    raise LaunchError(f"{name}: launch failed with {_CUDA_ERRORS.get(err, 'cudaError')} ({err})")
+    raise launch_error(name, err, msg)
 
 
 def _check_backward_args(

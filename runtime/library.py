@@ -28,7 +28,7 @@ from flashgen.generator.families import Family, family
 from flashgen.generator.naming import kernel_name
 from flashgen.generator.spec import KernelSpec
 
-__all__ = ["KernelLibrary", "LaunchError", "params_struct"]
+__all__ = ["KernelLibrary", "LaunchError", "launch_error", "params_struct"]
 
 _CTYPES = {
     "ptr": ctypes.c_uint64,  # device addresses as integers (0 = NULL)
@@ -55,6 +55,14 @@ _CUDA_ERRORS = {
 class LaunchError(ValueError):
     """The launcher refused the parameters (its message says what and what is allowed), or
     the CUDA runtime reported an error."""
+
+
+def launch_error(name: str, err: int, msg: str | None) -> LaunchError:
+    """The LaunchError of kernel `name`'s failed launch: the launcher's message when its
+    check refused the parameters, else the cudaError_t `err`."""
+    if msg is not None:
+        return LaunchError(f"{name}: {msg}")
+    return LaunchError(f"{name}: launch failed with {_CUDA_ERRORS.get(err, 'cudaError')} ({err})")
 
 
 @lru_cache(maxsize=None)
@@ -178,11 +186,7 @@ class KernelLibrary:
         if err == 0:
             return
         msg = self._check(ctypes.byref(params)) if err == 1 else None  # cudaErrorInvalidValue
-        if msg is not None:
-            raise LaunchError(f"{self.name}: {msg.decode()}")
-        raise LaunchError(
-            f"{self.name}: launch failed with {_CUDA_ERRORS.get(err, 'cudaError')} ({err})"
-        )
+        raise launch_error(self.name, err, None if msg is None else msg.decode())
 
     def launcher(self, values: dict[str, Any], stream: int = 0):
         """A no-argument callable launching with these parameters (checked once now), for

@@ -132,45 +132,30 @@ struct Plan {
 
 constexpr size_t kPlanLimit = 1024;  // bounded like the Python memos: cleared when full
 
-struct PlanCache {
+// A bounded, locked map from keys (the plans of each op, the backward-checked keys).
+template <class V>
+struct KeyMap {
   std::mutex mu;
-  std::unordered_map<Key, std::shared_ptr<const Plan>, KeyHash> map;
-  std::shared_ptr<const Plan> find(const Key& key) {
+  std::unordered_map<Key, V, KeyHash> map;
+  bool find(const Key& key, V* out) {
     std::lock_guard<std::mutex> lock(mu);
     auto it = map.find(key);
-    return it == map.end() ? nullptr : it->second;
+    if (it == map.end()) return false;
+    *out = it->second;
+    return true;
   }
-  void put(const Key& key, std::shared_ptr<const Plan> plan) {
+  void put(const Key& key, V value) {
     std::lock_guard<std::mutex> lock(mu);
     if (map.size() >= kPlanLimit) map.clear();
-    map[key] = std::move(plan);
+    map[key] = std::move(value);
   }
   void clear() {
     std::lock_guard<std::mutex> lock(mu);
     map.clear();
   }
 };
-PlanCache g_fwd_plans, g_bwd_plans;
-
-// check_backward's accepted forward keys (the autograd kernel asks once per key).
-struct KeySet {
-  std::mutex mu;
-  std::unordered_map<Key, bool, KeyHash> map;
-  bool has(const Key& k) {
-    std::lock_guard<std::mutex> lock(mu);
-    return map.count(k) != 0;
-  }
-  void add(const Key& k) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (map.size() >= kPlanLimit) map.clear();
-    map[k] = true;
-  }
-  void clear() {
-    std::lock_guard<std::mutex> lock(mu);
-    map.clear();
-  }
-};
-KeySet g_backward_ok;
+KeyMap<std::shared_ptr<const Plan>> g_fwd_plans, g_bwd_plans;
+KeyMap<bool> g_backward_ok;  // check_backward's accepted forward keys (asked once per key)
 
 // ---- IValue <-> Python ---------------------------------------------------------------------
 py::object to_py(const IValue& v) {
@@ -240,29 +225,33 @@ void run_python(const py::object& fn, torch::jit::Stack* stack, size_t nargs) {
   for (auto& o : outs) torch::jit::push(*stack, std::move(o));
 }
 
-std::shared_ptr<const Plan> get_plan(PlanCache& cache, const Key& key, const py::object& planner,
-                                    torch::jit::Stack* stack, size_t nargs) {
-  if (!key.overflow) {
-    if (auto plan = cache.find(key)) {
-      g_hits.fetch_add(1, std::memory_order_relaxed);
-      return plan;
-    }
+// The plan of a key: cached, else made by the Python planner (which may raise) and cached.
+template <class P>
+std::shared_ptr<const P> get_plan(KeyMap<std::shared_ptr<const P>>& cache, const Key& key,
+                                  const py::object& planner,
+                                  std::shared_ptr<const P> (*from_py)(const py::object&),
+                                  torch::jit::Stack* stack, size_t nargs) {
+  std::shared_ptr<const P> plan;
+  if (!key.overflow && cache.find(key, &plan)) {
+    g_hits.fetch_add(1, std::memory_order_relaxed);
+    return plan;
   }
   g_misses.fetch_add(1, std::memory_order_relaxed);
-  std::shared_ptr<const Plan> plan;
   {
     py::gil_scoped_acquire gil;
-    plan = plan_from_py(planner(*py_args(torch::jit::last(*stack, nargs))));
+    plan = from_py(planner(*py_args(torch::jit::last(*stack, nargs))));
   }
   if (!key.overflow) cache.put(key, plan);
   return plan;
 }
 
-[[noreturn]] void launch_failed(const Plan& plan, int err, const void* params) {
-  const char* msg = err == 1 ? plan.check(params) : nullptr;  // cudaErrorInvalidValue
+// Raises the Python path's LaunchError (with the launcher's message when it refused).
+[[noreturn]] void launch_failed(const std::string& name, CheckFn check, int err,
+                                const void* params) {
+  const char* msg = err == 1 ? check(params) : nullptr;  // cudaErrorInvalidValue
   py::gil_scoped_acquire gil;
-  g_py->launch_error(plan.name, err, msg == nullptr ? py::none() : py::object(py::str(msg)));
-  TORCH_CHECK(false, plan.name, ": launch failed (", err, ")");  // launch_error raises first
+  g_py->launch_error(name, err, msg == nullptr ? py::none() : py::object(py::str(msg)));
+  TORCH_CHECK(false, name, ": launch failed (", err, ")");  // launch_error raises first
 }
 
 std::atomic<int64_t> g_retries{0};
@@ -350,7 +339,8 @@ void fwd_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   const Tensor q = a[0].toTensor(), k = a[1].toTensor(), v = a[2].toTensor();
   const auto cu_q = a[3].toOptional<Tensor>(), cu_k = a[4].toOptional<Tensor>();
   const bool varlen = cu_q.has_value() || cu_k.has_value();
-  const auto plan = get_plan(g_fwd_plans, fwd_key(a, varlen), g_py->fwd_plan, stack, kFwdArgs);
+  const auto plan =
+      get_plan(g_fwd_plans, fwd_key(a, varlen), g_py->fwd_plan, &plan_from_py, stack, kFwdArgs);
   const int64_t max_q = a[5].toInt(), max_k = a[6].toInt();
   const double scale = a[8].toDouble();
   const bool serve = !plan->python && q.numel() > 0 && k.numel() > 0 && aligned(q) &&
@@ -403,7 +393,7 @@ void fwd_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
     c10::DeviceGuard guard(q.device());
     const int err = launch_once_more_on_error(plan->launch, plan->check, &p,
                                               current_stream(q.device()), plan->name);
-    if (err != 0) launch_failed(*plan, err, &p);
+    if (err != 0) launch_failed(plan->name, plan->check, err, &p);
   }
   torch::jit::drop(*stack, kFwdArgs);
   torch::jit::push(*stack, std::move(out), std::move(lse), scalar_i64(0), scalar_i64(0));
@@ -460,7 +450,8 @@ void bwd_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   const Tensor seed = a[6].toTensor(), offset = a[7].toTensor();
   const auto cu_q = a[8].toOptional<Tensor>(), cu_k = a[9].toOptional<Tensor>();
   const bool varlen = cu_q.has_value() || cu_k.has_value();
-  const auto plan = get_plan(g_bwd_plans, bwd_key(a, varlen), g_py->bwd_plan, stack, kBwdArgs);
+  const auto plan =
+      get_plan(g_bwd_plans, bwd_key(a, varlen), g_py->bwd_plan, &plan_from_py, stack, kBwdArgs);
   const int64_t max_q = a[10].toInt(), max_k = a[11].toInt();
   const double scale = a[13].toDouble();
   const bool serve =
@@ -531,13 +522,7 @@ void bwd_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
     c10::DeviceGuard guard(q.device());
     const int err = launch_once_more_on_error(plan->launch, plan->check, &p,
                                               current_stream(q.device()), plan->name);
-    if (std::getenv("FLASHGEN_BINDING_DEBUG")) {
-      const auto* w = reinterpret_cast<const int64_t*>(&p);
-      fprintf(stderr, "bwd err=%d words:", err);
-      for (size_t i = 0; i < sizeof p / 8; ++i) fprintf(stderr, " %lld", (long long)w[i]);
-      fprintf(stderr, "\n");
-    }
-    if (err != 0) launch_failed(*plan, err, &p);
+    if (err != 0) launch_failed(plan->name, plan->check, err, &p);
   }
   torch::jit::drop(*stack, kBwdArgs);
   torch::jit::push(*stack, std::move(dq), std::move(dk), std::move(dv), std::move(dsink));
@@ -577,11 +562,7 @@ struct DecodePlan {
   int64_t workspace_header = 0;  // bytes zeroed before the launch (the error word)
 };
 
-struct DecodePlanCache {
-  std::mutex mu;
-  std::unordered_map<Key, std::shared_ptr<const DecodePlan>, KeyHash> map;
-};
-DecodePlanCache g_decode_plans;
+KeyMap<std::shared_ptr<const DecodePlan>> g_decode_plans;
 
 std::shared_ptr<const DecodePlan> decode_plan_from_py(const py::object& obj) {
   auto plan = std::make_shared<DecodePlan>();
@@ -624,27 +605,8 @@ Key decode_key(c10::ArrayRef<IValue> a) {
 
 void decode_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   auto a = torch::jit::last(*stack, kDecodeArgs);
-  const Key key = decode_key(a);
-  std::shared_ptr<const DecodePlan> plan;
-  if (!key.overflow) {
-    std::lock_guard<std::mutex> lock(g_decode_plans.mu);
-    auto it = g_decode_plans.map.find(key);
-    if (it != g_decode_plans.map.end()) plan = it->second;
-  }
-  if (plan) {
-    g_hits.fetch_add(1, std::memory_order_relaxed);
-  } else {
-    g_misses.fetch_add(1, std::memory_order_relaxed);
-    {
-      py::gil_scoped_acquire gil;
-      plan = decode_plan_from_py(g_py->decode_plan(*py_args(a)));
-    }
-    if (!key.overflow) {
-      std::lock_guard<std::mutex> lock(g_decode_plans.mu);
-      if (g_decode_plans.map.size() >= kPlanLimit) g_decode_plans.map.clear();
-      g_decode_plans.map[key] = plan;
-    }
-  }
+  const auto plan = get_plan(g_decode_plans, decode_key(a), g_py->decode_plan,
+                             &decode_plan_from_py, stack, kDecodeArgs);
   const Tensor q = a[0].toTensor(), k = a[1].toTensor(), v = a[2].toTensor();
   const bool serve = !plan->python && q.numel() > 0 && k.numel() > 0 && aligned(q) &&
                      aligned(k) && aligned(v) && finite_positive(a[5].toDouble());
@@ -692,12 +654,7 @@ void decode_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   if (ws_size_word >= 0) words[ws_size_word] = static_cast<uint64_t>(size);
   const int err = launch_once_more_on_error(plan->launch, plan->check, words.data(),
                                             current_stream(q.device()), plan->name);
-  if (err != 0) {
-    const char* msg = err == 1 ? plan->check(words.data()) : nullptr;
-    py::gil_scoped_acquire gil;
-    g_py->launch_error(plan->name, err, msg == nullptr ? py::none() : py::object(py::str(msg)));
-    TORCH_CHECK(false, plan->name, ": launch failed (", err, ")");
-  }
+  if (err != 0) launch_failed(plan->name, plan->check, err, words.data());
   torch::jit::drop(*stack, kDecodeArgs);
   torch::jit::push(*stack, std::move(out), std::move(lse));
 }
@@ -828,12 +785,13 @@ void fwd_autograd(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   Key key;
   const bool cacheable = !traced(a);
   if (cacheable) key = fwd_key(a, !a[3].isNone() || !a[4].isNone());
-  if (!cacheable || key.overflow || !g_backward_ok.has(key)) {
+  bool known = false;
+  if (!cacheable || key.overflow || !g_backward_ok.find(key, &known)) {
     {
       py::gil_scoped_acquire gil;
       g_py->check_backward(*py_args(a));
     }
-    if (cacheable && !key.overflow) g_backward_ok.add(key);
+    if (cacheable && !key.overflow) g_backward_ok.put(key, true);
   }
   std::vector<IValue> args(a.begin(), a.end());
   FwdExtras extras;
@@ -931,10 +889,7 @@ py::dict stats() {
 }
 
 void clear() {
-  {
-    std::lock_guard<std::mutex> lock(g_decode_plans.mu);
-    g_decode_plans.map.clear();
-  }
+  g_decode_plans.clear();
   g_fwd_plans.clear();
   g_bwd_plans.clear();
   g_backward_ok.clear();
