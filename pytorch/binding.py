@@ -19,7 +19,8 @@ required.
 
 `FLASHGEN_TORCH_BINDING`: "1" uses the binding (an error if it cannot be built), "auto"
 uses it when it builds (else the ctypes path, with a one-line notice on stderr), "0" or
-unset keeps the ctypes path. Read once, when `flashgen.torch.ops` is first imported.
+unset keeps the ctypes path, and any other value keeps it with a notice. Read once, when
+`flashgen.torch.ops` is first imported.
 """
 
 from __future__ import annotations

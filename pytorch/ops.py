@@ -986,7 +986,11 @@ def _install_binding():
     path (FLASHGEN_TORCH_BINDING, flashgen.torch.binding)."""
     from flashgen.torch import binding
 
-    want = binding.mode()
+    try:
+        want = binding.mode()
+    except binding.BindingUnavailable as e:  # a bad value: say so, keep the ctypes path
+        print(f"flashgen: {e}; using the ctypes path", file=sys.stderr)
+        return None
     if want == "0":
         return None
     try:
