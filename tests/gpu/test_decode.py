@@ -126,7 +126,8 @@ def check_reference(spec, case, res, recorder, test):
             "fp32",
             extra_floor=passrule.score_floor(qi, np.nan_to_num(ki), 1 / np.sqrt(spec.head_dim))
             + passrule.alibi_floor(res.score.alibi_slopes, case["sq"] + max(case["lens"]))
-            + passrule.softcap_floor(res.score.softcap),
+            + passrule.softcap_floor(res.score.softcap)
+            + passrule.usermod_floor(res.score.score_params, case["sq"] + max(case["lens"])),
         ),
     }
     recorder.add(spec, found, test)

@@ -275,7 +275,8 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
     const Mod mod = mod0.at(p.score, p.softmax_scale, b, h, io, false, BwdIo::kMeta);
     // element (query ql, key kl) lies at diagonal distance dist0 + kl - ql (as an int: a float
     // base per key row measured 24 bytes of spill here with softcap and ALiBi, ptxas)
-    const int dist0 = tile_dist0(r0, c0, mask.shift);
+    const TileAt at = tile_at(r0, c0, mask);  // and its positions, for a score_mod
+    const int dist0 = at.dist0;
     const bool masked = mask.tile_needs_mask(r0, min(r0 + C::kBlockM, sq) - 1, nt, C::kBlockN);
     TileMask tm = mask.tile(r0, c0);
     tm.col_end = 1 << 30;  // keys past the sequence: key_ok above
@@ -292,8 +293,8 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
       for (int e = 0; e < 4; ++e) {
         const int kl = key0 + wk * 16 + g + (e >> 1) * 8;
         float gm;
-        const float y =
-            mod.logit(acc_s[0][j][e], static_cast<float>(dist0 + kl - (ql + (e & 1))), gm);
+        const float y = mod.logit(acc_s[0][j][e], static_cast<float>(dist0 + kl - (ql + (e & 1))),
+                                  at.pos(ql + (e & 1), kl), gm);
         pe[e] = exp2_approx(__fsub_rn(__fmul_rn(y, mod.scale_log2), (e & 1) ? lse2.y : lse2.x));
         if (masked && !tm.visible(ql + (e & 1), kl)) pe[e] = 0.f;
         ds[e] = pe[e] * acc_dp[0][j][e];

@@ -325,7 +325,7 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
     float acc_s[C::kSMT][C::kSNT][4];
     float gmod[Mod::kHasGrad ? C::kSMT : 1][Mod::kHasGrad ? C::kSNT : 1][4];
     scores(q_slot, sK_a, acc_s);
-    score_frag(acc_s, mod, tile_dist0(r0 + s_row0, c0 + s_col0, mask.shift), lane, gmod);
+    score_frag(acc_s, mod, tile_at(r0 + s_row0, c0 + s_col0, mask), lane, gmod);
     const bool masked = C::kSparse ? (cur.partial || c0 + C::kBlockN > sk)
                                    : mask.tile_needs_mask(r0, r0 + qr - 1, nt, C::kBlockN);
     if (masked) mask_frag(acc_s, mask.tile(r0 + s_row0, c0 + s_col0), lane);

@@ -1,0 +1,295 @@
+"""A spec's score_mod (issue 26) from the YAML to the kernels' functor and the references:
+the spec fields, the parameter slots, the rendered `Spec::UserScore`, the float64 reference
+and baseline, the runners' validation and the strategies (no GPU needed; the kernels of
+specs/usermod.yaml compile under the nvcc marker)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flashgen.generator.features import SCORE_PARAMS, USER_PARAMS, USER_SLOTS
+from flashgen.generator.features.user import user_score_cpp
+from flashgen.generator.load import load_spec_text
+from flashgen.generator.naming import kernel_name
+from flashgen.generator.render import Renderer
+from flashgen.generator.spec import KernelSpec, SpecError
+from flashgen.generator.usermod import EXAMPLE_BY_NAME, parse_score_mod
+from flashgen.verify import baseline, reference
+from flashgen.verify.runner import RunnerError, validate
+from flashgen.verify.score_mods import check_score_args
+from flashgen.verify.strategies import fixed_score_args, user_params
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+BASE = "kernel: forward\ndtype: bf16\nhead_dim: 64\n"
+ALIBI = (
+    'score_mod: "s - slopes[h] * abs(i + seqlen_k - seqlen_q - j)"\nparams: {slopes: per_head}\n'
+)
+
+
+def one(text: str) -> KernelSpec:
+    (spec,) = load_spec_text(text, "u.yaml")
+    return spec
+
+
+# ---- spec fields -----------------------------------------------------------------------------
+
+
+def test_a_spec_without_score_mod_has_no_score_mod_key_in_its_canonical_form():
+    c = one(BASE).to_canonical()
+    assert "score_mod" not in c and "params" not in c
+
+
+def test_a_score_mod_joins_the_canonical_form_and_the_name_by_its_digest():
+    spec = one(BASE + ALIBI)
+    c = spec.to_canonical()
+    assert c["score_mod"] == spec.score_mod.canonical
+    assert c["params"] == {"slopes": "per_head"}
+    assert f"_um{spec.score_mod.digest()}_" in kernel_name(spec)
+
+
+def test_every_spelling_of_one_score_mod_names_one_kernel():
+    a = one(BASE + ALIBI)
+    b = one(BASE + 'score_mod: "(s) - slopes[h]*abs((i+seqlen_k) - seqlen_q - j)"\n'
+            "params: {slopes: per_head}\n")  # fmt: skip
+    assert a == b and kernel_name(a) == kernel_name(b)
+
+
+def test_the_canonical_form_of_a_score_mod_reads_back():
+    spec = one(BASE + ALIBI)
+    assert KernelSpec.from_canonical(spec.to_canonical()) == spec
+
+
+@pytest.mark.parametrize(
+    "extra, where, words",
+    [
+        ('score_mod: "s + x"\n', "u.yaml:4: score_mod: column 5", "unknown name 'x'"),
+        ("params: {a: scalar}\n", "u.yaml:4: params", "give score_mod too"),
+        (
+            'score_mod: "s * a"\nparams: {a: scalr}\n',
+            "u.yaml:5: params.a",
+            "did you mean 'scalar'",
+        ),
+        ('score_mod: "where(s > 0, s, 0.)"\n', "u.yaml:4: score_mod: column 1", "d/ds"),
+        ("score_mod: 3\n", "u.yaml:4: score_mod", "expected an expression string"),
+        (
+            'score_mod: "s + d[i] * 1.0"\nparams: {d: per_token_q}\n',
+            "params.d",
+            "not served by the kernels yet",
+        ),
+        ('score_mod: "s"\nparams: {a: scalar}\n', "params.a", "declared but not read"),
+        (
+            'score_mod: "cap * tanh(s / cap)"\nparams: {cap: scalar}\nsoftcap: true\n',
+            "softcap",
+            "cannot be combined with score_mod",
+        ),
+        (ALIBI + "alibi: true\n", "alibi", "cannot be combined with score_mod"),
+        (ALIBI + "instrument_io: true\n", "instrument_io", "IO models"),
+        (
+            'score_mod: "s * a * b2 * c * d2 * e"\n'
+            "params: {a: scalar, b2: scalar, c: scalar, d2: scalar, e: scalar}\n",
+            "params",
+            f"{USER_SLOTS} parameter slots",
+        ),
+    ],
+)
+def test_a_score_mod_the_kernels_do_not_serve_is_refused_by_file_line_and_field(
+    extra, where, words
+):
+    with pytest.raises(SpecError) as exc:
+        one(BASE + extra)
+    assert where in str(exc.value) and words in str(exc.value)
+
+
+def test_a_family_of_score_mods_is_one_kernel_each():
+    specs = load_spec_text(
+        BASE + 'score_mod: ["s * 0.5", "s - 1.0"]\n', "u.yaml"
+    )  # fmt: skip
+    assert [s.score_mod.canonical for s in specs] == ["s * 0.5", "s - 1.0"]
+
+
+def test_the_sink_composes_with_a_score_mod():
+    assert one(BASE + ALIBI + "sink: true\n").has("sink")
+
+
+# ---- parameter slots and the functor -----------------------------------------------------------
+
+
+def test_the_user_slots_close_the_score_params_three_fields_a_slot():
+    assert SCORE_PARAMS[-len(USER_PARAMS) :] == USER_PARAMS
+    assert [r.name for r in USER_PARAMS[:3]] == ["user_ptr0", "user_f0", "user_i0"]
+    assert len(USER_PARAMS) == 3 * USER_SLOTS
+
+
+def test_a_plain_kernel_names_no_user_score_and_a_user_mod_kernel_renders_its_functor():
+    r = Renderer()
+    plain = r.render(one(BASE)).files
+    user = r.render(one(BASE + ALIBI)).files
+    (plain_cu,) = [v.decode() for k, v in plain.items() if k.endswith(".cu")]
+    (user_cu,) = [v.decode() for k, v in user.items() if k.endswith(".cu")]
+    assert "using UserScore = fg::NoUserScore;" in plain_cu
+    assert "struct UserScore {" in user_cu and "NoUserScore" not in user_cu
+
+
+def test_the_functor_reads_declared_slots_and_refuses_the_rest_at_launch():
+    mod = parse_score_mod(
+        "s + bias[h, min(abs(i - j) // 8, 31)] * w", {"bias": "table", "w": "scalar"}
+    )
+    cpp = user_score_cpp(mod)
+    # slot 0 is `bias` (by name), slot 1 `w`
+    assert "static_cast<const float*>(sp.user_ptr0) + h * v.bias_cols" in cpp
+    assert "v.w = static_cast<float>(sp.user_f1);" in cpp
+    assert '"score_mod parameter bias (table, slot 0): user_ptr0 must be non-null"' in cpp
+    assert "if (sp.user_ptr2)" in cpp and "kHasGrad = false" in cpp
+
+
+def test_a_derivative_other_than_one_is_rendered_as_grad():
+    cpp = user_score_cpp(EXAMPLE_BY_NAME["softcap"].parse())
+    assert "kHasGrad = true" in cpp and "static __device__ __forceinline__ float grad(" in cpp
+
+
+# ---- the references ---------------------------------------------------------------------------
+
+
+def _problem(seed=0, b=2, sq=37, sk=53, h=3, d=16):
+    rng = np.random.default_rng(seed)
+    shapes = ((b, sq, h, d), (b, sk, h, d), (b, sk, h, d), (b, sq, h, d))
+    return tuple(rng.standard_normal(s) for s in shapes)
+
+
+@pytest.mark.parametrize("causal", ["none", "bottom_right"])
+def test_alibi_written_as_a_score_mod_is_the_built_in_alibi(causal):
+    q, k, v, do = _problem()
+    slopes = np.array([0.5, 0.25, 0.125])
+    mod = EXAMPLE_BY_NAME["alibi"].parse()
+    o1, l1 = reference.attention_forward(q, k, v, causal=causal, alibi_slopes=slopes)
+    o2, l2 = reference.attention_forward(
+        q, k, v, causal=causal, score_mod=mod, score_params={"slopes": slopes}
+    )
+    np.testing.assert_array_equal(o1, o2)
+    np.testing.assert_array_equal(l1, l2)
+    g1 = reference.attention_backward(q, k, v, o1, l1, do, causal=causal, alibi_slopes=slopes)
+    g2 = reference.attention_backward(
+        q, k, v, o2, l2, do, causal=causal, score_mod=mod, score_params={"slopes": slopes}
+    )
+    for a, b in zip(g1, g2):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_softcap_written_as_a_score_mod_is_the_built_in_softcap():
+    q, k, v, do = _problem(1)
+    mod = EXAMPLE_BY_NAME["softcap"].parse()
+    o1, l1 = reference.attention_forward(q, k, v, softcap=3.0)
+    o2, l2 = reference.attention_forward(q, k, v, score_mod=mod, score_params={"cap": 3.0})
+    np.testing.assert_allclose(o1, o2, rtol=0, atol=1e-14)
+    g1 = reference.attention_backward(q, k, v, o1, l1, do, softcap=3.0)
+    g2 = reference.attention_backward(q, k, v, o2, l2, do, score_mod=mod, score_params={"cap": 3.0})
+    for a, b in zip(g1, g2):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("name", ["softcap", "t5_bias", "bucketed_bias"])
+def test_the_reference_backward_of_a_score_mod_is_its_finite_difference(name):
+    q, k, v, do = _problem(2, b=1, sq=19, sk=23, h=2, d=8)
+    mod = EXAMPLE_BY_NAME[name].parse()
+    params = {"cap": 2.0} if name == "softcap" else {"bias": np.linspace(-1, 1, 64).reshape(2, 32)}
+    kw = dict(score_mod=mod, score_params=params, causal="none")
+    o, lse = reference.attention_forward(q, k, v, **kw)
+    dq, dk, _ = reference.attention_backward(q, k, v, o, lse, do, **kw)
+    for x, grad, at in ((q, dq, (0, 5, 1, 3)), (k, dk, (0, 7, 0, 2))):
+        e = np.zeros_like(x)
+        e[at] = 1e-6
+        args = [q, k, v]
+        idx = 0 if x is q else 1
+        plus, minus = list(args), list(args)
+        plus[idx], minus[idx] = x + e, x - e
+        fd = (
+            (reference.attention_forward(*plus, **kw)[0] * do).sum()
+            - (reference.attention_forward(*minus, **kw)[0] * do).sum()
+        ) / 2e-6
+        assert abs(fd - grad[at]) < 1e-6 * max(1.0, abs(fd))
+
+
+def test_the_baseline_applies_a_score_mod_in_float32():
+    q, k, v, do = _problem(3)
+    mod = EXAMPLE_BY_NAME["t5_bias"].parse()
+    bias = np.linspace(-2, 2, 96).reshape(3, 32)
+    kw = dict(score_mod=mod, score_params={"bias": bias})
+    o64, _ = reference.attention_forward(q, k, v, **kw)
+    ob, lb = baseline.attention_forward(q, k, v, dtype="bf16", **kw)
+    assert ob.dtype == np.float32 and np.abs(ob - o64).max() < 0.05
+    grads = baseline.attention_backward(q, k, v, ob, lb, do, dtype="bf16", **kw)
+    assert all(np.isfinite(g).all() for g in grads)
+
+
+# ---- runners and strategies ---------------------------------------------------------------------
+
+
+def test_the_runner_refuses_a_score_mod_kernel_without_its_params():
+    spec = one(BASE + ALIBI)
+    q, k, v, _ = _problem(d=64)
+    with pytest.raises(RunnerError, match="pass score_params \\(slopes: per_head\\)"):
+        validate(spec, q.astype(np.float32), k.astype(np.float32), v.astype(np.float32))
+    with pytest.raises(RunnerError, match="must have shape \\(3,\\)"):
+        validate(spec, q, k, v, score_params={"slopes": np.ones(4)})
+
+
+def test_the_runner_takes_the_params_rounded_to_float32_as_the_device_holds_them():
+    spec = one(BASE + ALIBI)
+    q, k, v, _ = _problem(d=64)
+    pb = validate(spec, q, k, v, score_params={"slopes": np.array([0.1, 0.2, 0.3])})
+    s = pb.score.score_params["slopes"]
+    np.testing.assert_array_equal(s, np.float32([0.1, 0.2, 0.3]).astype(np.float64))
+    assert pb.score.kwargs()["score_mod"] == spec.score_mod
+
+
+def test_a_plain_spec_refuses_score_params():
+    q, k, v, _ = _problem(d=64)
+    with pytest.raises(RunnerError):
+        validate(one(BASE), q, k, v, score_params={"slopes": np.ones(3)})
+
+
+def test_fixed_score_args_give_every_declared_parameter():
+    spec = one(BASE + ALIBI)
+    args = fixed_score_args(spec, 2, 3)
+    assert set(args.score_params) == {"slopes"} and args.score_mod == spec.score_mod
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_drawn_params_are_valid_for_the_shipped_score_mods(data):
+    name = data.draw(st.sampled_from(["alibi", "softcap", "bucketed_bias", "t5_bias"]))
+    mod = EXAMPLE_BY_NAME[name].parse()
+    values = data.draw(user_params(mod, 2, 3))
+    args = check_score_args(0.0, None, None, batch=2, heads=3, score_mod=mod, score_params=values)
+    q, k, v, _ = _problem(d=8)
+    o, lse = reference.attention_forward(q, k, v, **args.kwargs())
+    assert np.isfinite(o).all()
+
+
+@pytest.mark.nvcc
+def test_every_kernel_of_specs_usermod_compiles_without_unallowed_spills(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    from flashgen.generator.compile import compile_specs
+    from flashgen.generator.load import load_paths
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not found")
+    specs = load_paths([Path(__file__).resolve().parents[1] / "specs" / "usermod.yaml"])
+    results = compile_specs(specs, tmp_path, jobs=2, progress=False)
+    bad = [(r.kernel, r.error) for r in results if not r.ok or r.spill_error]
+    assert bad == []
+
+
+def test_the_helpers_header_is_the_front_end_s_cpp_helpers():
+    """templates/include/flashgen/usermod_helpers.h is `usermod.CPP_HELPERS` (the helpers the
+    emitted expressions call) under one banner line."""
+    from flashgen.generator.paths import TEMPLATES_DIR
+    from flashgen.generator.usermod import CPP_HELPERS
+
+    text = (TEMPLATES_DIR / "include" / "flashgen" / "usermod_helpers.h").read_text()
+    banner, rest = text.split("\n", 1)
+    assert banner.startswith("// generated from generator/usermod/emit.py (CPP_HELPERS)")
+    assert rest == CPP_HELPERS.lstrip("\n")
