@@ -210,6 +210,60 @@ def test_the_reference_backward_of_a_score_mod_is_its_finite_difference(name):
         assert abs(fd - grad[at]) < 1e-6 * max(1.0, abs(fd))
 
 
+def _fd_check(q, k, v, do, kw, rng, points=5, tol=1e-6):
+    """dQ, dK, dV of the reference backward against central differences of sum(O * dO)."""
+    o, lse = reference.attention_forward(q, k, v, **kw)
+    grads = reference.attention_backward(q, k, v, o, lse, do, **kw)
+    for idx, (x, grad) in enumerate(zip((q, k, v), grads)):
+        assert np.isfinite(grad).all()
+        for _ in range(points):
+            at = tuple(int(rng.integers(0, n)) for n in x.shape)
+            e = np.zeros_like(x)
+            e[at] = 1e-6
+            plus, minus = [q, k, v], [q, k, v]
+            plus[idx], minus[idx] = x + e, x - e
+            fd = (
+                (reference.attention_forward(*plus, **kw)[0] * do).sum()
+                - (reference.attention_forward(*minus, **kw)[0] * do).sum()
+            ) / 2e-6
+            assert abs(fd - grad[at]) < tol * max(1.0, abs(fd)), (idx, at, fd, grad[at])
+
+
+@pytest.mark.parametrize("causal", ["none", "top_left", "bottom_right"])
+def test_the_reference_backward_with_gqa_varlen_and_positions_is_its_finite_difference(causal):
+    """An asymmetric, position-dependent derivative (i and j not interchangeable, b and h
+    read): GQA sums dK and dV over the group, varlen restarts i and j per sequence."""
+    rng = np.random.default_rng(4)
+    lq, lk = [5, 9], [7, 12]
+    cu_q = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    q, do = (rng.standard_normal((sum(lq), 4, 8)) for _ in range(2))
+    k, v = (rng.standard_normal((sum(lk), 2, 8)) for _ in range(2))
+    mod = parse_score_mod(
+        "s * (1 + 0.25 * tanh((i - 2 * j + seqlen_k - seqlen_q) / 4)) * w[h] + t[b]",
+        {"w": "per_head", "t": "per_batch"},
+    )
+    params = {"w": np.array([0.5, 1.0, 1.5, 2.0]), "t": np.array([0.3, -0.2])}
+    kw = dict(score_mod=mod, score_params=params, causal=causal, cu_seqlens_q=cu_q)
+    _fd_check(q, k, v, do, dict(kw, cu_seqlens_k=cu_k), rng)
+
+
+@pytest.mark.parametrize("causal", ["top_left", "bottom_right"])
+def test_a_derivative_that_is_nan_where_the_mask_hides_the_score_gives_finite_gradients(causal):
+    """d/ds = log(i - j + 2) is -inf or NaN above a causal diagonal, where P = 0: dS is 0
+    there (0 * NaN would poison dQ and dK), in the reference and the baseline alike."""
+    rng = np.random.default_rng(5)
+    q, k, v, do = _problem(6, b=1, sq=9, sk=13, h=2, d=8)
+    shift = " + seqlen_k - seqlen_q" if causal == "bottom_right" else ""
+    mod = parse_score_mod(f"s * log(i{shift} - j + 2)", {})
+    kw = dict(score_mod=mod, score_params={}, causal=causal)
+    with np.errstate(all="raise"):
+        _fd_check(q, k, v, do, kw, rng)
+        ob, lb = baseline.attention_forward(q, k, v, dtype="bf16", **kw)
+        grads = baseline.attention_backward(q, k, v, ob, lb, do, dtype="bf16", **kw)
+    assert all(np.isfinite(g).all() for g in grads)
+
+
 def test_the_baseline_applies_a_score_mod_in_float32():
     q, k, v, do = _problem(3)
     mod = EXAMPLE_BY_NAME["t5_bias"].parse()

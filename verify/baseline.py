@@ -36,6 +36,7 @@ from flashgen.verify.reference import (
     scaled_scores,
     score_grad,
     score_logits,
+    through_score_grad,
 )
 from flashgen.verify.reference import run_forward as _run_forward
 
@@ -101,9 +102,7 @@ def _backward_core(name: str):
         cap = score_mods.softcap_factor(s, inp.softcap, capped_dtype=name)  # 1 - t^2
         if cap is not None:
             ds = ds * cap
-        grad = score_grad(inp, s)  # a score_mod's derivative, float32
-        if grad is not None:
-            ds = ds * grad
+        ds = through_score_grad(ds, p, score_grad(inp, s))  # a score_mod's, float32
         ds = round_to_dtype(ds, name)
         sc = np.float32(inp.scale)
         dq = (ds @ inp.k.transpose(1, 0, 2)) * sc

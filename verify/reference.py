@@ -54,6 +54,7 @@ __all__ = [
     "sequence_visible",
     "shift_for",
     "spec_window",
+    "through_score_grad",
     "visible_mask",
 ]
 
@@ -664,6 +665,17 @@ def score_grad(inp: SeqInputs, s: np.ndarray) -> np.ndarray | None:
     return score_mods.user_grad(s, inp.user.mod, inp.user.params, **inp.user.where())
 
 
+def through_score_grad(ds: np.ndarray, p: np.ndarray, grad: np.ndarray | None) -> np.ndarray:
+    """dL/ds from dL/dz = `ds` through a score_mod's derivative `grad` (None: unchanged): `ds *
+    grad` where P != 0, and 0 where P = 0 (masked scores, rows without a visible key), where
+    the derivative is never used and may be inf or NaN (`log(i - j + 1)` above a causal
+    diagonal), as in the kernels. A NaN P (a NaN logit) stays NaN."""
+    if grad is None:
+        return ds
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.where(p != 0, ds * grad, 0).astype(ds.dtype)
+
+
 def _forward64(inp: SeqInputs) -> tuple[np.ndarray, np.ndarray]:
     p, lse = masked_softmax(score_logits(inp), inp.visible, inp.sinks)
     z = _dropout_factor(inp, np.float64)
@@ -697,9 +709,7 @@ def _backward64(
     cap = score_mods.softcap_factor(s, inp.softcap)
     if cap is not None:
         ds = ds * cap  # dL/ds, s = scale * q.k
-    grad = score_grad(inp, s)
-    if grad is not None:
-        ds = ds * grad  # dL/ds through the score_mod
+    ds = through_score_grad(ds, p, score_grad(inp, s))  # dL/ds through a score_mod
     dq = (ds @ inp.k.transpose(1, 0, 2)) * inp.scale
     dk = (ds.transpose(0, 2, 1) @ inp.q.transpose(1, 0, 2)) * inp.scale
     dsink = None if inp.sinks is None else score_mods.dsink_terms(inp.sinks, lse, delta)
