@@ -173,6 +173,10 @@ struct ScoreMod {
   static constexpr bool kHasGrad =
       Softcap<kSoftcap>::kHasGrad || Alibi<kAlibi>::kHasGrad || User<U>::kHasGrad;
   static constexpr bool kHasSink = kSink;
+  // A score_mod: its value and derivative may be inf or NaN where P must be 0 (masked scores,
+  // rows past the sequence), where the built-in modifiers stay finite; the backward selects
+  // 0 there (kUser) and does not multiply dS by the derivative where P = 0 (kUserGrad).
+  static constexpr bool kUser = User<U>::kTransforms, kUserGrad = User<U>::kHasGrad;
 
   float scale_log2;  // the softmax's multiplier: units * log2 e
   Softcap<kSoftcap> softcap;
