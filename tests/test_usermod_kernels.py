@@ -297,6 +297,17 @@ def test_the_runner_takes_the_params_rounded_to_float32_as_the_device_holds_them
     assert pb.score.kwargs()["score_mod"] == spec.score_mod
 
 
+def test_array_params_named_like_the_inputs_do_not_replace_them_in_res_inputs():
+    from flashgen.verify.runner import score_inputs
+
+    mod = parse_score_mod("s + k[h, 0] + lse[h]", {"k": "table", "lse": "per_head"})
+    table, slopes = np.ones((3, 2)), np.zeros(3)
+    args = check_score_args(
+        0.0, None, None, batch=2, heads=3, score_mod=mod, score_params={"k": table, "lse": slopes}
+    )
+    assert set(score_inputs(args)) == {"score_params.k", "score_params.lse"}
+
+
 def test_a_plain_spec_refuses_score_params():
     q, k, v, _ = _problem(d=64)
     with pytest.raises(RunnerError):

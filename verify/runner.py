@@ -183,14 +183,15 @@ def user_slot_params(gpu, score: ScoreArgs, bufs: list) -> dict[str, Any]:
 
 def score_inputs(score: ScoreArgs) -> dict[str, np.ndarray]:
     """`res.inputs` entries of the slopes and sinks a call uploaded (float32), and of a
-    score_mod's array parameters (by name)."""
+    score_mod's array parameters as `score_params.<name>` (a parameter may be named `k` or
+    `lse`: under its bare name it would replace the input the references read)."""
     out = {}
     for nm, arr in (("alibi_slopes", score.alibi_slopes), ("sinks", score.sinks)):
         if arr is not None:
             out[nm] = arr.astype(np.float32)
     for nm, value in (score.score_params or {}).items():
         if isinstance(value, np.ndarray):
-            out[nm] = value
+            out[f"score_params.{nm}"] = value
     return out
 
 
