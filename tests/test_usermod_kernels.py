@@ -137,10 +137,26 @@ def test_the_functor_reads_declared_slots_and_refuses_the_rest_at_launch():
     )
     cpp = user_score_cpp(mod)
     # slot 0 is `bias` (by name), slot 1 `w`
-    assert "static_cast<const float*>(sp.user_ptr0) + h * v.bias_cols" in cpp
-    assert "v.w = static_cast<float>(sp.user_f1);" in cpp
+    assert "v.v_bias = static_cast<const float*>(sp.user_ptr0) + h * v.n_bias;" in cpp
+    assert "v.v_w = static_cast<float>(sp.user_f1);" in cpp
     assert '"score_mod parameter bias (table, slot 0): user_ptr0 must be non-null"' in cpp
     assert "if (sp.user_ptr2)" in cpp and "kHasGrad = false" in cpp
+
+
+def test_the_functor_s_members_are_distinct_whatever_the_parameter_names():
+    """`bias` beside `bias_cols`, or a parameter named like the struct: one member each."""
+    import re
+
+    mod = parse_score_mod(
+        "s + bias[h, 0] * bias_cols + Vals + b_[b]",
+        {"bias": "table", "bias_cols": "scalar", "Vals": "scalar", "b_": "per_batch"},
+    )
+    cpp = user_score_cpp(mod)
+    body = cpp.split("struct Vals {", 1)[1].split("};", 1)[0]
+    members = re.findall(r"(\w+);", body.replace("int64_t b, h;", "int64_t b; int64_t h;"))
+    assert sorted(members) == sorted(
+        ["b", "h", "v_bias", "n_bias", "v_bias_cols", "v_Vals", "v_b_"]
+    )
 
 
 def test_a_derivative_other_than_one_is_rendered_as_grad():

@@ -10,7 +10,8 @@ The rendered struct (`user_score_cpp`):
 
 - `Vals`: what the functor reads once per (batch b, head h): b and h, every scalar (fp32 or
   int64), the per_head / per_batch values at h / b, and a table's row h (a pointer) with its
-  column count;
+  column count; parameter `name` is member `v_name` and a table's columns `n_name`, so no
+  two members clash whatever the names (`bias` beside `bias_cols`, or `Vals`);
 - `load(sp, b, h, v)`: fills `Vals` from the slots (`__ldg` reads of the vectors);
 - `value(s, p, q)`: the expression (`usermod.emit_cpp`) of s = scale * x, the `Vals` p and the
   position q (`fg::ScorePos`: i, j, seqlen_q, seqlen_k);
@@ -51,12 +52,12 @@ SLOT_FIELDS: dict[ParamKind, tuple[str, ...]] = {
 # how the expression reads a parameter from `Vals` (the index is fixed by the grammar: h for
 # per_head and tables, b for per_batch, so the value is loaded once per (b, h))
 _ACCESS = {
-    ParamKind.SCALAR: "{p}.{name}",
-    ParamKind.SCALAR_INT: "{p}.{name}",
-    ParamKind.PER_HEAD: "{p}.{name}",
-    ParamKind.PER_BATCH: "{p}.{name}",
-    ParamKind.PER_BATCH_INT: "{p}.{name}",
-    ParamKind.TABLE: "__ldg({p}.{name} + fg_clamp_index({k}, {p}.{name}_cols))",
+    ParamKind.SCALAR: "{p}.v_{name}",
+    ParamKind.SCALAR_INT: "{p}.v_{name}",
+    ParamKind.PER_HEAD: "{p}.v_{name}",
+    ParamKind.PER_BATCH: "{p}.v_{name}",
+    ParamKind.PER_BATCH_INT: "{p}.v_{name}",
+    ParamKind.TABLE: "__ldg({p}.v_{name} + fg_clamp_index({k}, {p}.n_{name}))",
 }
 
 # the variables: s the scaled score; b, h from Vals; i, j and the lengths from fg::ScorePos
@@ -80,12 +81,12 @@ def _vals(mod: UserMod) -> list[str]:
     out = ["int64_t b, h;"]
     for _, name, kind in user_slots(mod):
         if kind is ParamKind.TABLE:
-            out.append(f"const float* {name};  // row h of the (heads, {name}_cols) table")
-            out.append(f"int64_t {name}_cols;")
+            out.append(f"const float* v_{name};  // row h of the (heads, n_{name}) table {name}")
+            out.append(f"int64_t n_{name};")
         elif kind in (ParamKind.SCALAR_INT, ParamKind.PER_BATCH_INT):
-            out.append(f"int64_t {name};")
+            out.append(f"int64_t v_{name};")
         else:
-            out.append(f"float {name};")
+            out.append(f"float v_{name};")
     return out
 
 
@@ -94,18 +95,18 @@ def _loads(mod: UserMod) -> list[str]:
     for k, name, kind in user_slots(mod):
         ptr = f"sp.user_ptr{k}"
         if kind is ParamKind.SCALAR:
-            out.append(f"v.{name} = static_cast<float>(sp.user_f{k});")
+            out.append(f"v.v_{name} = static_cast<float>(sp.user_f{k});")
         elif kind is ParamKind.SCALAR_INT:
-            out.append(f"v.{name} = sp.user_i{k};")
+            out.append(f"v.v_{name} = sp.user_i{k};")
         elif kind is ParamKind.PER_HEAD:
-            out.append(f"v.{name} = __ldg(static_cast<const float*>({ptr}) + h);")
+            out.append(f"v.v_{name} = __ldg(static_cast<const float*>({ptr}) + h);")
         elif kind is ParamKind.PER_BATCH:
-            out.append(f"v.{name} = __ldg(static_cast<const float*>({ptr}) + b);")
+            out.append(f"v.v_{name} = __ldg(static_cast<const float*>({ptr}) + b);")
         elif kind is ParamKind.PER_BATCH_INT:
-            out.append(f"v.{name} = __ldg(static_cast<const int32_t*>({ptr}) + b);")
+            out.append(f"v.v_{name} = __ldg(static_cast<const int32_t*>({ptr}) + b);")
         elif kind is ParamKind.TABLE:
-            out.append(f"v.{name}_cols = sp.user_i{k};")
-            out.append(f"v.{name} = static_cast<const float*>({ptr}) + h * v.{name}_cols;")
+            out.append(f"v.n_{name} = sp.user_i{k};")
+            out.append(f"v.v_{name} = static_cast<const float*>({ptr}) + h * v.n_{name};")
         else:  # refused by the spec (generator.spec._KINDS_NOT_SERVED)
             raise ValueError(f"parameter kind {kind.value} has no slot reading")
     return out
