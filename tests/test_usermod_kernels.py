@@ -280,6 +280,23 @@ def test_a_derivative_that_is_nan_where_the_mask_hides_the_score_gives_finite_gr
     assert all(np.isfinite(g).all() for g in grads)
 
 
+def test_the_gpu_suite_s_gradient_floors_take_a_score_mod_and_scale_by_its_derivative():
+    """tests/gpu/test_backward.py passes the reference's keywords, a score_mod's included,
+    to gradient_floors: every backward check of a score_mod kernel goes through it."""
+    from flashgen.tests.gpu.test_backward import gradient_floors
+
+    q, k, v, do = _problem(7, b=1, sq=11, sk=17, h=2, d=8)
+    plain = dict(causal="bottom_right")
+    o, lse = reference.attention_forward(q, k, v, **plain)
+    base = gradient_floors((q, k, v, o, lse, do), **plain)
+    twice = dict(plain, score_mod=parse_score_mod("2 * s", {}), score_params={})
+    o2, lse2 = reference.attention_forward(q / 2, k, v, **twice)  # the same logits
+    scaled = gradient_floors((q / 2, k, v, o2, lse2, do), **twice)
+    # dS doubles through d(mod)/ds = 2: dQ = dS K doubles, dK = dS^T Q with Q halved does not
+    assert scaled["dq"] == pytest.approx(2 * base["dq"], rel=1e-12)
+    assert scaled["dk"] == pytest.approx(base["dk"], rel=1e-12)
+
+
 def test_the_baseline_applies_a_score_mod_in_float32():
     q, k, v, do = _problem(3)
     mod = EXAMPLE_BY_NAME["t5_bias"].parse()
