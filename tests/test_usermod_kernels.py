@@ -381,6 +381,79 @@ def test_every_kernel_of_specs_usermod_compiles_without_unallowed_spills(tmp_pat
     assert bad == []
 
 
+class _StubGpu:
+    """Enough of verify.runner.Gpu for the runners' uploads (addresses only, no device)."""
+
+    class cuda:  # noqa: N801 - PyCUDA's module name
+        _next = [0x10000]
+
+        @classmethod
+        def mem_alloc(cls, n):
+            class Alloc(int):
+                def free(self):
+                    pass
+
+            cls._next[0] += 1 << 20
+            return Alloc(cls._next[0])
+
+        @staticmethod
+        def memset_d8(*args):
+            pass
+
+        @staticmethod
+        def memcpy_htod(*args):
+            pass
+
+
+@pytest.mark.nvcc
+def test_the_c_launch_check_accepts_the_runner_s_slots_and_refuses_bad_ones(tmp_path):
+    """The slots as verify.runner fills them (the Python tables) pass the kernel's C check
+    (Spec::UserScore::check, host code: no GPU), and a NULL, misaligned or stray slot is
+    refused by name."""
+    import shutil
+
+    from flashgen.generator.compile import compile_specs
+    from flashgen.runtime import KernelLibrary
+    from flashgen.verify.runner import user_slot_params
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not found")
+    spec = one(
+        "kernel: forward\ndtype: bf16\nhead_dim: 32\n"
+        'score_mod: "s * w + bias[h, min(abs(i - j) // 8, 31)] + p[b] + n"\n'
+        "params: {bias: table, w: scalar, p: per_batch_int, n: scalar_int}\n"
+    )
+    plain = one("kernel: forward\ndtype: bf16\nhead_dim: 32\n")
+    results = compile_specs([spec, plain], tmp_path, jobs=2, progress=False)
+    assert all(r.ok for r in results), [r.error for r in results]
+    lib = KernelLibrary(spec, tmp_path)
+    good = {
+        **dict(q=0x1000, k=0x2000, v=0x3000, o=0x4000, lse=0x5000, q_row_stride=96),
+        **dict(batch=2, heads=3, kv_heads=3, seqlen_q=3, seqlen_k=4, softmax_scale=0.125),
+        **dict(window_left=-1, window_right=-1, head_dim=32, head_dim_v=32),
+    }
+    values = {"bias": np.ones((3, 5)), "w": 0.5, "p": np.array([1, 2]), "n": 0}
+    args = check_score_args(
+        0.0, None, None, batch=2, heads=3, score_mod=spec.score_mod, score_params=values
+    )
+    slots = user_slot_params(_StubGpu(), args, [])
+    # slot k is the k-th name: bias 0, n 1, p 2, w 3
+    assert set(slots) == {"user_ptr0", "user_i0", "user_i1", "user_ptr2", "user_f3"}
+    assert slots["user_i0"] == 5 and slots["user_f3"] == 0.5
+    assert lib.check({**good, **slots}) is None
+    for change, words in (
+        ({"user_ptr0": 0}, "bias (table, slot 0): user_ptr0 must be non-null"),
+        ({"user_ptr2": slots["user_ptr2"] + 2}, "user_ptr2 must be 4-byte aligned"),
+        ({"user_i0": 0}, "user_i0 (its columns) must be >= 1"),
+        ({"user_f3": float("inf")}, "user_f3 must be finite"),
+        ({"user_f1": 1.0}, "user_f1 is set but slot 1 is n"),
+    ):
+        assert words in (lib.check({**good, **slots, **change}) or "")
+    # a kernel without a score_mod refuses any user slot
+    refused = KernelLibrary(plain, tmp_path).check({**good, "user_i3": 1})
+    assert "generated without score_mod" in (refused or "")
+
+
 def test_the_helpers_header_is_the_front_end_s_cpp_helpers():
     """templates/include/flashgen/usermod_helpers.h is `usermod.CPP_HELPERS` (the helpers the
     emitted expressions call) under one banner line."""
