@@ -481,7 +481,9 @@ def _entry_axes(entry: LineDict, file: str, *, tiles: bool = True) -> list[tuple
             continue
         f = FIELD_BY_PATH[top]
         raw = entry.get(top, f.yaml_value(f.default))
-        if f.kind is FieldKind.TILE:
+        if f.kind is FieldKind.PARAMS:  # one mapping, never a family axis
+            axes.append((top, [_params_alt(raw, line, err)]))
+        elif f.kind is FieldKind.TILE:
             axes.append((top, _tile_alts(raw, line, err) if tiles else _tile_count(raw)))
         else:
             axes.append((top, _scalar_alts(top, raw, line, err)))
@@ -593,6 +595,15 @@ def _parse_scalar(fld: str, v: Any, line: int, idx: str, err: Any) -> Any:
         if not isinstance(v, bool):
             raise err(f"{_show(v)} is {_kind(v)}, expected true or false", shown, line)
         return v
+    if f.kind is FieldKind.EXPR:  # parsed with the entry's params when the spec is built
+        if v is not None and not isinstance(v, str):
+            raise err(
+                f"{_show(v)} is {_kind(v)}, expected an expression string "
+                f'(e.g. score_mod: "s - slopes[h] * abs(i - j)", docs/usermod.md)',
+                shown,
+                line,
+            )
+        return v
     if f.kind is FieldKind.INT:
         if isinstance(v, bool) or not isinstance(v, int):
             raise err(
@@ -603,6 +614,22 @@ def _parse_scalar(fld: str, v: Any, line: int, idx: str, err: Any) -> Any:
             )
         return v
     raise AssertionError(fld)  # pragma: no cover
+
+
+def _params_alt(raw: Any, line: int, err: Any) -> _Alt:
+    """The `params` mapping ({name: kind}) as one alternative, with each name's line."""
+    if raw is None:
+        return _Alt(None, (("params", line),), "none")
+    if not isinstance(raw, Mapping):
+        raise err(
+            f"expected a mapping of parameter names to kinds (e.g. params: {{slopes: "
+            f"per_head}}), got {_kind(raw)}",
+            "params",
+            line,
+        )
+    raw = _as_linedict(raw)
+    lines = (("params", line),) + tuple((f"params.{k}", raw.key_lines.get(k, line)) for k in raw)
+    return _Alt({k: v for k, v in raw.items()}, lines, "params")
 
 
 def _tile_count(raw: Any) -> range:

@@ -21,9 +21,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, TypeVar
 
-# The score-stage features are data (one module each); the package imports nothing of the
-# project, so this module stays the bottom layer of everything that is not a feature row.
-from flashgen.generator.features import FEATURE_BY_NAME, FEATURES
+# The score-stage features are data (one module each), and user modifiers are parsed by their
+# own front end; neither package imports anything of the project, so this module stays the
+# bottom layer of everything that is not a feature row or the usermod front end.
+from flashgen.generator.features import FEATURE_BY_NAME, FEATURES, USER_SLOTS
+from flashgen.generator.usermod import (
+    ParamKind,
+    UserMod,
+    UserModError,
+    check_params,
+    parse_score_mod,
+)
 
 __all__ = [
     "Causal",
@@ -339,6 +347,8 @@ class FieldKind(enum.Enum):
     BOOL = "bool"
     INT = "int"
     TILE = "tile"
+    EXPR = "expr"  # a user modifier's expression (generator.usermod), kept as a `UserMod`
+    PARAMS = "params"  # the runtime parameters a user modifier declares: {name: kind}
 
 
 @dataclass(frozen=True)
@@ -362,6 +372,10 @@ class Field:
     doc: str = ""
     # a score-stage feature (generator.features): the value is membership in spec.features
     score_feature: bool = False
+    # absent by default (`default` None means "not given", not "required"): left out of the
+    # canonical form when absent, so the canonical spec and the name of every kernel without
+    # the field are what they were before the field existed
+    optional: bool = False
 
     @property
     def top(self) -> str:
@@ -385,6 +399,10 @@ class Field:
             return value.yaml
         if isinstance(value, Tile):
             return {name: getattr(value, name) for name in Tile.FIELDS}
+        if isinstance(value, UserMod):
+            return value.canonical
+        if self.kind is FieldKind.PARAMS and value is not None:
+            return {name: kind.value for name, kind in value.items()}
         return value
 
 
@@ -441,13 +459,23 @@ FIELDS: tuple[Field, ...] = (
         )
         for f in FEATURES
     ),
+    Field(
+        "score_mod",
+        FieldKind.EXPR,
+        None,
+        part=lambda m: f"um{m.digest()}" if m is not None else "",
+        feature="score_mod",
+        doc="a user-defined score modifier (docs/usermod.md)",
+        optional=True,
+    ),
+    Field("params", FieldKind.PARAMS, None, doc="score_mod's runtime parameters", optional=True),
     Field("instrument_io", FieldKind.BOOL, False, part=_flag("io"), feature="instrument_io"),
     Field("tile", FieldKind.TILE, "auto", part=lambda t: t.short),
     Field("target", FieldKind.ENUM, Target.SM90, Target, lambda t: t.short),
     Field("allow_spills", FieldKind.BOOL, False, feature="allow_spills"),
 )
 FIELD_BY_PATH = {f.path: f for f in FIELDS}
-REQUIRED = tuple(f.path for f in FIELDS if f.default is None)
+REQUIRED = tuple(f.path for f in FIELDS if f.default is None and not f.optional)
 # Boolean features that are on, by label (README table, `show`): the non-mask flags.
 FEATURE_FIELDS = tuple(f for f in FIELDS if f.feature and not f.path.startswith("mask."))
 
@@ -508,6 +536,8 @@ class KernelSpec:
     # score-stage features that are on (names of generator.features rows: softcap, alibi,
     # sink); spelled in YAML as top-level booleans
     features: frozenset[str] = frozenset()
+    # a user-defined score modifier (generator.usermod; YAML `score_mod` and `params`), or None
+    score_mod: UserMod | None = None
     target: Target = Target.SM90
     instrument_io: bool = False
     allow_spills: bool = False
@@ -532,6 +562,13 @@ class KernelSpec:
                 _check_bool(value, f.path)
             elif f.kind is FieldKind.INT:
                 _check_int(value, f.path)
+        if self.score_mod is not None and not (
+            isinstance(self.score_mod, UserMod) and self.score_mod.kind == "score_mod"
+        ):
+            raise SpecError(
+                f"{self.score_mod!r} is not a score_mod (generator.usermod.parse_score_mod)",
+                field="score_mod",
+            )
         _check_bool(self.tile_auto, "tile_auto")
         if not isinstance(self.features, frozenset) or any(
             n not in FEATURE_BY_NAME for n in self.features
@@ -558,6 +595,7 @@ class KernelSpec:
             out.append(("debug_keep_mask", "true requires dropout: true"))
         for name in sorted(self.features):
             out.extend(FEATURE_BY_NAME[name].problems(self))
+        out.extend(_score_mod_problems(self))
         if not out:
             out.extend(rules.problems(self))
         return out
@@ -579,6 +617,12 @@ class KernelSpec:
         return feature in self.features
 
     @property
+    def params(self) -> dict[str, ParamKind] | None:
+        """The runtime parameters the user modifier declares, `{name: kind}` sorted by name
+        (their slots of `fg_score_params`, in this order), or None without one."""
+        return None if self.score_mod is None else dict(self.score_mod.params)
+
+    @property
     def sparse(self) -> bool:
         return self.sparsity is Sparsity.BLOCK
 
@@ -595,6 +639,7 @@ class KernelSpec:
             or self.sparse
             or self.instrument_io
             or self.features
+            or self.score_mod is not None
         )
 
     @property
@@ -606,6 +651,8 @@ class KernelSpec:
         """Plain dict in FIELDS order, YAML spellings, resolved tile and `tile_auto`."""
         out: dict[str, Any] = {}
         for f in FIELDS:
+            if f.optional and f.get(self) is None:
+                continue  # absent: the canonical form it had before the field existed
             value = f.yaml_value(f.get(self))
             if f.sub:
                 out.setdefault(f.top, {})[f.sub] = value
@@ -623,7 +670,7 @@ class KernelSpec:
         for f in FIELDS:
             container = data.get(f.top, {}) if f.sub else data
             if not isinstance(container, dict) or (f.sub or f.path) not in container:
-                if f.default is None or f.kind is FieldKind.TILE:
+                if (f.default is None and not f.optional) or f.kind is FieldKind.TILE:
                     raise SpecError(f"canonical spec lacks key {f.path!r}")
                 values[f.path] = f.default
                 continue
@@ -654,14 +701,126 @@ class KernelSpec:
         return dataclasses.replace(self, **changes)
 
 
+# The built-in modifiers a score_mod cannot be combined with: each transforms the score with
+# units and a derivative of its own, and a user modifier already says everything about the
+# logit (write them in the expression: docs/usermod.md has both). The sink only adds to the
+# softmax's denominator, so it composes.
+_NOT_WITH_SCORE_MOD = ("softcap", "alibi")
+# Parameter kinds the kernels do not read yet: per-token vectors need a per-sequence token
+# offset (varlen, decode's cache) that comes with mask_mod.
+_KINDS_NOT_SERVED = (ParamKind.PER_TOKEN_Q, ParamKind.PER_TOKEN_K, ParamKind.PER_TOKEN)
+
+
+def _score_mod_problems(spec: KernelSpec) -> list[tuple[str, str]]:
+    """What the kernels do not serve of a spec's score_mod, as (field, message) pairs."""
+    mod = spec.score_mod
+    if mod is None:
+        return []
+    out = []
+    for name in _NOT_WITH_SCORE_MOD:
+        if name in spec.features:
+            out.append(
+                (
+                    name,
+                    f"{name}: true cannot be combined with score_mod: the score_mod gives the "
+                    f"whole logit, so write {name} inside it (docs/usermod.md, Examples: "
+                    + ("`cap * tanh(s / cap)`" if name == "softcap" else "`s - slopes[h] * ...`")
+                    + ")",
+                )
+            )
+    if spec.instrument_io:
+        out.append(
+            (
+                "instrument_io",
+                "true cannot be combined with score_mod: the IO models do not count a "
+                "score_mod's parameter reads (a table is read per score)",
+            )
+        )
+    if len(mod.params) > USER_SLOTS:
+        out.append(
+            (
+                "params",
+                f"{len(mod.params)} parameters declared; a kernel has {USER_SLOTS} parameter "
+                f"slots (fg_score_params.user_*)",
+            )
+        )
+    for name, kind in mod.params:
+        if kind in _KINDS_NOT_SERVED:
+            served = ", ".join(k.value for k in ParamKind if k not in _KINDS_NOT_SERVED)
+            out.append(
+                (
+                    f"params.{name}",
+                    f"kind {kind.value} is not served by the kernels yet (per-token vectors "
+                    f"come with mask_mod); kinds served: {served}",
+                )
+            )
+    unused = sorted(set(dict(mod.params)) - {n for n, _ in mod.used_params})
+    if unused:
+        out.append(
+            (
+                f"params.{unused[0]}",
+                "declared but not read by score_mod: remove it, or use it in the expression "
+                "(every declared parameter is a launch argument)",
+            )
+        )
+    return out
+
+
+def parse_user_mod(text: Any, params: Any) -> UserMod | None:
+    """The `UserMod` of a spec's `score_mod` text and `params` mapping (None when neither is
+    given); SpecError names the field (`score_mod`, `params` or `params.<name>`) and, for
+    the expression, the column (1-based, from the start of the text)."""
+    if text is None:
+        if params is not None:
+            raise SpecError(
+                "declares the runtime parameters of a score_mod: give score_mod too",
+                field="params",
+            )
+        return None
+    if isinstance(text, UserMod):
+        return text
+    if not isinstance(text, str):
+        raise SpecError(
+            f'{text!r} is not an expression (a string, e.g. "s - slopes[h] * abs(i - j)")',
+            field="score_mod",
+        )
+    if params is not None and not isinstance(params, dict):
+        raise SpecError(
+            f"expected a mapping of parameter names to kinds, e.g. {{slopes: per_head}}, "
+            f"got {params!r}",
+            field="params",
+        )
+    decl = {k: (v.value if isinstance(v, ParamKind) else v) for k, v in (params or {}).items()}
+    for name, kind in decl.items():
+        if not isinstance(kind, str):
+            kinds = ", ".join(k.value for k in ParamKind)
+            raise SpecError(
+                f"{kind!r} is not a parameter kind (allowed: {kinds})", field=f"params.{name}"
+            )
+    try:
+        check_params(decl)
+    except UserModError as e:
+        bad = next((n for n in decl if f"{n!r}" in e.message), None)
+        raise SpecError(e.message, field=f"params.{bad}" if bad else "params") from None
+    try:
+        return parse_score_mod(text, decl)
+    except UserModError as e:
+        raise SpecError(str(e), field="score_mod") from None
+
+
 def build_spec(values: dict[str, Any], *, tile_auto: bool = False, source: str = "") -> KernelSpec:
-    """A KernelSpec from parsed values keyed by field path (`mask.causal`, ...)."""
-    top = {f.path: values[f.path] for f in FIELDS if not f.sub and not f.score_feature}
+    """A KernelSpec from parsed values keyed by field path (`mask.causal`, ...); `score_mod`
+    (text or a `UserMod`) and `params` ({name: kind}) become one `UserMod`."""
+    user = {"score_mod", "params"}
+    top = {
+        f.path: values[f.path]
+        for f in FIELDS
+        if not f.sub and not f.score_feature and f.path not in user
+    }
+    top["score_mod"] = parse_user_mod(values.get("score_mod"), values.get("params"))
     mask = Mask(**{f.sub: values[f.path] for f in FIELDS if f.top == "mask"})
     feats = [f for f in FIELDS if f.score_feature]
     for f in feats:
         _check_bool(values.get(f.path, False), f.path)
     features = frozenset(f.path for f in feats if values.get(f.path, False))
-    return KernelSpec(
-        **top, mask=mask, features=features, tile_auto=tile_auto, source=source
-    )
+    return KernelSpec(**top, mask=mask, features=features, tile_auto=tile_auto, source=source)

@@ -4,7 +4,8 @@ Rule (documented in docs/spec.md; the measurements behind it are in docs/tiles.m
 
 1. The spec's features put it in a *register class* (`register_class`): `dense` (only
    `mask.causal`), `masked` (also `mask.window`, `mask.varlen` or `gqa`), `heavy` (also
-   `dropout`, `sparsity: block` or `instrument_io`) or `debug` (`debug_keep_mask`). Each
+   `dropout`, `sparsity: block` or `instrument_io`) or `debug` (`debug_keep_mask`); a
+   `score_mod` is `masked`. Each
    class keeps more values live per thread than the one before it.
 2. A `dense` spec takes `MEASURED_DEFAULTS[(target, head_dim)]` when present: the fastest
    non-spilling tile measured on a GPU.
@@ -165,7 +166,10 @@ def register_class(features: Mapping[str, Any] | None = None) -> str:
         return "debug"
     if f.get("dropout") or f.get("instrument_io") or str(f.get("sparsity", "none")) != "none":
         return "heavy"
-    if f.get("mask.window") or f.get("mask.varlen") or f.get("gqa"):
+    # a score_mod keeps its positions and parameters beside the scores: with two 16-row tiles
+    # per warp (the dense d <= 64 tile) the shipped examples spilled 56-140 bytes at d 64, with
+    # one (the masked rows) none (ptxas 13.0, specs/usermod.yaml)
+    if f.get("mask.window") or f.get("mask.varlen") or f.get("gqa") or f.get("score_mod"):
         return "masked"
     return "dense"
 

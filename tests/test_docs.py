@@ -54,9 +54,13 @@ def test_spec_md_documents_every_field_of_the_field_table_in_its_order():
 def expected_type(f) -> str:
     if f.kind is FieldKind.ENUM:
         return " | ".join(f"`{v}`" for v in f.enum.allowed())
-    return {FieldKind.BOOL: "bool", FieldKind.INT: "integer", FieldKind.TILE: "`auto` or mapping"}[
-        f.kind
-    ]
+    return {
+        FieldKind.BOOL: "bool",
+        FieldKind.INT: "integer",
+        FieldKind.TILE: "`auto` or mapping",
+        FieldKind.EXPR: "expression",
+        FieldKind.PARAMS: "mapping",
+    }[f.kind]
 
 
 @pytest.mark.parametrize("f", FIELDS, ids=[f.path for f in FIELDS])
@@ -64,7 +68,11 @@ def test_spec_md_gives_each_field_s_type_default_and_kernel_kinds(f):
     row = field_rows()[f.path]
     _, typ, default, kinds, meaning = row
     assert typ == expected_type(f)
-    assert default == ("required" if f.default is None else f"`{_yaml(f.yaml_value(f.default))}`")
+    if f.optional:
+        assert default == "absent"
+    else:
+        want = "required" if f.default is None else f"`{_yaml(f.yaml_value(f.default))}`"
+        assert default == want
     assert kinds == ("all" if f.kinds is None else ", ".join(k.yaml for k in f.kinds))
     assert f"Example: `{f.top}: " in meaning or f"Example: `{f.path}: " in meaning
 

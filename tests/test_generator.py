@@ -136,8 +136,9 @@ def test_golden_name_with_fixed_templates(templates):
     assert spec_hash(spec, templates) == GOLDEN_HASH
 
 
-GOLDEN_HASH = "da6142c5"  # generator 0.1.0, the tiny templates above, hash over included files
-# (changed with the score-stage feature fields of the canonical spec, then with head_dim_pad)
+GOLDEN_HASH = "781ecdc9"  # generator 0.1.0, the tiny templates above, hash over included files
+# (changed with the score-stage feature fields of the canonical spec, then with head_dim_pad,
+# then with the render context's `user_score`)
 
 
 def test_editing_an_included_header_renames_the_kernel(templates):
@@ -206,6 +207,7 @@ def test_context_has_exactly_the_documented_keys():
         "gqa": False, "dropout": False, "debug_keep_mask": False, "sparse": False,
         "instrument_io": False, "sm": 90,
         "score_features": {"kSoftcap": False, "kAlibi": False, "kSink": False},
+        "user_score": "",
     }  # fmt: skip
 
 

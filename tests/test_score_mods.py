@@ -649,7 +649,11 @@ def test_the_keyword_of_each_feature_is_its_first_parameter_row():
     assert M.ARGUMENTS == {f.name: f.params[0].name for f in FEATURES}
     assert M.ARGUMENTS == {"softcap": "softcap", "alibi": "alibi_slopes", "sink": "sinks"}
     fields = [p.name for p in SCORE_PARAM_FIELDS]
-    assert fields == ["softcap", "alibi_slopes", "alibi_batch_stride", "sinks", "dsinks"]
+    from flashgen.generator.features import USER_PARAMS
+
+    # ... then the score_mod's generic slots (generator/features/__init__.py)
+    user = [r.name for r in USER_PARAMS]
+    assert fields == ["softcap", "alibi_slopes", "alibi_batch_stride", "sinks", "dsinks", *user]
     for fam in families():  # every table ends with the score fields, then the head dims
         assert [p.name for p in fam.params[-len(fields) - 2 : -2]] == fields
         assert [p.name for p in fam.params[-2:]] == ["head_dim", "head_dim_v"]

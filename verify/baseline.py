@@ -34,7 +34,9 @@ from flashgen.verify.reference import (
     probabilities_from_lse,
     run_backward,
     scaled_scores,
+    score_grad,
     score_logits,
+    through_score_grad,
 )
 from flashgen.verify.reference import run_forward as _run_forward
 
@@ -100,6 +102,7 @@ def _backward_core(name: str):
         cap = score_mods.softcap_factor(s, inp.softcap, capped_dtype=name)  # 1 - t^2
         if cap is not None:
             ds = ds * cap
+        ds = through_score_grad(ds, p, score_grad(inp, s))  # a score_mod's, float32
         ds = round_to_dtype(ds, name)
         sc = np.float32(inp.scale)
         dq = (ds @ inp.k.transpose(1, 0, 2)) * sc
@@ -135,6 +138,8 @@ def attention_forward(
     softcap: float = 0.0,
     alibi_slopes: Any = None,
     sinks: Any = None,
+    score_mod: Any = None,
+    score_params: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Standard attention in `dtype` ('fp16' / 'bf16'): `(o, lse)` as float32 arrays.
 
@@ -163,6 +168,8 @@ def attention_forward(
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         sinks=sinks,
+        score_mod=score_mod,
+        score_params=score_params,
     )
 
 
@@ -188,6 +195,8 @@ def attention_backward(
     softcap: float = 0.0,
     alibi_slopes: Any = None,
     sinks: Any = None,
+    score_mod: Any = None,
+    score_params: Any = None,
 ) -> tuple[np.ndarray, ...]:
     """Standard attention backward in `dtype`: `(dq, dk, dv)` as float32 holding dtype values.
 
@@ -220,6 +229,8 @@ def attention_backward(
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         sinks=sinks,
+        score_mod=score_mod,
+        score_params=score_params,
     )
     dq, dk, dv = out[:3]
     grads = (dq, round_to_dtype(dk, name), round_to_dtype(dv, name))

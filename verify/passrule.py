@@ -42,6 +42,7 @@ __all__ = [
     "output_dtype",
     "score_floor",
     "softcap_floor",
+    "usermod_floor",
 ]
 
 _TINY = float(np.finfo(np.float64).tiny)
@@ -208,6 +209,24 @@ def alibi_floor(alibi_slopes: Any, max_distance: int) -> float:
         return 0.0
     slope = float(np.abs(np.asarray(alibi_slopes, dtype=np.float64)).max(initial=0.0))
     return 4.0 * float(np.finfo(np.float32).eps) * slope * float(max_distance)
+
+
+def usermod_floor(score_params: Any, max_distance: int) -> float:
+    """The float32 error bound of a score_mod's logit, for outputs that carry a logit (the LSE).
+
+    The kernel evaluates the expression in float32 in the emitted order (the baseline's
+    float32 evaluation shares that order) but with `__expf` / `__logf` (a few ulp) and its
+    own rounding of s = scale x; a logit built from parameters of magnitude up to M, possibly
+    times a distance (ALiBi written as an expression), carries a few float32 roundings of
+    `M * (1 + max_distance)`. 8 eps32 of that is the most blamed on it; 0 without a score_mod
+    (`score_params` None). A floor for the GPU run to confirm, not a derived bound."""
+    if score_params is None:
+        return 0.0
+    m = 1.0
+    for value in score_params.values():
+        arr = np.abs(np.asarray(value, dtype=np.float64))
+        m = max(m, float(arr.max(initial=0.0)))
+    return 8.0 * float(np.finfo(np.float32).eps) * m * (1.0 + float(max_distance))
 
 
 def softcap_floor(softcap: float) -> float:

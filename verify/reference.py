@@ -49,10 +49,12 @@ __all__ = [
     "attention_forward",
     "causal_name",
     "element_visible",
+    "score_grad",
     "score_logits",
     "sequence_visible",
     "shift_for",
     "spec_window",
+    "through_score_grad",
     "visible_mask",
 ]
 
@@ -337,6 +339,27 @@ class SeqInputs(NamedTuple):
     alibi_slopes: np.ndarray | None = None  # (h,): the chunk's heads' slopes for this sequence
     alibi_shift: int = 0  # the distance's offset: shift_for(causal, Sq, Sk) of this sequence
     sinks: np.ndarray | None = None  # (h,)
+    user: UserChunk | None = None  # the spec's score_mod, where this chunk lies
+
+
+class UserChunk(NamedTuple):
+    """A score_mod (generator.usermod.UserMod) and its parameter values, and where a chunk lies:
+    sequence b, its query heads (h,) and the sequence's own lengths (varlen: per sequence)."""
+
+    mod: Any
+    params: dict[str, Any]
+    b: int
+    heads: np.ndarray
+    seqlen_q: int
+    seqlen_k: int
+
+    def where(self) -> dict[str, Any]:
+        return {
+            "b": self.b,
+            "heads": self.heads,
+            "seqlen_q": self.seqlen_q,
+            "seqlen_k": self.seqlen_k,
+        }
 
 
 _NO_SCORE = ScoreArgs()  # no score-stage feature in use
@@ -397,6 +420,11 @@ def _iter_blocks(
                 block_n=block_n,
             )
             slopes, sinks = score.slopes_for(seq.b, hs), score.sinks_for(hs)
+            user = None
+            if score.score_mod is not None:
+                user = UserChunk(
+                    score.score_mod, score.score_params, seq.b, np.arange(hs.start, hs.stop), sq, sk
+                )
             yield (
                 _Block(seq, hs, kv_index),
                 SeqInputs(
@@ -411,6 +439,7 @@ def _iter_blocks(
                     None if slopes is None else slopes.astype(dt),
                     shift,
                     None if sinks is None else sinks.astype(dt),
+                    user,
                 ),
             )
 
@@ -424,8 +453,18 @@ ForwardCore = Callable[[SeqInputs], tuple[np.ndarray, np.ndarray]]
 BackwardCore = Callable[[SeqInputs, np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, ...]]
 
 
-def _score_args(pb: _Problem, softcap: Any, alibi_slopes: Any, sinks: Any) -> ScoreArgs:
-    return check_score_args(softcap, alibi_slopes, sinks, batch=pb.batch, heads=pb.heads)
+def _score_args(
+    pb: _Problem, softcap: Any, alibi_slopes: Any, sinks: Any, score_mod: Any, score_params: Any
+) -> ScoreArgs:
+    return check_score_args(
+        softcap,
+        alibi_slopes,
+        sinks,
+        batch=pb.batch,
+        heads=pb.heads,
+        score_mod=score_mod,
+        score_params=score_params,
+    )
 
 
 def run_forward(
@@ -448,6 +487,8 @@ def run_forward(
     softcap: float = 0.0,
     alibi_slopes: Any = None,
     sinks: Any = None,
+    score_mod: Any = None,
+    score_params: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Splits a batch into sequences, runs `core` on each and reassembles O and LSE.
 
@@ -458,7 +499,7 @@ def run_forward(
     q, k, v = (np.asarray(x, dtype=work_dtype) for x in (q, k, v))
     pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k)
     p = _check_p(dropout_p, keep_mask)
-    score = _score_args(pb, softcap, alibi_slopes, sinks)
+    score = _score_args(pb, softcap, alibi_slopes, sinks, score_mod, score_params)
     o = np.zeros(q.shape, dtype=work_dtype)
     lse = np.full(pb.lse_shape, -np.inf, dtype=work_dtype)
     for blk, inp in _iter_blocks(
@@ -505,6 +546,8 @@ def run_backward(
     softcap: float = 0.0,
     alibi_slopes: Any = None,
     sinks: Any = None,
+    score_mod: Any = None,
+    score_params: Any = None,
 ) -> tuple[np.ndarray, ...]:
     """Like `run_forward` for the backward pass; dk, dv are summed over each GQA group
     (in head order, in the working dtype). With `sinks`, returns `(dq, dk, dv, dsinks)`:
@@ -517,7 +560,7 @@ def run_backward(
     if lse.shape != pb.lse_shape:
         raise ValueError(f"lse must have shape {pb.lse_shape}, got {lse.shape}")
     p = _check_p(dropout_p, keep_mask)
-    score = _score_args(pb, softcap, alibi_slopes, sinks)
+    score = _score_args(pb, softcap, alibi_slopes, sinks, score_mod, score_params)
     dq = np.zeros(q.shape, dtype=work_dtype)
     dk = np.zeros(k.shape, dtype=work_dtype)
     dv = np.zeros(v.shape, dtype=work_dtype)
@@ -604,6 +647,8 @@ def score_logits(
     softcap and ALiBi applied (`score_mods.logits`; `capped_dtype` rounds tanh's output and
     the capped score, as the baseline does). Equal to `scaled_scores` when neither is on."""
     s = scaled_scores(inp) if s is None else s
+    if inp.user is not None:  # the whole logit (a spec refuses softcap and ALiBi beside it)
+        return score_mods.user_logits(s, inp.user.mod, inp.user.params, **inp.user.where())
     return score_mods.logits(
         s,
         softcap=inp.softcap,
@@ -611,6 +656,24 @@ def score_logits(
         shift=inp.alibi_shift,
         capped_dtype=capped_dtype,
     )
+
+
+def score_grad(inp: SeqInputs, s: np.ndarray) -> np.ndarray | None:
+    """d(score_mod)/ds over the scaled scores `s` in their dtype, or None without one."""
+    if inp.user is None:
+        return None
+    return score_mods.user_grad(s, inp.user.mod, inp.user.params, **inp.user.where())
+
+
+def through_score_grad(ds: np.ndarray, p: np.ndarray, grad: np.ndarray | None) -> np.ndarray:
+    """dL/ds from dL/dz = `ds` through a score_mod's derivative `grad` (None: unchanged): `ds *
+    grad` where P != 0, and 0 where P = 0 (masked scores, rows without a visible key), where
+    the derivative is never used and may be inf or NaN (`log(i - j + 1)` above a causal
+    diagonal), as in the kernels. A NaN P (a NaN logit) stays NaN."""
+    if grad is None:
+        return ds
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.where(p != 0, ds * grad, 0).astype(ds.dtype)
 
 
 def _forward64(inp: SeqInputs) -> tuple[np.ndarray, np.ndarray]:
@@ -646,6 +709,7 @@ def _backward64(
     cap = score_mods.softcap_factor(s, inp.softcap)
     if cap is not None:
         ds = ds * cap  # dL/ds, s = scale * q.k
+    ds = through_score_grad(ds, p, score_grad(inp, s))  # dL/ds through a score_mod
     dq = (ds @ inp.k.transpose(1, 0, 2)) * inp.scale
     dk = (ds.transpose(0, 2, 1) @ inp.q.transpose(1, 0, 2)) * inp.scale
     dsink = None if inp.sinks is None else score_mods.dsink_terms(inp.sinks, lse, delta)
@@ -670,6 +734,8 @@ def attention_forward(
     softcap: float = 0.0,
     alibi_slopes: Any = None,
     sinks: Any = None,
+    score_mod: Any = None,
+    score_params: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Float64 attention forward: `(o, lse)`.
 
@@ -710,6 +776,8 @@ def attention_forward(
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         sinks=sinks,
+        score_mod=score_mod,
+        score_params=score_params,
     )
 
 
@@ -734,6 +802,8 @@ def attention_backward(
     softcap: float = 0.0,
     alibi_slopes: Any = None,
     sinks: Any = None,
+    score_mod: Any = None,
+    score_params: Any = None,
 ) -> tuple[np.ndarray, ...]:
     """Float64 attention backward: `(dq, dk, dv)` with the shapes of q, k, v, and with
     `sinks` `(dq, dk, dv, dsinks)`, dsinks float64 `(heads,)`.
@@ -767,4 +837,6 @@ def attention_backward(
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         sinks=sinks,
+        score_mod=score_mod,
+        score_params=score_params,
     )

@@ -14,7 +14,9 @@ LSE `(batch, heads, seqlen_q)`; rows with no visible key give 0 and -inf.
 The score-stage features pass through unchanged (`softcap`, `alibi_slopes` `(heads,)` or
 `(batch, heads)`, `sinks` `(heads,)`; `verify.score_mods`): sequence b of the packed call is
 decode sequence b, and its ALiBi distance `|i + cache_seqlens[b] - seqlen_q - j|` is the
-bottom_right shift of that sequence, as the kernels define it.
+bottom_right shift of that sequence, as the kernels define it. A spec's score_mod
+(`score_mod`, `score_params`) likewise: i is the new query (0 .. seqlen_q - 1), j the cache row
+(0 .. cache_seqlens[b] - 1), seqlen_k = cache_seqlens[b].
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ def _mask_kwargs(
     softcap: float = 0.0,
     alibi_slopes: Any = None,
     sinks: Any = None,
+    score_mod: Any = None,
+    score_params: Any = None,
 ) -> dict[str, Any]:
     name = reference.causal_name(causal)
     if name == "top_left":
@@ -113,6 +117,8 @@ def _mask_kwargs(
         "softcap": softcap,
         "alibi_slopes": alibi_slopes,
         "sinks": sinks,
+        "score_mod": score_mod,
+        "score_params": score_params,
     }
 
 
@@ -128,6 +134,8 @@ def decode_reference(
     softcap: float = 0.0,
     alibi_slopes: Any = None,
     sinks: Any = None,
+    score_mod: Any = None,
+    score_params: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Float64 `(o, lse)` of a decode call over contiguous caches (see the module doc);
     `softcap`, `alibi_slopes`, `sinks` as `verify.reference.attention_forward`."""
@@ -137,7 +145,9 @@ def decode_reference(
         np.asarray(k_cache),
         np.asarray(v_cache),
         cache_seqlens,
-        **_mask_kwargs(causal, window, scale, softcap, alibi_slopes, sinks),
+        **_mask_kwargs(
+            causal, window, scale, softcap, alibi_slopes, sinks, score_mod, score_params
+        ),
     )
 
 
@@ -154,6 +164,8 @@ def decode_baseline(
     softcap: float = 0.0,
     alibi_slopes: Any = None,
     sinks: Any = None,
+    score_mod: Any = None,
+    score_params: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Standard attention in `dtype` for the same call (the pass rule's baseline), with the
     same score-stage arguments (`verify.baseline` says where they round)."""
@@ -164,7 +176,9 @@ def decode_baseline(
         np.asarray(v_cache),
         cache_seqlens,
         dtype=dtype,
-        **_mask_kwargs(causal, window, scale, softcap, alibi_slopes, sinks),
+        **_mask_kwargs(
+            causal, window, scale, softcap, alibi_slopes, sinks, score_mod, score_params
+        ),
     )
 
 

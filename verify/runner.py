@@ -82,13 +82,37 @@ class Problem:
     score: ScoreArgs = field(default_factory=ScoreArgs)  # fp32-rounded slopes and sinks
 
 
-def check_score(spec, softcap, alibi_slopes, sinks, *, batch: int, heads: int) -> ScoreArgs:
+def check_score(
+    spec,
+    softcap,
+    alibi_slopes,
+    sinks,
+    *,
+    batch: int,
+    heads: int,
+    score_mod=None,
+    score_params=None,
+) -> ScoreArgs:
     """The score-stage arguments of a call, validated against the spec: a value the spec has
     no feature for is refused, a feature the spec has must get one (RunnerError naming the
-    argument). Slopes and sinks come back rounded to fp32, as the device holds them."""
+    argument). Slopes and sinks come back rounded to fp32, as the device holds them. A spec's
+    score_mod takes `score_params` (its declared parameters' values; `score_mod`, when given,
+    must be the spec's own)."""
+    mod = getattr(spec, "score_mod", None)
+    if score_mod is not None and score_mod != mod:
+        raise RunnerError("score_mod given is not this spec's score_mod")
+    if mod is not None and score_params is None:
+        decl = ", ".join(f"{n}: {k.value}" for n, k in mod.params) or "none declared"
+        raise RunnerError(f"this spec has a score_mod: pass score_params ({decl})")
     try:
         score = check_score_args(
-            0.0 if softcap is None else softcap, alibi_slopes, sinks, batch=batch, heads=heads
+            0.0 if softcap is None else softcap,
+            alibi_slopes,
+            sinks,
+            batch=batch,
+            heads=heads,
+            score_mod=mod if score_params is not None else None,
+            score_params=score_params,
         )
     except ValueError as e:
         raise RunnerError(str(e)) from None
@@ -99,10 +123,16 @@ def check_score(spec, softcap, alibi_slopes, sinks, *, batch: int, heads: int) -
     def f32(a):
         return None if a is None else a.astype(np.float32).astype(np.float64)
 
-    return ScoreArgs(score.softcap, f32(score.alibi_slopes), f32(score.sinks))
+    return ScoreArgs(
+        score.softcap,
+        f32(score.alibi_slopes),
+        f32(score.sinks),
+        score.score_mod,
+        score.score_params,  # already as the device holds them (check_user_params)
+    )
 
 
-def score_params(gpu, score: ScoreArgs, heads: int, bufs: list) -> dict[str, Any]:
+def score_fields(gpu, score: ScoreArgs, heads: int, bufs: list) -> dict[str, Any]:
     """The `fg_score_params` fields of a call: softcap, and the fp32 slopes and sinks uploaded
     into poisoned-margin buffers (appended to `bufs`); unused fields stay 0 (NULL)."""
     params: dict[str, Any] = {"softcap": float(score.softcap)}
@@ -116,15 +146,52 @@ def score_params(gpu, score: ScoreArgs, heads: int, bufs: list) -> dict[str, Any
         params[nm] = buf.ptr
     if score.alibi_slopes is not None:
         params["alibi_batch_stride"] = 0 if score.alibi_slopes.ndim == 1 else int(heads)
+    if score.score_mod is not None:
+        params.update(user_slot_params(gpu, score, bufs))
+    return params
+
+
+def user_slot_params(gpu, score: ScoreArgs, bufs: list) -> dict[str, Any]:
+    """The `fg_score_params.user_*` fields of a score_mod's parameters (slot k: the k-th by
+    name, generator/features/__init__.py): scalars as user_f / user_i, vectors and tables
+    uploaded (fp32, or int32 for int vectors) into poisoned-margin buffers, a table's columns
+    in user_i."""
+    from flashgen.generator.features.user import SLOT_FIELDS, user_slots
+    from flashgen.generator.usermod import KIND_INFO, Type
+
+    params: dict[str, Any] = {}
+    for k, name, kind in user_slots(score.score_mod):
+        value = score.score_params[name]
+        fields = SLOT_FIELDS[kind]
+        if "ptr" in fields:
+            info = KIND_INFO[kind]
+            host = np.ascontiguousarray(
+                value, dtype=np.int32 if info.type is Type.INT else np.float32
+            )
+            buf = DeviceBuffer(gpu, max(host.nbytes, 4))
+            buf.upload(host)
+            bufs.append(buf)
+            params[f"user_ptr{k}"] = buf.ptr
+            if "i" in fields:  # a table: its columns
+                params[f"user_i{k}"] = int(host.shape[1])
+        elif "f" in fields:
+            params[f"user_f{k}"] = float(value)
+        else:
+            params[f"user_i{k}"] = int(value)
     return params
 
 
 def score_inputs(score: ScoreArgs) -> dict[str, np.ndarray]:
-    """`res.inputs` entries of the slopes and sinks a call uploaded (float32)."""
+    """`res.inputs` entries of the slopes and sinks a call uploaded (float32), and of a
+    score_mod's array parameters as `score_params.<name>` (a parameter may be named `k` or
+    `lse`: under its bare name it would replace the input the references read)."""
     out = {}
     for nm, arr in (("alibi_slopes", score.alibi_slopes), ("sinks", score.sinks)):
         if arr is not None:
             out[nm] = arr.astype(np.float32)
+    for nm, value in (score.score_params or {}).items():
+        if isinstance(value, np.ndarray):
+            out[f"score_params.{nm}"] = value
     return out
 
 
@@ -143,6 +210,8 @@ def validate(
     softcap=0.0,
     alibi_slopes=None,
     sinks=None,
+    score_mod=None,
+    score_params=None,
 ) -> Problem:
     """Check the arguments against the spec; raise RunnerError naming the first problem.
 
@@ -237,7 +306,16 @@ def validate(
             lens_q=lens_q,
             lens_k=lens_k,
         )
-    score = check_score(spec, softcap, alibi_slopes, sinks, batch=batch, heads=heads)
+    score = check_score(
+        spec,
+        softcap,
+        alibi_slopes,
+        sinks,
+        batch=batch,
+        heads=heads,
+        score_mod=score_mod,
+        score_params=score_params,
+    )
     return Problem(batch, heads, kv_heads, sq, sk, d, varlen, scale, win, cu_q, cu_k, score)
 
 
@@ -422,6 +500,8 @@ class FwdKernel:
         softcap=0.0,
         alibi_slopes=None,
         sinks=None,
+        score_mod=None,
+        score_params=None,
     ) -> FwdResult:
         spec = self.spec
         pb = validate(
@@ -438,6 +518,8 @@ class FwdKernel:
             softcap=softcap,
             alibi_slopes=alibi_slopes,
             sinks=sinks,
+            score_mod=score_mod,
+            score_params=score_params,
         )
         if not 0 <= int(seed) < 2**64:
             raise RunnerError(f"seed must be in [0, 2^64), got {seed}")
@@ -455,7 +537,7 @@ class FwdKernel:
         gpu = self.gpu
         bufs: list[DeviceBuffer] = []
         try:
-            params: dict[str, Any] = score_params(gpu, pb.score, pb.heads, bufs)
+            params: dict[str, Any] = score_fields(gpu, pb.score, pb.heads, bufs)
             for nm in ("q", "k", "v"):
                 buf, strides = strided_upload(gpu, bits[nm], memory_layout, pad)
                 bufs.append(buf)

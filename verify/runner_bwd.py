@@ -58,8 +58,8 @@ from flashgen.verify.runner import (
     Gpu,
     Problem,
     RunnerError,
+    score_fields,
     score_inputs,
-    score_params,
     strided_upload,
     validate,
 )
@@ -114,6 +114,8 @@ def validate_bwd(
     softcap=0.0,
     alibi_slopes=None,
     sinks=None,
+    score_mod=None,
+    score_params=None,
 ) -> Problem:
     """`verify.runner.validate` (q, k, v, masks, layout, score-stage features) plus the
     backward's own inputs: o and dout shaped like q, lse like the forward's LSE. Raises
@@ -136,6 +138,8 @@ def validate_bwd(
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         sinks=sinks,
+        score_mod=score_mod,
+        score_params=score_params,
     )
     for nm, t in (("o", o), ("dout", dout)):
         if not isinstance(t, np.ndarray):
@@ -231,6 +235,8 @@ class BwdKernel:
         softcap=0.0,
         alibi_slopes=None,
         sinks=None,
+        score_mod=None,
+        score_params=None,
     ) -> BwdResult:
         spec = self.spec
         pb = validate_bwd(
@@ -250,6 +256,8 @@ class BwdKernel:
             softcap=softcap,
             alibi_slopes=alibi_slopes,
             sinks=sinks,
+            score_mod=score_mod,
+            score_params=score_params,
         )
         if not 0 <= int(seed) < 2**64:
             raise RunnerError(f"seed must be in [0, 2^64), got {seed}")
@@ -282,7 +290,7 @@ class BwdKernel:
             return buf.ptr
 
         try:
-            params: dict[str, Any] = score_params(gpu, pb.score, pb.heads, bufs)
+            params: dict[str, Any] = score_fields(gpu, pb.score, pb.heads, bufs)
             dsinks_buf = None
             if pb.score.sinks is not None:  # poisoned: NaN until the dsink kernel writes it
                 dsinks_buf = DeviceBuffer(gpu, 4 * pb.heads)

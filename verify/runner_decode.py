@@ -40,8 +40,8 @@ from flashgen.verify.runner import (
     Gpu,
     RunnerError,
     check_score,
+    score_fields,
     score_inputs,
-    score_params,
 )
 from flashgen.verify.score_mods import ScoreArgs
 
@@ -110,6 +110,8 @@ class DecodeKernel:
         softcap: float = 0.0,
         alibi_slopes=None,
         sinks=None,
+        score_mod=None,
+        score_params=None,
     ) -> DecResult:
         """One decode call. `row_pad` extra elements (a multiple of 8) end every row of q, the
         caches and o (strided layouts); `overrides` replaces launch parameters after they are
@@ -128,7 +130,16 @@ class DecodeKernel:
             raise RunnerError("a paged spec needs block_table")
         if row_pad % 8:
             raise RunnerError("row_pad must be a multiple of 8 elements")
-        score = check_score(spec, softcap, alibi_slopes, sinks, batch=batch, heads=heads)
+        score = check_score(
+            spec,
+            softcap,
+            alibi_slopes,
+            sinks,
+            batch=batch,
+            heads=heads,
+            score_mod=score_mod,
+            score_params=score_params,
+        )
         dt = spec.dtype.yaml
         bits = {"q": self._bits(q), "k": self._bits(k_cache), "v": self._bits(v_cache)}
         inputs = {nm: from_dtype_bits(b_, dt) for nm, b_ in bits.items()}
@@ -136,7 +147,7 @@ class DecodeKernel:
         gpu = self.gpu
         bufs: list[DeviceBuffer] = []
         try:
-            params: dict[str, Any] = score_params(gpu, score, heads, bufs)
+            params: dict[str, Any] = score_fields(gpu, score, heads, bufs)
             for nm in ("q", "k", "v"):
                 x = bits[nm]
                 store = np.full((*x.shape[:-1], d + row_pad), 0xFFFF, dtype=np.uint16)

@@ -52,12 +52,16 @@ __all__ = [
     "ScoreArgs",
     "alibi_bias",
     "check_score_args",
+    "check_user_params",
     "dsink_terms",
     "logits",
     "score_args_problems",
     "softcap_factor",
     "softcapped",
     "spec_has",
+    "user_env",
+    "user_grad",
+    "user_logits",
 ]
 
 # feature name -> keyword argument (its first parameter row: the C field that carries it)
@@ -89,6 +93,10 @@ class ScoreArgs:
     softcap: float = 0.0
     alibi_slopes: np.ndarray | None = None
     sinks: np.ndarray | None = None
+    # a spec's score_mod (generator.usermod.UserMod) and its parameters' values by name, as
+    # the device holds them (`check_user_params`); None without one
+    score_mod: Any = None
+    score_params: dict[str, Any] | None = None
 
     def uses(self, feature: str) -> bool:
         """Whether the call uses `feature` (a generator.features name)."""
@@ -104,7 +112,10 @@ class ScoreArgs:
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments of the features in use (for the reference, the baseline and
         the runners; empty when none is)."""
-        return {ARGUMENTS[name]: getattr(self, ARGUMENTS[name]) for name in sorted(self.features)}
+        out = {ARGUMENTS[name]: getattr(self, ARGUMENTS[name]) for name in sorted(self.features)}
+        if self.score_mod is not None:
+            out.update(score_mod=self.score_mod, score_params=self.score_params)
+        return out
 
     def slopes_for(self, b: int, heads: slice) -> np.ndarray | None:
         """The slopes of sequence `b`'s query heads `heads`, `(h,)`, or None."""
@@ -120,9 +131,16 @@ class ScoreArgs:
         def arr(a: np.ndarray | None) -> str:
             return "None" if a is None else f"array({a.tolist()!r})"
 
+        user = ""
+        if self.score_mod is not None:
+            vals = {
+                k: (v.tolist() if isinstance(v, np.ndarray) else v)
+                for k, v in (self.score_params or {}).items()
+            }
+            user = f", score_mod={self.score_mod.canonical!r}, score_params={vals!r}"
         return (
             f"ScoreArgs(softcap={self.softcap!r}, alibi_slopes={arr(self.alibi_slopes)}, "
-            f"sinks={arr(self.sinks)})"
+            f"sinks={arr(self.sinks)}{user})"
         )
 
 
@@ -142,6 +160,8 @@ def check_score_args(
     *,
     batch: int | None = None,
     heads: int | None = None,
+    score_mod: Any = None,
+    score_params: Any = None,
 ) -> ScoreArgs:
     """Validated `ScoreArgs` (float64 copies of the arrays); ValueError names the argument and
     what is allowed. `batch`, `heads` (when given) fix the allowed shapes: slopes `(heads,)`
@@ -168,7 +188,111 @@ def check_score_args(
         if sk.ndim != 1 or (heads is not None and sk.shape[0] != heads):
             want = "(heads,)" if heads is None else f"(heads,) = ({heads},)"
             raise ValueError(f"sinks must have shape {want}, got {sk.shape}")
-    return ScoreArgs(c, slopes, sk)
+    if score_mod is None:
+        if score_params:
+            raise ValueError("score_params given without a score_mod")
+        return ScoreArgs(c, slopes, sk)
+    values = check_user_params(score_mod, score_params, batch=batch, heads=heads)
+    return ScoreArgs(c, slopes, sk, score_mod, values)
+
+
+def check_user_params(
+    mod: Any, values: Any, *, batch: int | None = None, heads: int | None = None
+) -> dict[str, Any]:
+    """The values of a score_mod's declared parameters as the kernel holds them: float32-rounded
+    floats (kept as float64), int64 ints; `values` maps every declared name (and no other) to
+    a number (scalar, scalar_int), a 1-D array (per_head `(heads,)`, per_batch and
+    per_batch_int `(batch,)`) or a 2-D array (table `(heads, columns)`, columns >= 1). ValueError
+    names the parameter and what is allowed."""
+    from flashgen.generator.usermod import KIND_INFO, ParamKind, Type
+
+    declared = dict(mod.params)
+    given = dict(values or {})
+    extra = sorted(set(given) - set(declared))
+    if extra:
+        raise ValueError(
+            f"score_params {', '.join(extra)} not declared by the score_mod (declared: "
+            f"{', '.join(declared) or 'none'})"
+        )
+    out: dict[str, Any] = {}
+    for name, kind in declared.items():
+        if name not in given:
+            raise ValueError(f"score_params lacks {name!r} ({kind.value})")
+        v = given[name]
+        info = KIND_INFO[kind]
+        if kind in (ParamKind.SCALAR, ParamKind.SCALAR_INT):
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+                raise ValueError(f"score_params[{name!r}] ({kind.value}) must be a number")
+            if kind is ParamKind.SCALAR_INT:
+                if int(v) != v:
+                    raise ValueError(f"score_params[{name!r}] (scalar_int) must be an integer")
+                out[name] = int(v)
+            else:
+                if not math.isfinite(float(v)):
+                    raise ValueError(f"score_params[{name!r}] (scalar) must be finite")
+                out[name] = float(np.float32(v))
+            continue
+        arr = np.asarray(v)
+        want = {
+            ParamKind.PER_HEAD: (heads,),
+            ParamKind.PER_BATCH: (batch,),
+            ParamKind.PER_BATCH_INT: (batch,),
+            ParamKind.TABLE: (heads, None),
+        }.get(kind)
+        if want is None:
+            raise ValueError(f"parameter kind {kind.value} is not served by the kernels")
+        ok = arr.ndim == len(want) and all(w is None or n == w for n, w in zip(arr.shape, want))
+        if kind is ParamKind.TABLE:
+            ok = ok and arr.shape[1] >= 1
+        if not ok:
+            dims = ", ".join("columns" if w is None else str(w) for w in want)
+            shape = f"({dims},)" if len(want) == 1 else f"({dims})"
+            raise ValueError(
+                f"score_params[{name!r}] ({kind.value}) must have shape {shape}, got {arr.shape}"
+            )
+        if info.type is Type.INT:
+            if not np.issubdtype(arr.dtype, np.integer):
+                raise ValueError(f"score_params[{name!r}] ({kind.value}) must hold ints")
+            if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
+                raise ValueError(f"score_params[{name!r}] ({kind.value}) must fit int32")
+            out[name] = arr.astype(np.int64)
+        else:
+            f = _float_array(arr.astype(np.float64), f"score_params[{name!r}]")
+            out[name] = f.astype(np.float32).astype(np.float64)
+    return out
+
+
+def user_env(
+    s: np.ndarray, *, b: int, heads: np.ndarray, seqlen_q: int, seqlen_k: int
+) -> dict[str, Any]:
+    """The variables of a score_mod over scores `s` `(h, Sq, Sk)` of sequence `b` and query
+    heads `heads` `(h,)`: i, j the 0-based positions in the sequence, the lengths its own."""
+    return {
+        "s": s,
+        "b": np.int64(b),
+        "h": np.asarray(heads, dtype=np.int64)[:, None, None],
+        "i": np.arange(s.shape[-2], dtype=np.int64)[None, :, None],
+        "j": np.arange(s.shape[-1], dtype=np.int64)[None, None, :],
+        "seqlen_q": np.int64(seqlen_q),
+        "seqlen_k": np.int64(seqlen_k),
+    }
+
+
+def user_logits(s: np.ndarray, mod: Any, params: dict[str, Any], **where: Any) -> np.ndarray:
+    """The score_mod's logits over `s` `(h, Sq, Sk)` in the dtype of `s` (float64: the
+    reference; float32: the baseline, the kernel's arithmetic order); `where` as `user_env`."""
+    from flashgen.generator.usermod import evaluate
+
+    return evaluate(mod.tree, user_env(s, **where), params, dtype=s.dtype).astype(s.dtype)
+
+
+def user_grad(s: np.ndarray, mod: Any, params: dict[str, Any], **where: Any) -> np.ndarray:
+    """d(score_mod)/ds over `s` (the symbolic derivative, `UserMod.derivative`), in the dtype
+    of `s`, broadcast to its shape."""
+    from flashgen.generator.usermod import evaluate
+
+    g = evaluate(mod.derivative, user_env(s, **where), params, dtype=s.dtype)
+    return np.broadcast_to(g, s.shape).astype(s.dtype)
 
 
 def score_args_problems(spec: Any, score: ScoreArgs) -> list[str]:
@@ -187,6 +311,14 @@ def score_args_problems(spec: Any, score: ScoreArgs) -> list[str]:
                 "sinks": "sinks, float (heads,)",
             }[arg]
             out.append(f"this spec has {name}: true: pass {what}")
+    mod = getattr(spec, "score_mod", None)
+    if mod is not None and score.score_mod != mod:
+        out.append(
+            f"this spec has score_mod {mod.canonical!r}: pass score_params "
+            f"({', '.join(f'{n}: {k.value}' for n, k in mod.params) or 'none declared'})"
+        )
+    elif mod is None and score.score_mod is not None:
+        out.append("score_params given but this spec has no score_mod")
     return out
 
 

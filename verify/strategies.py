@@ -38,7 +38,9 @@ __all__ = [
     "cu_seqlens",
     "dropout_params",
     "fixed_score_args",
+    "fixed_user_params",
     "score_args",
+    "user_params",
     "seqlens",
     "shapes",
     "valid_specs",
@@ -234,7 +236,67 @@ def fixed_score_args(spec: Any, batch: int, heads: int) -> ScoreArgs:
     c = 20.0 if spec_has(spec, "softcap") else 0.0
     slopes = alibi_geometric(heads) if spec_has(spec, "alibi") else None
     sinks = _f32(np.linspace(-2.0, 4.0, heads)) if spec_has(spec, "sink") else None
-    return check_score_args(c, slopes, sinks, batch=batch, heads=heads)
+    mod = getattr(spec, "score_mod", None)
+    return check_score_args(
+        c,
+        slopes,
+        sinks,
+        batch=batch,
+        heads=heads,
+        score_mod=mod,
+        score_params=None if mod is None else fixed_user_params(mod, batch, heads),
+    )
+
+
+def fixed_user_params(mod: Any, batch: int, heads: int) -> dict[str, Any]:
+    """Deterministic values of a score_mod's parameters: scalars 20 (a softcap), ints 8,
+    per_head ALiBi's geometric slopes, per_batch values in [0.5, 2], int vectors 0, 3, 6, ...,
+    tables (heads, 32) spread over [-2, 2]."""
+    from flashgen.generator.usermod import ParamKind as K
+
+    out: dict[str, Any] = {}
+    for name, kind in mod.params:
+        if kind is K.SCALAR:
+            out[name] = 20.0
+        elif kind is K.SCALAR_INT:
+            out[name] = 8
+        elif kind is K.PER_HEAD:
+            out[name] = alibi_geometric(heads)
+        elif kind is K.PER_BATCH:
+            out[name] = _f32(np.linspace(0.5, 2.0, batch))
+        elif kind is K.PER_BATCH_INT:
+            out[name] = np.arange(batch, dtype=np.int64) * 3
+        elif kind is K.TABLE:
+            out[name] = _f32(np.linspace(-2.0, 2.0, heads * 32).reshape(heads, 32))
+    return out
+
+
+@st.composite
+def user_params(draw: Any, mod: Any, batch: int, heads: int) -> dict[str, Any]:
+    """Values of a score_mod's declared parameters, float32-representable: scalars in
+    [0.5, 50] (positive: a softcap, a temperature; a score_mod that divides by one stays
+    finite), ints in [0, 64], per_head / per_batch floats in [0, 1] (ALiBi-like slopes) or
+    [-1, 1], int vectors in [0, 64], tables of 1 to 40 columns in [-4, 4] (a column past the
+    end is clamped, so fewer columns than the expression's buckets are drawn too)."""
+    from flashgen.generator.usermod import ParamKind as K
+
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    out: dict[str, Any] = {}
+    for name, kind in mod.params:
+        if kind is K.SCALAR:
+            out[name] = float(np.float32(draw(st.floats(0.5, 50.0))))
+        elif kind is K.SCALAR_INT:
+            out[name] = draw(st.integers(0, 64))
+        elif kind in (K.PER_HEAD, K.PER_BATCH):
+            n = heads if kind is K.PER_HEAD else batch
+            lo = draw(st.sampled_from((0.0, -1.0)))
+            out[name] = _f32(rng.uniform(lo, 1.0, size=n))
+        elif kind is K.PER_BATCH_INT:
+            out[name] = rng.integers(0, 65, size=batch).astype(np.int64)
+        elif kind is K.TABLE:
+            cols = draw(st.sampled_from((1, 8, 32, 40)))
+            out[name] = _f32(rng.uniform(-4.0, 4.0, size=(heads, cols)))
+    return out
 
 
 @st.composite
@@ -245,7 +307,11 @@ def score_args(draw: Any, spec: Any, batch: int, heads: int) -> ScoreArgs:
     c = draw(softcaps()) if spec_has(spec, "softcap") else 0.0
     slopes = draw(alibi_slopes(batch, heads)) if spec_has(spec, "alibi") else None
     sinks = draw(sink_values(heads)) if spec_has(spec, "sink") else None
-    return check_score_args(c, slopes, sinks, batch=batch, heads=heads)
+    mod = getattr(spec, "score_mod", None)
+    values = None if mod is None else draw(user_params(mod, batch, heads))
+    return check_score_args(
+        c, slopes, sinks, batch=batch, heads=heads, score_mod=mod, score_params=values
+    )
 
 
 def _values(

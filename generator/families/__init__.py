@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from flashgen.generator.features import FEATURES, SCORE_PARAMS
+from flashgen.generator.features.user import user_score_cpp
 from flashgen.generator.spec import (
     Dtype,
     KernelKind,
@@ -149,6 +150,9 @@ class Family:
             "sm": spec.target.cc,
             # the score stage's functors (generator.features): C constant -> on
             "score_features": {f.cpp: spec.has(f.name) for f in FEATURES},
+            # the spec's score_mod as the C++ of Spec::UserScore (generator/features/user.py),
+            # or "" without one
+            "user_score": user_score_cpp(spec.score_mod) if spec.score_mod is not None else "",
         }
 
     def entry_points(self, name: str) -> dict[str, str]:

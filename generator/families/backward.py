@@ -363,7 +363,9 @@ class Backward(Family):
         return smem_bytes(spec.tile, spec.head_dim, spec.dtype)
 
     def auto_tile(self, target: Target, dtype: Dtype, head_dim: int, values: dict) -> Tile:
-        scoremod = any(values.get(f.name) for f in FEATURES)  # the score stage's registers
+        # the score stage's registers: a built-in modifier, or a score_mod (its positions,
+        # parameters and derivative beside the scores)
+        scoremod = any(values.get(f.name) for f in FEATURES) or values.get("score_mod") is not None
         heavy = bool(
             values.get("dropout")
             or values.get("deterministic")
@@ -401,6 +403,7 @@ class Backward(Family):
             and spec.head_dim <= 64
             and not spec.dropout
             and not spec.features  # the score stage spilled at 128 registers (d 64)
+            and spec.score_mod is None
             else 1,
         }
 

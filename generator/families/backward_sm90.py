@@ -125,8 +125,10 @@ class BackwardSm90(Backward):
         64 rows and two stages (three measured within noise of two). `values` are the spec's
         parsed fields (feature flags by field path)."""
         # softcap keeps its derivative beside the scores: 128 query rows a step then spill
-        # (92 bytes at d 64, ptxas), 64 do not
-        if head_dim_pad(head_dim) <= 64 and not values.get("softcap"):
+        # (92 bytes at d 64, ptxas), 64 do not; a score_mod (positions, parameters and maybe a
+        # derivative) takes 64 rows likewise
+        light = not values.get("softcap") and values.get("score_mod") is None
+        if head_dim_pad(head_dim) <= 64 and light:
             return Tile(block_m=128, block_n=128, warps=8, stages=3)
         return Tile(block_m=64, block_n=128, warps=8, stages=2)
 

@@ -15,6 +15,9 @@ term of the softmax denominator (attention sinks). Each feature module declares,
 - its reference semantics, which `verify.score_mods` implements in float64 and in the
   kernel's precision, and its Hypothesis strategy (`verify.strategies.score_args`).
 
+A spec's user-defined score modifier (`score_mod`, generator.usermod) is not a row: its
+runtime parameters take the generic slots `USER_PARAMS` that close `fg_score_params`.
+
 Everything that lists features iterates `FEATURES`: the spec's field table, the render
 context, the parameter tables, the launch checks (`check_score_params` in score_mod.cuh),
 the runners, the reference, the baseline and flashgen.torch's selection. Adding a score
@@ -36,6 +39,8 @@ __all__ = [
     "ParamRow",
     "SCORE_PARAMS",
     "SCORE_PARAMS_HEADER",
+    "USER_PARAMS",
+    "USER_SLOTS",
     "render_score_params_h",
 ]
 
@@ -73,14 +78,41 @@ _MODULES = ("softcap", "alibi", "sink")  # order: kernel-name parts, C constants
 
 
 def _load() -> tuple[Feature, ...]:
-    return tuple(
-        importlib.import_module(f"{__name__}.{m}").FEATURE for m in _MODULES
-    )
+    return tuple(importlib.import_module(f"{__name__}.{m}").FEATURE for m in _MODULES)
 
 
 FEATURES: tuple[Feature, ...] = _load()
 FEATURE_BY_NAME = {f.name: f for f in FEATURES}
-SCORE_PARAMS: tuple[ParamRow, ...] = tuple(r for f in FEATURES for r in f.params)
+
+# A user modifier's runtime parameters (a spec's `params`, generator.usermod) travel in
+# USER_SLOTS generic slots after the features' rows. Parameter k of the spec's `params`
+# (sorted by name) owns slot k, and reads the field of its kind's type:
+#   scalar                                    user_f<k>  (double; the kernel rounds to fp32)
+#   scalar_int                                user_i<k>  (int64)
+#   per_head, per_batch                       user_ptr<k> (fp32 vector: heads / batch)
+#   per_batch_int                             user_ptr<k> (int32 vector: batch)
+#   table                                     user_ptr<k> (fp32 (heads, columns), row-major)
+#                                             and user_i<k> = columns (>= 1)
+# Slots a kernel does not read must be 0 (NULL); the launch check refuses anything else, and
+# a NULL pointer for a parameter the kernel reads.
+USER_SLOTS = 4
+
+
+def _user_rows(k: int) -> tuple[ParamRow, ...]:
+    return (
+        ParamRow(f"user_ptr{k}", "ptr", f"const void* user_ptr{k}", f"param {k}: its device array"),
+        ParamRow(f"user_f{k}", "f64", f"double user_f{k}", f"param {k}: a scalar's value"),
+        ParamRow(
+            f"user_i{k}",
+            "i64",
+            f"int64_t user_i{k}",
+            f"param {k}: a scalar_int's value, or a table's columns",
+        ),
+    )
+
+
+USER_PARAMS: tuple[ParamRow, ...] = tuple(r for k in range(USER_SLOTS) for r in _user_rows(k))
+SCORE_PARAMS: tuple[ParamRow, ...] = tuple(r for f in FEATURES for r in f.params) + USER_PARAMS
 
 
 # where the rendered struct lives, relative to the templates folder (and to generated/)
@@ -110,7 +142,27 @@ def render_score_params_h() -> str:
         for r in f.params:
             lines.append(f"  {r.c_decl}; /* {r.doc} */")
     lines += [
+        f"  /* score_mod (Spec::UserScore): the spec's params, {USER_SLOTS} slots; param k (by",
+        "     name) reads user_f<k> (scalar), user_i<k> (scalar_int), user_ptr<k> (fp32",
+        "     per_head / per_batch vector, int32 per_batch_int vector, fp32 (heads, columns)",
+        "     table with user_i<k> = columns); docs/usermod.md */",
+    ]
+    for r in USER_PARAMS:
+        lines.append(f"  {r.c_decl}; /* {r.doc} */")
+    lines += [
         "} fg_score_params;",
+        "",
+        "/* nonzero when a user slot is set: a kernel generated without score_mod refuses that",
+        "   (score_check.h) */",
+        "static inline int fg_score_user_slots_set(const fg_score_params* s) {",
+    ]
+    tests = [f"s->{r.name} != 0" + (".0" if r.ctype == "f64" else "") for r in USER_PARAMS]
+    for n, t in enumerate(tests):
+        lines.append(
+            ("  return " if n == 0 else "         ") + t + (";" if n == len(tests) - 1 else " ||")
+        )
+    lines += [
+        "}",
         "",
         "#ifdef __cplusplus",
         "}",

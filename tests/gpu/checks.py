@@ -27,12 +27,13 @@ def max_distance(q, k, ref_kwargs) -> int:
 
 
 def lse_floor(spec, q, k, ref_kwargs) -> float:
-    """The LSE's extra floor: the float32 score error bound, plus ALiBi's bias bound and
-    softcap's tanh.approx bound (passrule)."""
+    """The LSE's extra floor: the float32 score error bound, plus ALiBi's bias bound,
+    softcap's tanh.approx bound and a score_mod's float32 bound (passrule)."""
     return (
         passrule.score_floor(q, k, softmax_scale(spec))
         + passrule.alibi_floor(ref_kwargs.get("alibi_slopes"), max_distance(q, k, ref_kwargs))
         + passrule.softcap_floor(ref_kwargs.get("softcap", 0.0))
+        + passrule.usermod_floor(ref_kwargs.get("score_params"), max_distance(q, k, ref_kwargs))
     )
 
 

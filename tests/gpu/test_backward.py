@@ -195,6 +195,10 @@ def _ds_bound_core(inp, o, lse, do, rows: int = 0):
         delta = np.sum(do.transpose(1, 0, 2) * o.transpose(1, 0, 2), axis=-1)
         dz = np.abs(p * (dp - delta[..., None]))
         e_ds = e_ds * cap + TANH_APPROX_REL * dz * (inp.softcap * cap + 2.0)
+    # a score_mod: dS = dZ d(mod)/ds, so dZ's bound scales by |d(mod)/ds| (0 where P = 0)
+    grad = reference.score_grad(inp, s)
+    if grad is not None:
+        e_ds = reference.through_score_grad(e_ds, p, np.abs(grad))
     dq = (e_ds @ np.abs(inp.k.transpose(1, 0, 2))) * inp.scale
     dk = (e_ds.transpose(0, 2, 1) @ np.abs(inp.q.transpose(1, 0, 2))) * inp.scale
     dsink = None
@@ -225,6 +229,8 @@ def gradient_floors(
     softcap=0.0,
     alibi_slopes=None,
     sinks=None,
+    score_mod=None,
+    score_params=None,
 ) -> dict[str, float]:
     """Extra pass-rule floors for dq and dk (passrule.check's `extra_floor`): the standard
     float32 bound on dS = P (dP - D), dot products of length d with eps per operation
@@ -236,7 +242,8 @@ def gradient_floors(
     baseline return float32 noise whose size depends on the summation order alone, so the
     factor 2 would compare summation orders. Elsewhere the bound is at most of the order of
     the fp16 noise floor (far below it for bf16), so the rule stays the dtype-rounding rule.
-    With softcap the bound adds tanh.approx's documented error (see _ds_bound_core).
+    With softcap the bound adds tanh.approx's documented error (see _ds_bound_core); with a
+    score_mod it scales by |d(mod)/ds|.
 
     dsinks (fp32 like the baseline's, a sum over every row of a head) gets the float32 bound
     of that sum ('dsinks', the largest over the heads): kernel and baseline sum in different
@@ -260,6 +267,8 @@ def gradient_floors(
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         sinks=sinks,
+        score_mod=score_mod,
+        score_params=score_params,
     )
     bq, bk = out[0], out[1]
     floors = {"dq": float(bq.max(initial=0.0)), "dk": float(bk.max(initial=0.0)), "dv": 0.0}

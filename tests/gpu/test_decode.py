@@ -126,7 +126,8 @@ def check_reference(spec, case, res, recorder, test):
             "fp32",
             extra_floor=passrule.score_floor(qi, np.nan_to_num(ki), 1 / np.sqrt(spec.head_dim))
             + passrule.alibi_floor(res.score.alibi_slopes, case["sq"] + max(case["lens"]))
-            + passrule.softcap_floor(res.score.softcap),
+            + passrule.softcap_floor(res.score.softcap)
+            + passrule.usermod_floor(res.score.score_params, case["sq"] + max(case["lens"])),
         ),
     }
     recorder.add(spec, found, test)
@@ -203,8 +204,15 @@ def test_paged_and_contiguous_caches_give_bitwise_equal_outputs(pair):
 
 
 # ALiBi's distance and a sink belong to the whole cache, not to a part of it: merging parts
-# run as separate calls is a different problem for those specs
-MERGE_SPECS = [s for s in SPECS if not (s.has("alibi") or s.has("sink"))][:4]
+# run as separate calls is a different problem for those specs, and for a score_mod that
+# reads positions or lengths (j restarts in each part, seqlen_k is the part's)
+_POSITIONS = frozenset({"i", "j", "seqlen_q", "seqlen_k"})
+MERGE_SPECS = [
+    s
+    for s in SPECS
+    if not (s.has("alibi") or s.has("sink"))
+    and (s.score_mod is None or not s.score_mod.variables & _POSITIONS)
+][:4]
 
 
 @pytest.mark.parametrize("spec", MERGE_SPECS, ids=kernel_name)

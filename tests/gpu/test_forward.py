@@ -202,6 +202,7 @@ def _one_hot_problem(spec, sq, sk, seed):
         and not s.dropout
         and not s.sparse
         and not s.features  # softcap, ALiBi and sinks change the weights of a one-hot row
+        and s.score_mod is None  # and so does a score_mod
     ],
     ids=kernel_name,
 )

@@ -325,7 +325,7 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
     float acc_s[C::kSMT][C::kSNT][4];
     float gmod[Mod::kHasGrad ? C::kSMT : 1][Mod::kHasGrad ? C::kSNT : 1][4];
     scores(q_slot, sK_a, acc_s);
-    score_frag(acc_s, mod, tile_dist0(r0 + s_row0, c0 + s_col0, mask.shift), lane, gmod);
+    score_frag(acc_s, mod, tile_at(r0 + s_row0, c0 + s_col0, mask), lane, gmod);
     const bool masked = C::kSparse ? (cur.partial || c0 + C::kBlockN > sk)
                                    : mask.tile_needs_mask(r0, r0 + qr - 1, nt, C::kBlockN);
     if (masked) mask_frag(acc_s, mask.tile(r0 + s_row0, c0 + s_col0), lane);
@@ -339,12 +339,17 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
         float base = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
         // Rows past the sequence (zero Q, dO and LSE) give P = 1 times zeros without a score
         // modifier; a modifier can make their scores large (ALiBi with a negative slope), so
-        // they get P = 0 instead.
+        // they get P = 0 instead. A score_mod may even give +inf or NaN there (an expression
+        // of i past seqlen_q), where exp2(y - inf) is NaN: such rows take P = 0 by a select.
         if constexpr (Mod::kTransforms)
           if (frag_row(mt, e) >= qr) base = INFINITY;
+        const bool dead = Mod::kUser && base == INFINITY;
 #pragma unroll
-        for (int n8 = 0; n8 < C::kSNT; ++n8)
-          acc_s[mt][n8][e] = exp2_approx(__fsub_rn(__fmul_rn(acc_s[mt][n8][e], mod.scale_log2), base));
+        for (int n8 = 0; n8 < C::kSNT; ++n8) {
+          const float pv =
+              exp2_approx(__fsub_rn(__fmul_rn(acc_s[mt][n8][e], mod.scale_log2), base));
+          acc_s[mt][n8][e] = dead ? 0.f : pv;
+        }
       }
     // Dropout's keep decisions, one bit per fragment element (the forward's Philox stream).
     uint32_t keep_bits[(C::kSMT * C::kSNT * 4 + 31) / 32];
@@ -409,7 +414,13 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
           const float dp = !C::kDropout ? acc_dp[mt][n8][e]
                                         : kept(mt, n8, e) ? acc_dp[mt][n8][e] * drop_scale : 0.f;
           ds[e] = pe[e] * (dp - dsum);
-          if constexpr (Mod::kHasGrad) ds[e] *= gmod[Mod::kHasGrad ? mt : 0][Mod::kHasGrad ? n8 : 0][e];
+          // d(mod)/ds where P = 0 (masked, past the sequence) is never used: a score_mod's
+          // derivative may be inf or NaN there (log(i - j + 1) above the diagonal), and
+          // 0 * inf would be NaN in dQ and dK
+          if constexpr (Mod::kHasGrad) {
+            const float gm = gmod[Mod::kHasGrad ? mt : 0][Mod::kHasGrad ? n8 : 0][e];
+            ds[e] = Mod::kUserGrad && pe[e] == 0.f ? 0.f : ds[e] * gm;
+          }
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r)

@@ -275,7 +275,8 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
     const Mod mod = mod0.at(p.score, p.softmax_scale, b, h, io, false, BwdIo::kMeta);
     // element (query ql, key kl) lies at diagonal distance dist0 + kl - ql (as an int: a float
     // base per key row measured 24 bytes of spill here with softcap and ALiBi, ptxas)
-    const int dist0 = tile_dist0(r0, c0, mask.shift);
+    const TileAt at = tile_at(r0, c0, mask);  // and its positions, for a score_mod
+    const int dist0 = at.dist0;
     const bool masked = mask.tile_needs_mask(r0, min(r0 + C::kBlockM, sq) - 1, nt, C::kBlockN);
     TileMask tm = mask.tile(r0, c0);
     tm.col_end = 1 << 30;  // keys past the sequence: key_ok above
@@ -292,12 +293,20 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
       for (int e = 0; e < 4; ++e) {
         const int kl = key0 + wk * 16 + g + (e >> 1) * 8;
         float gm;
-        const float y =
-            mod.logit(acc_s[0][j][e], static_cast<float>(dist0 + kl - (ql + (e & 1))), gm);
-        pe[e] = exp2_approx(__fsub_rn(__fmul_rn(y, mod.scale_log2), (e & 1) ? lse2.y : lse2.x));
+        const float y = mod.logit(acc_s[0][j][e], static_cast<float>(dist0 + kl - (ql + (e & 1))),
+                                  at.pos(ql + (e & 1), kl), gm);
+        const float lse_e = (e & 1) ? lse2.y : lse2.x;
+        pe[e] = exp2_approx(__fsub_rn(__fmul_rn(y, mod.scale_log2), lse_e));
+        // rows past the sequence (or with no visible key) have lse = +inf: P = 0, but a
+        // score_mod's +inf or NaN there (an expression of i past seqlen_q) gives NaN, which
+        // fmaxf turns into 0 (one FMNMX; an explicit select of those rows spilled 40 bytes
+        // more than this in the bias-table kernel, ptxas 13.0). A NaN of a visible score
+        // becomes 0 too: the forward shows it.
+        if constexpr (Mod::kUser) pe[e] = fmaxf(pe[e], 0.f);
         if (masked && !tm.visible(ql + (e & 1), kl)) pe[e] = 0.f;
         ds[e] = pe[e] * acc_dp[0][j][e];
-        if constexpr (Mod::kHasGrad) ds[e] *= gm;
+        // d(mod)/ds where P = 0 is never used: it may be inf or NaN there (0 * inf = NaN)
+        if constexpr (Mod::kHasGrad) ds[e] = Mod::kUserGrad && pe[e] == 0.f ? 0.f : ds[e] * gm;
       }
       // n8 tile j is registers 2 (j % 2) (row g) and 2 (j % 2) + 1 (row g + 8) of slice j / 2
 #pragma unroll

@@ -9,9 +9,22 @@
 
 namespace fg {
 
+// The score stage of a kernel generated without score_mod (the Spec's `UserScore`; with one,
+// spec_struct.j2 renders its own struct, generator/features/user.py): nothing to read, and
+// its launch check refuses a set user slot.
+struct NoUserScore {
+  static constexpr bool kOn = false, kHasGrad = false;
+  struct Vals {};
+  static const char* check(const fg_score_params& s) {
+    return fg_score_user_slots_set(&s)
+               ? "a user slot (user_ptr/f/i) is set but the kernel was generated without score_mod"
+               : nullptr;
+  }
+};
+
 // The launch check of the score parameters: a feature the kernel was generated with needs
 // its field, and a field of a feature it was not generated with is refused (nothing would
-// read it). `backward` kernels also write dsinks.
+// read it); likewise the score_mod's slots. `backward` kernels also write dsinks.
 template <class C>
 inline const char* check_score_params(const fg_score_params& s, bool backward) {
   if (C::kSoftcap) {
@@ -36,7 +49,7 @@ inline const char* check_score_params(const fg_score_params& s, bool backward) {
   } else if (s.sinks || s.dsinks) {
     return "sinks is set but the kernel was generated with sink: false";
   }
-  return nullptr;
+  return C::UserScore::check(s);  // the score_mod's parameter slots
 }
 
 }  // namespace fg

@@ -500,8 +500,8 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
         warp_qk<Elem, 1, C::kNT, C::kKS, C::kStride>(acc_s, load_q, k_lane + slot * kSlotBytes);
       {
         const int64_t j0 = n * C::kBlockN + wn * C::kWarpKeys;
-        const int dist0[2] = {tile_dist0(q_row_g, j0, mask.shift), tile_dist0(q_row_g8, j0, mask.shift)};
-        score_frag_rows(acc_s, mods, dist0, lane);
+        const TileAt at[2] = {tile_at(q_row_g, j0, mask), tile_at(q_row_g8, j0, mask)};
+        score_frag_rows(acc_s, mods, at, lane);
       }
       if (mask.tile_needs_mask(q_lo, q_hi, n, C::kBlockN))
         mask_frag_rows(acc_s, mask.tile(0, n * C::kBlockN + wn * C::kWarpKeys), lane,

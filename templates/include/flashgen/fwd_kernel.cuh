@@ -216,7 +216,7 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
           },
           k_slot);
 
-      score_frag(acc_s, mod, tile_dist0(r0 + warp_row0, n * C::kBlockN, mask.shift), lane);
+      score_frag(acc_s, mod, tile_at(r0 + warp_row0, n * C::kBlockN, mask), lane);
       if (masked) mask_frag(acc_s, mask.tile(r0 + warp_row0, n * C::kBlockN), lane);
 
 #pragma unroll

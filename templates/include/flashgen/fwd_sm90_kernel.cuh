@@ -279,7 +279,7 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
   // before its release.)
   auto softmax = [&](float (&acc_s)[1][C::kNT][4], int it, float (&alpha)[2]) {
     const int64_t n = C::kSparse ? s_tile[it % C::kStages] : sched.tile(it, io, false);
-    score_frag(acc_s, mod, tile_dist0(r0 + row0, n * C::kBlockN, mask.shift), lane);
+    score_frag(acc_s, mod, tile_at(r0 + row0, n * C::kBlockN, mask), lane);
     if (fwd_tile_masked<C>(sched, mask, it, n, r0, r1))
       mask_frag(acc_s, mask.tile(r0 + row0, n * C::kBlockN), lane);
     online_softmax_update(st, acc_s[0], mod.scale_log2, alpha);
