@@ -82,13 +82,6 @@ int decode_launch(const fg_decode_params* p, void* stream) {
 void take_decode(fg_decode_params* out) { *out = last_decode; }
 int decode_count(void) { return decode_calls; }
 int fail_launch(const void* p, void* stream) { return 1; }
-static int flaky_left;
-void set_flaky(int n) { flaky_left = n; }
-/* fails its next `set_flaky(n)` calls with cudaErrorInvalidValue, then launches as fwd_launch */
-int flaky_fwd_launch(const fg_fwd_params* p, void* stream) {
-  if (flaky_left > 0) { --flaky_left; return 1; }
-  return fwd_launch(p, stream);
-}
 const char* check_ok(const void* p) { return 0; }
 const char* check_refuses(const void* p) { return "mock: refused (allowed: nothing)"; }
 size_t workspace(const void* p) { return (size_t)1 << 22; }
@@ -116,7 +109,7 @@ class MockLibrary(KernelLibrary):
     """A KernelLibrary whose entry points are the mock's (the Python path packs and launches
     through ctypes exactly as with a real kernel)."""
 
-    def __init__(self, spec, mock, fail=False, flaky=False):  # noqa: D107 - no .so of the spec is loaded
+    def __init__(self, spec, mock, fail=False):  # noqa: D107 - no .so of the spec is loaded
         self.spec, self.family, self.name = spec, family(spec), "mock_" + spec.kernel.yaml
         self.Params, self._packing = params_struct(self.family), _packing(self.family)
         self._lib = mock
@@ -125,8 +118,6 @@ class MockLibrary(KernelLibrary):
         dec = spec.kernel == KernelKind.DECODE
         launch = mock.decode_launch if dec else (mock.bwd_launch if bwd else mock.fwd_launch)
         self._launch = mock.fail_launch if fail else launch
-        if flaky and not bwd:
-            self._launch = mock.flaky_fwd_launch
         self._launch.argtypes, self._launch.restype = [ptr, ctypes.c_void_p], ctypes.c_int
         self._check = mock.check_refuses if fail else mock.check_ok
         self._check.argtypes, self._check.restype = [ptr], ctypes.c_char_p

@@ -231,22 +231,6 @@ def test_a_refused_launch_raises_the_launchers_message(monkeypatch, mock):
         torch.ops.flashgen.fwd.default(q, q, q, None, None, 0, 0, 0.0, 0.1, False, -1, -1, False)
 
 
-def test_a_runtime_launch_error_is_retried_once_then_raised(monkeypatch, mock):
-    from flashgen.runtime import LaunchError
-
-    monkeypatch.setattr(cache, "kernel_library", lambda spec: MockLibrary(spec, mock, flaky=True))
-    q = torch.randn(1, 16, 4, 64, dtype=torch.bfloat16)
-    args = (q, q, q, None, None, 0, 0, 0.0, 0.1, False, -1, -1, False)
-    before, r0 = calls(mock, "fwd"), ops.BINDING.stats()["retries"]
-    mock.set_flaky(1)  # one transient error: the retry launches
-    torch.ops.flashgen.fwd.default(*args)
-    assert calls(mock, "fwd") == before + 1 and ops.BINDING.stats()["retries"] == r0 + 1
-    mock.set_flaky(2)  # twice in a row: the error is raised
-    with pytest.raises(LaunchError, match="cudaErrorInvalidValue"):
-        torch.ops.flashgen.fwd.default(*args)
-    mock.set_flaky(0)
-
-
 # -- backward and autograd ---------------------------------------------------------------------
 
 

@@ -254,26 +254,6 @@ std::shared_ptr<const P> get_plan(KeyMap<std::shared_ptr<const P>>& cache, const
   TORCH_CHECK(false, name, ": launch failed (", err, ")");  // launch_error raises first
 }
 
-std::atomic<int64_t> g_retries{0};
-
-// One launch, retried once when the launcher reports a runtime error (not a refusal of the
-// parameters: `check` accepts them). Why: on an H200 the first backward of a kernel library
-// in autograd's worker thread returned cudaErrorInvalidValue with a struct that launches
-// from the main thread, and the next call in that thread worked (docs/torch_ecosystem.md,
-// "Open defect"); a launch writes every output afresh, so a second attempt is safe. The
-// count is in stats()["retries"], and the first retry says so on stderr.
-int launch_once_more_on_error(LaunchFn launch, CheckFn check, const void* params, void* stream,
-                              const std::string& name) {
-  int err = launch(params, stream);
-  if (err != 0 && check(params) == nullptr) {
-    if (g_retries.fetch_add(1) == 0)
-      fprintf(stderr, "flashgen: %s: launch error %d with accepted parameters; retrying once "
-              "(reported once per process)\n", name.c_str(), err);
-    err = launch(params, stream);
-  }
-  return err;
-}
-
 void* current_stream(const c10::Device& device) {
   if (device.type() != c10::DeviceType::CUDA) return nullptr;  // the CPU tests' mock kernels
   const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
@@ -391,8 +371,7 @@ void fwd_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
 
   {
     c10::DeviceGuard guard(q.device());
-    const int err = launch_once_more_on_error(plan->launch, plan->check, &p,
-                                              current_stream(q.device()), plan->name);
+    const int err = plan->launch(&p, current_stream(q.device()));
     if (err != 0) launch_failed(plan->name, plan->check, err, &p);
   }
   torch::jit::drop(*stack, kFwdArgs);
@@ -520,8 +499,7 @@ void bwd_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   if (plan->deterministic) p.dq_sem = reinterpret_cast<int32_t*>(base + carve.dq_sem);
   {
     c10::DeviceGuard guard(q.device());
-    const int err = launch_once_more_on_error(plan->launch, plan->check, &p,
-                                              current_stream(q.device()), plan->name);
+    const int err = plan->launch(&p, current_stream(q.device()));
     if (err != 0) launch_failed(plan->name, plan->check, err, &p);
   }
   torch::jit::drop(*stack, kBwdArgs);
@@ -652,8 +630,7 @@ void decode_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   workspace.narrow(0, 0, plan->workspace_header).zero_();  // the error word: kernels OR into it
   if (ws_word >= 0) words[ws_word] = reinterpret_cast<uintptr_t>(workspace.data_ptr());
   if (ws_size_word >= 0) words[ws_size_word] = static_cast<uint64_t>(size);
-  const int err = launch_once_more_on_error(plan->launch, plan->check, words.data(),
-                                            current_stream(q.device()), plan->name);
+  const int err = plan->launch(words.data(), current_stream(q.device()));
   if (err != 0) launch_failed(plan->name, plan->check, err, words.data());
   torch::jit::drop(*stack, kDecodeArgs);
   torch::jit::push(*stack, std::move(out), std::move(lse));
@@ -884,7 +861,6 @@ void install_decode(py::object plan, py::object python, const std::string& schem
 py::dict stats() {
   py::dict d;
   d["hits"] = g_hits.load(), d["misses"] = g_misses.load(), d["fallbacks"] = g_fallbacks.load();
-  d["retries"] = g_retries.load();
   return d;
 }
 

@@ -1227,3 +1227,83 @@ def test_first_use_compiles_into_the_cache_once(tmp_path, monkeypatch, capfd):
     again = flash_attn_func(q, k, v)
     assert "compiling" not in capfd.readouterr().err
     assert torch.equal(out, again)
+
+
+# --------------------------------------------------------------------------------------------
+# A thread with no current CUDA context
+# --------------------------------------------------------------------------------------------
+
+
+def _detach_context() -> None:
+    """Leaves the calling thread with no current CUDA context (the driver's
+    cuCtxSetCurrent(NULL)), as autograd's worker thread can be: its device is set through
+    torch's runtime, which makes a context current only when a call needs one."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    assert cuda.cuCtxSetCurrent(None) == 0
+    ctx = ctypes.c_void_p()
+    assert cuda.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value is None
+
+
+@pytest.mark.skipif(
+    torch.cuda.get_device_capability() != (9, 0), reason="the sm_90a families need an H100/H200"
+)
+def test_sm90a_kernels_encode_their_tensor_maps_in_a_thread_with_no_current_context():
+    """The sm_90a launchers encode TMA tensor maps with a driver call, which needs a current
+    context; seen on an H200, the first sm_90a backward in autograd's worker thread failed
+    with cudaErrorInvalidValue (the encode's CUDA_ERROR_INVALID_CONTEXT). The call runs in a
+    thread whose context was detached, at a shape no other test uses (so no cached map
+    hides the encode), forward and backward in that thread, on either path (binding or
+    ctypes, FLASHGEN_TORCH_BINDING), and must match the same call from the main thread."""
+    import threading
+
+    mask_causal, window, _ = selection.resolve_mask(True, (-1, -1))
+    call = selection.AttentionCall(
+        dtype=selection.DTYPES["bfloat16"], head_dim=64, capability=(9, 0),
+        causal=mask_causal, window=window,
+    )  # fmt: skip
+    for spec in (selection.forward_spec(call), selection.backward_spec(call)):
+        assert spec.target.arch == "sm_90a", spec  # else the test would not reach an encode
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    shape = (1, 136, 3, 64)
+    q, k, v, g = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+                  for _ in range(4))  # fmt: skip
+
+    def leaves() -> tuple:
+        return tuple(t.clone().requires_grad_() for t in (q, k, v))
+
+    def run(qg, kg, vg) -> tuple:
+        out = flash_attn_func(qg, kg, vg, causal=True)
+        out.backward(g)
+        return out.detach(), qg.grad, kg.grad, vg.grad
+
+    # The main thread's call first: its freed buffers let the thread's call allocate from
+    # torch's cache (no runtime call that would make a context current before the launch).
+    # Its leaves stay alive, so the thread's inputs have other addresses (maps are cached by
+    # address and shape).
+    main_leaves = leaves()
+    main = run(*main_leaves)
+    torch.cuda.synchronize()
+    inputs = leaves()  # cloned here: a copy kernel in the thread would make a context current
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(inputs, main_leaves))
+    torch.cuda.synchronize()
+    results: dict[str, object] = {}
+
+    def in_thread() -> None:
+        try:
+            _detach_context()
+            with torch.autograd.set_multithreading_enabled(False):  # the backward runs here
+                results["thread"] = run(*inputs)
+            torch.cuda.synchronize()
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            results["error"] = e
+
+    worker = threading.Thread(target=in_thread)
+    worker.start()
+    worker.join()
+    if "error" in results:
+        raise results["error"]
+    assert torch.equal(results["thread"][0], main[0])  # the forward is deterministic
+    for got, want in zip(results["thread"][1:], main[1:]):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)  # atomics order dQ

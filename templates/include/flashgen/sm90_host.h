@@ -34,6 +34,33 @@ inline EncodeTiledFn encode_tiled_fn() {
   return fn;
 }
 
+// One encode. cuTensorMapEncodeTiled is a driver call and needs a current context, which a
+// thread may lack although its device is set: the runtime makes the primary context current
+// lazily, on its first call that needs one, and a thread whose CUDA calls so far went through
+// another copy of the runtime (autograd's worker thread, calling through torch's) may have
+// made none. Seen on an H200: CUDA_ERROR_INVALID_CONTEXT on the first sm_90a backward in
+// autograd's worker thread. Only then (no context at all, so no caller's context is
+// replaced) is the runtime's current device's primary context made current, and the encode
+// tried again. Not a stream operation, so it is legal during graph capture.
+inline const char* encode(EncodeTiledFn fn, CUtensorMap* map, bool bf16, cuuint32_t rank,
+                          const void* base, const cuuint64_t* dims, const cuuint64_t* strides,
+                          const cuuint32_t* box, const cuuint32_t* elem_strides) {
+  auto once = [&] {
+    return fn(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+              rank, const_cast<void*>(base), dims, strides, box, elem_strides,
+              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+              CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  };
+  CUresult r = once();
+  if (r == CUDA_ERROR_INVALID_CONTEXT) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaSetDevice(dev) != cudaSuccess)
+      return "no CUDA context is current in this thread and none could be made current";
+    r = once();
+  }
+  return r == CUDA_SUCCESS ? nullptr : "cuTensorMapEncodeTiled rejected the tensor map";
+}
+
 // A 2D view (rows x cols, 16-bit elements, `row_stride` elements between rows) loaded in
 // SW128 boxes of 64 columns x `box_rows` rows. Returns nullptr or what is wrong: TMA needs a
 // 16-byte aligned base, a row stride that is a multiple of 16 bytes and below 2^40 bytes.
@@ -50,11 +77,7 @@ inline const char* make_tmap_2d(CUtensorMap* map, const void* base, bool bf16, u
   const cuuint64_t strides[1] = {row_stride * 2};
   const cuuint32_t box[2] = {64, box_rows};
   const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = fn(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                        2, const_cast<void*>(base), dims, strides, box, elem_strides,
-                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                        CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? nullptr : "cuTensorMapEncodeTiled rejected the tensor map";
+  return encode(fn, map, bf16, 2, base, dims, strides, box, elem_strides);
 }
 
 // TMA's rules for a (batch, rows, heads, cols) tensor of 16-bit elements with element
@@ -96,11 +119,7 @@ inline const char* make_tmap_bshd(CUtensorMap* map, bool* heads_inner, const voi
                                  static_cast<cuuint64_t>(batch_stride) * 2};
   const cuuint32_t box[4] = {64, *heads_inner ? 1u : box_rows, *heads_inner ? box_rows : 1u, 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  const CUresult res = fn(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                          4, const_cast<void*>(base), dims, strides, box, elem_strides,
-                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                          CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return res == CUDA_SUCCESS ? nullptr : "cuTensorMapEncodeTiled rejected the tensor map";
+  return encode(fn, map, bf16, 4, base, dims, strides, box, elem_strides);
 }
 
 }  // namespace sm90
