@@ -18,9 +18,10 @@ and torch's include and library paths (`torch.utils.cpp_extension`), into the ke
 required.
 
 `FLASHGEN_TORCH_BINDING`: "1" uses the binding (an error if it cannot be built), "auto"
-uses it when it builds (else the ctypes path, with a one-line notice on stderr), "0" or
-unset keeps the ctypes path, and any other value keeps it with a notice. Read once, when
-`flashgen.torch.ops` is first imported.
+uses it when it builds (else the ctypes path, with a one-line notice on stderr), "0" keeps
+the ctypes path, and any other value keeps it with a notice. Unset means "auto" where torch
+sees a CUDA device and "0" where it sees none (nothing there would launch a kernel, so
+nothing is built). Read once, when `flashgen.torch.ops` is first imported.
 """
 
 from __future__ import annotations
@@ -57,8 +58,13 @@ class BindingUnavailable(RuntimeError):
 
 
 def mode() -> str:
-    """ "0" (the ctypes path), "1" (the binding, required) or "auto" (the binding if it builds)."""
-    value = os.environ.get(ENV, "0").strip().lower() or "0"
+    """ "0" (the ctypes path), "1" (the binding, required) or "auto" (the binding if it builds);
+    unset or empty: "auto" with a CUDA device, else "0"."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if not value:
+        import torch
+
+        return "auto" if torch.cuda.is_available() else "0"
     if value not in ("0", "1", "auto"):
         raise BindingUnavailable(f"{ENV} must be 0, 1 or auto, got {value!r}")
     return value

@@ -73,10 +73,27 @@ def test_binding_refuses_cpu_tensors_with_the_python_paths_message(cache_dir):
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
 
 
-def test_binding_off_by_default_keeps_the_ctypes_ops():
+def test_the_default_is_auto_with_a_cuda_device_and_off_without(monkeypatch):
+    import torch
+    from flashgen.torch import binding
+
+    monkeypatch.delenv(binding.ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert binding.mode() == "auto"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert binding.mode() == "0"
+    monkeypatch.setenv(binding.ENV, " ")  # empty after stripping: the default
+    assert binding.mode() == "0"
+    monkeypatch.setenv(binding.ENV, "AUTO")
+    assert binding.mode() == "auto"
+
+
+def test_without_a_cuda_device_the_default_keeps_the_ctypes_ops():
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHGEN_TORCH_BINDING")}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # no device, whatever the machine has
     code = (
         "from flashgen.torch import ops; import torch; "
+        "assert not torch.cuda.is_available(); "
         "assert ops.BINDING is None; "
         "assert type(ops.fwd).__name__ == 'CustomOpDef', type(ops.fwd)"
     )
