@@ -2,13 +2,14 @@
 
     python -m flashgen.bench.host_cost            # the ctypes path, then the binding
 
-Times `torch.ops.flashgen.fwd` and `flash_attn_func` (no grad, with grad, forward +
-backward) on CPU tensors described as CUDA ones, with the kernels replaced by C functions
-that return (`flashgen.bench.mock_kernels`). It leaves out the CUDA allocator and driver,
-so it compares the Python and C++ layers of the two paths (`FLASHGEN_TORCH_BINDING`); what a
-GPU call costs is `flashgen.bench.torch_overhead`'s to measure. Each path runs in its own
-process (the ops are defined once per process). Median of `--repeats` means of `--iters`
-calls; shape (2, 64, 4, 64) bf16, causal.
+Times `torch.ops.flashgen.fwd`, `flash_attn_func` (no grad, with grad, forward +
+backward), `flash_attn_varlen_func` and `flash_attn_with_kvcache` (one query) on CPU tensors
+described as CUDA ones, with the kernels replaced by C functions that return
+(`flashgen.bench.mock_kernels`). It leaves out the CUDA allocator and driver, so it compares
+the Python and C++ layers of the two paths (`FLASHGEN_TORCH_BINDING`); what a GPU call costs
+is `flashgen.bench.torch_overhead`'s to measure. Each path runs in its own process (the ops
+are defined once per process). Median of `--repeats` means of `--iters` calls; shape
+(2, 64, 4, 64) bf16, causal.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ from flashgen.bench.torch_overhead import median_us
 def _child(iters: int, repeats: int) -> dict:
     import torch
     from flashgen.bench import mock_kernels
-    from flashgen.torch import flash_attn_func, interface, ops
+    from flashgen.torch import (
+        flash_attn_func,
+        flash_attn_varlen_func,
+        flash_attn_with_kvcache,
+        interface,
+        ops,
+    )
 
     mock_kernels.mock_cuda(setattr, mock_kernels.build(tempfile.mkdtemp()))
     interface._on_cuda = lambda t: True
@@ -34,6 +41,9 @@ def _child(iters: int, repeats: int) -> dict:
     q, k, v = (torch.randn(2, 64, 4, 64, dtype=torch.bfloat16) for _ in range(3))
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     g = torch.randn_like(q)
+    cu = torch.arange(0, 3 * 64, 64, dtype=torch.int32)
+    pq, pk, pv = (t.reshape(2 * 64, 4, 64) for t in (q, k, v))
+    q1, lens = q[:, :1].contiguous(), torch.full((2,), 64, dtype=torch.int32)
 
     def op_no_grad():
         with torch.no_grad():
@@ -44,11 +54,22 @@ def _child(iters: int, repeats: int) -> dict:
         with torch.no_grad():
             flash_attn_func(q, k, v, causal=True)
 
+    def no_grad_of(f):
+        def run():
+            with torch.no_grad():
+                f()
+
+        return run
+
     cases = {
         "op_no_grad": op_no_grad,
         "no_grad": no_grad,
         "fwd_grad": lambda: flash_attn_func(qg, kg, vg, causal=True),
         "fwd_bwd": lambda: flash_attn_func(qg, kg, vg, causal=True).backward(g),
+        "varlen": no_grad_of(
+            lambda: flash_attn_varlen_func(pq, pk, pv, cu, cu, 64, 64, causal=True)
+        ),
+        "kvcache": no_grad_of(lambda: flash_attn_with_kvcache(q1, k, v, cache_seqlens=lens)),
         "empty_floor": lambda: (torch.empty_like(q), torch.empty(2, 4, 64)),
     }
     path = "binding" if ops.BINDING is not None else "ctypes"

@@ -537,7 +537,7 @@ struct DecodePlan {
   std::vector<uint64_t> words;  // the struct of the planning call
   std::vector<Patch> patches;
   std::vector<int64_t> out_shape, lse_shape;
-  int64_t workspace_header = 0;  // bytes zeroed before the launch (the error word)
+  int64_t workspace_header = 0;  // the workspace's least size (the error word's header)
 };
 
 KeyMap<std::shared_ptr<const DecodePlan>> g_decode_plans;
@@ -627,7 +627,9 @@ void decode_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   const int64_t asked = static_cast<int64_t>(plan->workspace(words.data()));
   const int64_t size = std::max(asked, plan->workspace_header);
   Tensor workspace = at::empty({size}, q.options().dtype(at::kByte));
-  workspace.narrow(0, 0, plan->workspace_header).zero_();  // the error word: kernels OR into it
+  // The error word (the header's first 4 bytes) is left as allocated: the kernels only OR
+  // into it, and only check_inputs (the Python implementation) reads it. Zeroing it would be
+  // a second launch per call.
   if (ws_word >= 0) words[ws_word] = reinterpret_cast<uintptr_t>(workspace.data_ptr());
   if (ws_size_word >= 0) words[ws_size_word] = static_cast<uint64_t>(size);
   const int err = plan->launch(words.data(), current_stream(q.device()));
