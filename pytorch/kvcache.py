@@ -614,6 +614,7 @@ def flash_attn_with_kvcache(
         or cache_batch_idx is not None
         or cache_leftpad is not None
         or (q.dim() == 4 and q.shape[1] > ks.MAX_QUERIES)
+        or not _decode_serves(q, k_cache, block_table)
     ):
         out, lse = _composite(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -627,6 +628,15 @@ def flash_attn_with_kvcache(
         window_right, num_splits, check_inputs, softcap, alibi_slopes, learnable_sink,
     )  # fmt: skip
     return (out, lse) if return_softmax_lse else out
+
+
+def _decode_serves(q: Tensor, k_cache: Tensor, block_table: Optional[Tensor]) -> bool:
+    """`kvcache_select.decode_serves` for these tensors (True for shapes no path serves, such
+    as head dims above 256, so their refusals keep the decode path's messages)."""
+    if q.dim() != 4 or k_cache.dim() != 4 or q.shape[-1] > selection.MAX_HEAD_DIM:
+        return True
+    page_size = None if block_table is None else int(k_cache.shape[1])
+    return ks.decode_serves(int(q.shape[-1]), page_size)
 
 
 def _capacity(k_cache: Tensor, block_table: Optional[Tensor]) -> Optional[int]:

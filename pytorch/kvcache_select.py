@@ -16,10 +16,11 @@ The score-stage features (`softcap`, `alibi_slopes`, `learnable_sink`) are check
 into the spec's `features` by `selection.score_features`, as for `flash_attn_func`.
 
 Calls that append `k`, `v`, rotate with `rotary_cos`/`rotary_sin`, index the cache with
-`cache_batch_idx`, start keys at `cache_leftpad` or bring more than MAX_QUERIES queries take
-the composite path (`flashgen.torch.kvcache_prep`, torch operations around the kernels):
-`check_prep` checks their host-side arguments and `kvcache_window` normalises their window as
-flash-attn's binding does; `window_pair` reads a window given as a tuple, a list or a tensor.
+`cache_batch_idx`, start keys at `cache_leftpad`, bring more than MAX_QUERIES queries, or have a
+head dim or page size no decode kernel serves (`decode_serves`) take the composite path
+(`flashgen.torch.kvcache_prep`, torch operations around the kernels): `check_prep` checks their
+host-side arguments and `kvcache_window` normalises their window as flash-attn's binding does;
+`window_pair` reads a window given as a tuple, a list or a tensor.
 """
 
 from __future__ import annotations
@@ -224,7 +225,8 @@ class PrepCall(NamedTuple):
     page_size); `cache_rows`: the contiguous cache's first dimension (0 when paged);
     `seqlen_new`: rows of k, v (0 without them); `rotary_dim`: 2 * rotary_cos.shape[1] (0
     without rotary); `rotary_rows`: rotary_cos.shape[0]; `decode`: seqlen_q <= MAX_QUERIES
-    (the decode kernels serve it; beyond, the varlen forward does)."""
+    and the decode kernels serve the head dim and page size (`decode_serves`); otherwise the
+    varlen forward serves the call."""
 
     batch: int
     seqlen_q: int
@@ -474,8 +476,18 @@ def check_prep(
         raise UnsupportedCall(f"softmax_scale must be finite and > 0, got {softmax_scale}")
     return PrepCall(
         batch, sq, heads, kv_heads, d, paged, capacity, cache_rows, page_size, num_pages,
-        max_pages, seqlen_new, rotary_dim, rotary_rows, sq <= MAX_QUERIES,
+        max_pages, seqlen_new, rotary_dim, rotary_rows,
+        sq <= MAX_QUERIES and decode_serves(d, page_size if paged else None),
     )  # fmt: skip
+
+
+def decode_serves(head_dim: int, page_size: int | None) -> bool:
+    """Whether the decode kernels serve this head dim (up to the largest of HEAD_DIMS: smaller
+    ones are zero-padded to the next of them) and page size (`None`: a contiguous cache).
+    Beyond, flash_attn_with_kvcache runs the varlen forward over a packed copy of the used
+    keys (`kvcache._packed_attention`), which takes every head dim the forward takes and any
+    page size."""
+    return head_dim <= HEAD_DIMS[-1] and (page_size is None or page_size in PAGE_SIZES)
 
 
 def check_paged_kv(

@@ -44,6 +44,7 @@ from flashgen.torch import (  # noqa: E402
     ops,
 )
 from flashgen.torch import kvcache_prep as prep  # noqa: E402
+from flashgen.torch.kvcache_select import decode_serves  # noqa: E402
 from flashgen.torch.selection import UnsupportedCall  # noqa: E402
 
 H200 = (9, 0)
@@ -560,12 +561,12 @@ def kvcache_calls(draw):
     batch = draw(st.integers(1, 3))
     kv = draw(st.sampled_from([1, 2]))
     heads = kv * draw(st.sampled_from([1, 2, 3]))
-    d = draw(st.sampled_from([16, 32, 64]))
+    d = draw(st.sampled_from([16, 32, 64, 200]))  # 200: no decode kernel (the varlen route)
     sq = draw(st.sampled_from([1, 2, 5, 16, 17, 23]))
     paged = draw(st.booleans())
     new_kv = draw(st.booleans())
-    if paged:
-        page = draw(st.sampled_from([16, 32]) if sq <= 16 else st.sampled_from([3, 16, 5]))
+    if paged:  # 3, 5: page sizes no decode kernel takes (the varlen route)
+        page = draw(st.sampled_from([16, 32, 3]) if sq <= 16 else st.sampled_from([3, 16, 5]))
         max_pages = draw(st.integers(1, 3))
         cap = page * max_pages
     else:
@@ -675,9 +676,12 @@ def test_flash_attn_with_kvcache_is_flash_attns_on_every_route(kernels, call):
     # the route: which kernel ran, on which buffers
     ((name, args),) = kernels.calls
     sq = q.shape[1]
-    composite = any(x in kw for x in ("k", "cache_batch_idx", "cache_leftpad")) or sq > 16
+    page = k_cache.shape[1] if "block_table" in kw else None
+    packed = sq > 16 or not decode_serves(q.shape[-1], page)
+    composite = any(x in kw for x in ("k", "cache_batch_idx", "cache_leftpad")) or packed
     event(f"{name}, {'composite' if composite else 'plain'}, rotary {'rotary_cos' in kw}")
-    if sq > 16:
+    event(f"packed: {packed}, d {q.shape[-1]}, page {page}")
+    if packed:
         assert name == "fwd" and args["max_q"] == sq
         assert args["k"].shape[0] == int(args["cu_k"][-1])  # exactly the used keys
     elif "cache_batch_idx" in kw or "cache_leftpad" in kw:
@@ -857,10 +861,8 @@ def test_host_side_refusals_write_nothing(kernels):
         _refused(kernels, rf"{name} with a block_table: not served \(flash-attn refuses the pair",
                  qp, pk, pv, k=k, v=v, cache_seqlens=lens, block_table=table,
                  **{name: lens})  # fmt: skip
-    # the decode kernels' own rules, checked before the append writes the caller's cache
-    odd = _rand(4, 5, 2, 32), _rand(4, 5, 2, 32)
-    _refused(kernels, r"page_size 5 .*power of two in 16\.\.256", q, *odd, k=k, v=v,
-             cache_seqlens=lens, block_table=table)  # fmt: skip
+    # the decode kernels' own rules, checked before the append writes the caller's cache (a
+    # page size they do not take is no longer one: the varlen route serves it)
     _refused(kernels, r"softcap=-1\.0", q, kc, vc, k=k, v=v, cache_seqlens=lens, softcap=-1.0)
     _refused(kernels, r"alibi_slopes has shape \(3,\)", q, kc, vc, k=k, v=v, cache_seqlens=lens,
              alibi_slopes=torch.rand(3))  # fmt: skip
@@ -999,3 +1001,9 @@ def test_paged_varlen_refusals(kernels):
             flash_attn_varlen_func(q, args["k"], args["v"], cu_q, args["cu_seqlens_k"], 8, 15,
                                    block_table=args["block_table"])  # fmt: skip
     assert not kernels.calls
+
+
+def test_decode_serves_head_dims_up_to_192_and_the_decode_page_sizes():
+    assert decode_serves(192, None) and decode_serves(8, 16) and decode_serves(59, 256)
+    assert not decode_serves(200, None) and not decode_serves(256, 64)
+    assert not decode_serves(64, 8) and not decode_serves(64, 512) and not decode_serves(64, 3)

@@ -802,6 +802,27 @@ def test_chunked_prefill_over_a_long_paged_cache_matches_the_reference():
     assert_caches("bf16", *caches, rotary=True)
 
 
+@pytest.mark.parametrize(
+    "d, page, n_new",
+    [(256, None, 0), (256, 64, 2), (200, None, 2), (136, 24, 0), (128, 8, 2), (64, 512, 0)],
+)
+def test_head_dims_and_page_sizes_no_decode_kernel_takes_run_the_varlen_route(d, page, n_new):
+    """Head dims above the decode kernels' (192) and page sizes they do not take (outside the
+    powers of two 16..256) are served by the varlen forward over a packed copy of the used
+    keys, with and without appended tokens, against the float64 reference."""
+    from flashgen.torch.kvcache_select import decode_serves
+
+    assert not decode_serves(d, page)  # else the test would not reach the route
+    cap = 336 if page is None else -(-336 // page) * page  # whole pages, above every length
+    case = {"seed": 31, "paged": page is not None, "page": page, "lens": [0, 5, 300, 190],
+            "sq": 3, "n_new": n_new, "heads": 8, "kv_heads": 2, "capacity": cap, "rows": 4,
+            "leftpad": None, "batch_idx": None, "rotary_dim": 0, "interleaved": False,
+            "table_f32": False, "causal": True, "window": (-1, -1), "splits": 0}  # fmt: skip
+    out, lse, (q, k, v, ref_case), caches = run_append(case, "bf16", d)
+    assert_matches("bf16", d, ref_case, out, lse, q, k, v)
+    assert_caches("bf16", *caches, rotary=False)
+
+
 @pytest.mark.parametrize("sq", [3, 40])
 def test_append_into_paged_and_contiguous_caches_gives_bitwise_equal_results(sq):
     """The same logical cache and call, contiguous and paged (page 16 and 64): outputs and
@@ -1009,12 +1030,8 @@ def test_shapes_dtypes_and_devices_are_refused():
     q, k, v, lens = _base()
     _refused(r"head_dim 300: allowed 1\.\.256 .*decode kernels serve", *_base(d=300))
     _refused(r"head_dim 59 differs from k_cache's 128", _base(d=59)[0], k, v, lens)
-    served = selection.served_head_dims(CAP, (KernelKind.DECODE,))
-    uncovered = [d for d in range(1, 257) if d > max(served)]
-    if uncovered:  # no decode kernel at d nor above it (up to 256): nothing to pad to
-        d = uncovered[0]
-        _refused(rf"head_dim {d} has no decode kernel, nor has any head dim from {d} to 256",
-                 *_base(d=d))  # fmt: skip
+    # head dims above the decode kernels' (up to 256) run the varlen route: see
+    # test_head_dims_and_page_sizes_no_decode_kernel_takes_run_the_varlen_route
     _refused(r"q has dtype float32", *_base(dtype=torch.float32))
     _refused(r"v_cache has dtype float16 but q has bfloat16", q, k, v.half(), lens)
     _refused(r"q is on device 'cpu'", q.cpu(), k, v, cache_seqlens=lens)
@@ -1028,10 +1045,8 @@ def test_shapes_dtypes_and_devices_are_refused():
 def test_paged_arguments_are_refused():
     q, _, _, lens = _base()
     table = torch.zeros(2, 4, dtype=torch.int32, device=DEV)
-    for page in (8, 24, 512):
-        pages = torch.randn(4, page, 2, 128, device=DEV).bfloat16()
-        _refused(rf"page_size {page} .*power of two in 16\.\.256", q, pages, pages,
-                 cache_seqlens=lens, block_table=table)  # fmt: skip
+    # page sizes the decode kernels do not take (8, 24, 512) run the varlen route: see
+    # test_head_dims_and_page_sizes_no_decode_kernel_takes_run_the_varlen_route
     pages = torch.randn(4, 16, 2, 128, device=DEV).bfloat16()
     _refused(r"block_table must be an int32 tensor", q, pages, pages, cache_seqlens=lens,
              block_table=table.long())  # fmt: skip
