@@ -16,6 +16,7 @@ from typing import Any
 
 __all__ = [
     "UnsupportedCall",
+    "compile_variant",
     "flash_attn_func",
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
@@ -28,6 +29,8 @@ _FROM = {
     "flash_attn_func": "flashgen.torch.interface",
     "flash_attn_varlen_func": "flashgen.torch.interface",
     "UnsupportedCall": "flashgen.torch.selection",
+    # docs/torch.md, "User-defined variants": a spec's score_mod as a flash_attn_func
+    "compile_variant": "flashgen.torch.variant",
     "flash_attn_with_kvcache": "flashgen.torch.kvcache",
     "merge_states": "flashgen.torch.kvcache",
     # docs/torch_ecosystem.md: SDPA's FLASH backend and transformers' attn_implementation
@@ -40,7 +43,9 @@ def __getattr__(name: str) -> Any:
     module = _FROM.get(name)
     if module is None:
         raise AttributeError(f"module 'flashgen.torch' has no attribute {name!r}")
-    if module.endswith((".interface", ".kvcache", ".sdpa_backend", ".transformers_attention")):
+    if module.endswith(
+        (".interface", ".kvcache", ".sdpa_backend", ".transformers_attention", ".variant")
+    ):
         try:
             import torch  # noqa: F401
         except ImportError as e:

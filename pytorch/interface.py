@@ -97,11 +97,13 @@ def _check_unpadded(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 
 def _kernel_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   backward: bool) -> tuple[Tensor, Tensor, Tensor, int]:  # fmt: skip
+                   backward: bool,
+                   pad: bool = True) -> tuple[Tensor, Tensor, Tensor, int]:  # fmt: skip
     """(q, k, v) as the kernels read them, and the head dim they run at: zero-padded to
     `_kernel_head_dim` when the kernels do not serve q's head dim, then copied where their
     layout is one the kernels cannot read. Tensors the op refuses anyway (not CUDA, not
-    float16/bfloat16, head dims that differ) are passed on as they are, to its message."""
+    float16/bfloat16, head dims that differ) are passed on as they are, to its message.
+    `pad=False` (a compile_variant call, whose spec names its head dims) never pads."""
     d = q.shape[-1]
     if not (_on_cuda(q) and q.dtype in _HALF):
         return q, k, v, d
@@ -110,7 +112,7 @@ def _kernel_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         if not compiling:  # refused: say the head dims differ (not that a stride is odd)
             _check_unpadded(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         return q, k, v, d
-    padded = _kernel_head_dim(operator.index(d), q.device.index, backward)
+    padded = _kernel_head_dim(operator.index(d), q.device.index, backward) if pad else d
     if padded != d:
         if not compiling:
             _check_unpadded(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -125,8 +127,11 @@ def _kernel_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 def _attention(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
     softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-    return_attn_probs, learnable_sink,
+    return_attn_probs, learnable_sink, user=ops.NO_USER,
 ) -> Result:  # fmt: skip
+    """The shared body of flash_attn_func, flash_attn_varlen_func and compile_variant's
+    callables (`user`: the ops' nine user arguments, ops.NO_USER for none)."""
+    extra = () if user is ops.NO_USER else user  # a call without a variant passes none
     head_dim = q.shape[-1]
     if softmax_scale is None:  # the caller's head dim, padded or not (0: refused below)
         softmax_scale = head_dim**-0.5 if head_dim > 0 else 1.0
@@ -142,8 +147,9 @@ def _attention(
         or (isinstance(learnable_sink, Tensor) and learnable_sink.requires_grad)
     )
     q, k, v, kernel_head_dim = _kernel_inputs(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backward
-    )
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backward,
+        pad=user is ops.NO_USER,
+    )  # fmt: skip
     if backward and ops.BINDING is None and not torch.compiler.is_compiling():
         # (the binding's autograd kernel makes the same check, once per key, before the
         # forward runs)
@@ -155,11 +161,12 @@ def _attention(
         rest = (dropout_p, causal, window_left, window_right, deterministic)
         score = (softcap, alibi_slopes, learnable_sink)
         if type(softmax_scale) is not float or not ops._backward_known(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, *rest, *score
+            q, k, v, cu_seqlens_q, cu_seqlens_k, *rest, *score, *extra
         ):
             ops.check_backward(
-                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *rest, *score
-            )
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *rest, *score,
+                *extra,
+            )  # fmt: skip
     out, lse, _, _ = torch.ops.flashgen.fwd.default(
         q,
         k,
@@ -177,6 +184,7 @@ def _attention(
         softcap,
         alibi_slopes,
         learnable_sink,
+        *extra,
     )
     if kernel_head_dim != head_dim:  # zero-padded: the output's first head_dim columns
         out = out[..., :head_dim].contiguous()

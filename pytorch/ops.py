@@ -31,6 +31,7 @@ has a sink, else an empty float32 `(0,)` tensor (a custom op cannot return None)
 the slopes get no gradient (as in flash-attn).
 """
 
+import json
 import math
 import os
 import struct
@@ -39,7 +40,8 @@ from functools import lru_cache
 from typing import Optional
 
 import torch
-from flashgen.generator.features import FEATURES, SCORE_PARAMS
+from flashgen.generator.features import FEATURES, SCORE_PARAMS, USER_SLOTS
+from flashgen.generator.usermod import ParamKind, UserMod, UserModError, parse_score_mod
 from flashgen.runtime import workspace_layout
 from flashgen.runtime.library import launch_error
 from flashgen.torch import cache, selection
@@ -53,7 +55,18 @@ from flashgen.torch.selection import (
 )
 from torch import Tensor
 
-__all__ = ["BINDING", "PHILOX_OFFSET_STEP", "bwd", "fwd", "philox_state", "score_features"]
+__all__ = [
+    "BINDING",
+    "NO_USER",
+    "PHILOX_OFFSET_STEP",
+    "USER_ARGS",
+    "bwd",
+    "fwd",
+    "philox_state",
+    "score_features",
+    "user_mod",
+    "variant_key",
+]
 
 # How far one forward advances the CUDA generator's Philox offset. The kernels' counter is
 # (key group j >> 2, row i, b * heads + h, offset) (docs/conventions.md, "Dropout"): every
@@ -184,6 +197,7 @@ def _call(
     window_right: int,
     deterministic: bool,
     features: frozenset = NO_FEATURES,
+    score_mod: Optional[UserMod] = None,
 ) -> tuple[AttentionCall, tuple[int, int]]:
     """The call's kernel-selecting features and its runtime window (`features`: what
     `score_features` returned for the call).
@@ -193,14 +207,15 @@ def _call(
     sizes (torch.compile with dynamic shapes) are unhashable and take the uncached path."""
     if not (0.0 <= dropout_p < 1.0):  # also refuses NaN
         raise UnsupportedCall(f"dropout_p must be in [0, 1), got {dropout_p}")
-    args = (q, pb, dropout_p, causal, window_left, window_right, deterministic, features)
+    args = (q, pb, dropout_p, causal, window_left, window_right, deterministic, features,
+            score_mod)  # fmt: skip
     index = q.device.index
     # Uncached: a device without an index (the capability would be the current device's,
     # which may change) or a symbolic dropout_p (hashing a SymFloat would specialise it).
     if index is None or type(dropout_p) is not float:
         return _make_call(*args)
     key = (pb.dtype, pb.head_dim, pb.heads, pb.kv_heads, pb.varlen, index, dropout_p, causal,
-           window_left, window_right, deterministic, features)  # fmt: skip
+           window_left, window_right, deterministic, features, score_mod)  # fmt: skip
     try:
         hit = _CALLS.get(key)
     except TypeError:  # a SymInt size or an unhashable argument
@@ -222,6 +237,7 @@ def _make_call(
     window_right: int,
     deterministic: bool,
     features: frozenset = NO_FEATURES,
+    score_mod: Optional[UserMod] = None,
 ) -> tuple[AttentionCall, tuple[int, int]]:
     mask_causal, window, runtime_window = selection.resolve_mask(
         bool(causal), (window_left, window_right)
@@ -237,6 +253,7 @@ def _make_call(
         dropout=dropout_p > 0.0,
         deterministic=bool(deterministic),
         features=features,
+        score_mod=score_mod,
     )
     return call, runtime_window
 
@@ -362,6 +379,164 @@ def score_params(features: frozenset, softcap, alibi_slopes, learnable_sink) -> 
         for f, value in zip(FEATURES, (softcap, alibi_slopes, learnable_sink)):
             if f.name in features:
                 out.update(_SCORE_PARAMS[f.torch_arg](value))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# User-defined score modifiers (flashgen.torch.compile_variant): the ops' last nine arguments.
+# --------------------------------------------------------------------------------------------
+
+# The ops' trailing arguments after the features': `score_mod`, the variant's key ("" for
+# none: every other call), then slot k's tensor `user_t<k>` (a per_head, per_batch,
+# per_batch_int or table parameter) and slot k's number `user_s<k>` (a scalar or scalar_int
+# parameter); parameter k of the spec's params, sorted by name, owns slot k
+# (docs/usermod.md, "Launch arguments"). Unused slots are None and 0.0.
+USER_ARGS = (
+    ("score_mod",)
+    + tuple(f"user_t{k}" for k in range(USER_SLOTS))
+    + tuple(f"user_s{k}" for k in range(USER_SLOTS))
+)
+NO_USER = ("",) + (None,) * USER_SLOTS + (0.0,) * USER_SLOTS
+if USER_SLOTS != 4:  # the op schemas below name four slots
+    raise ImportError(f"flashgen.torch.ops names 4 user slots, the score params have {USER_SLOTS}")
+
+_SCALAR_KINDS = (ParamKind.SCALAR, ParamKind.SCALAR_INT)
+# kind -> (torch dtype, shape in words) of a tensor parameter
+_TENSOR_KINDS = {
+    ParamKind.PER_HEAD: (torch.float32, "(heads,)"),
+    ParamKind.PER_BATCH: (torch.float32, "(batch,)"),
+    ParamKind.PER_BATCH_INT: (torch.int32, "(batch,)"),
+    ParamKind.TABLE: (torch.float32, "(heads, columns)"),
+}
+
+
+def variant_key(mod: UserMod) -> str:
+    """The `score_mod` argument of the ops for a score modifier: its canonical text and
+    declared parameters as compact JSON (one text per modifier, whatever its spelling)."""
+    params = {name: kind.value for name, kind in mod.params}
+    return json.dumps({"params": params, "score_mod": mod.canonical}, sort_keys=True,
+                      separators=(",", ":"))  # fmt: skip
+
+
+@lru_cache(maxsize=256)
+def _parse_variant(key: str) -> UserMod:
+    """The UserMod of a `score_mod` argument (`variant_key`); refusals are not cached."""
+    try:
+        doc = json.loads(key)
+        expr, params = doc["score_mod"], doc.get("params") or {}
+        if (
+            not isinstance(expr, str)
+            or not isinstance(params, dict)
+            or set(doc)
+            - {
+                "params",
+                "score_mod",
+            }
+        ):
+            raise ValueError
+    except (ValueError, TypeError, KeyError):
+        raise UnsupportedCall(
+            f"score_mod={key[:80]!r} is not a variant key: pass '' (no score_mod) or "
+            "ops.variant_key(mod), which flashgen.torch.compile_variant does for you"
+        ) from None
+    try:
+        return parse_score_mod(expr, params)
+    except UserModError as e:
+        raise UnsupportedCall(f"score_mod {expr!r}: {e} (docs/usermod.md, Grammar)") from None
+
+
+def _check_user_tensor(what: str, t, kind: ParamKind, q: Tensor, batch: int, heads: int) -> None:
+    dtype, shape_text = _TENSOR_KINDS[kind]
+    want = f"a {str(dtype).removeprefix('torch.')} tensor {shape_text} on q's device"
+    if not isinstance(t, Tensor):
+        got = "nothing" if t is None else type(t).__name__
+        raise UnsupportedCall(f"{what} must be {want}, got {got}")
+    if t.device != q.device:
+        raise UnsupportedCall(f"{what} is on device {t.device}; it must be {want} ({q.device})")
+    if t.dtype != dtype:
+        raise UnsupportedCall(
+            f"{what} has dtype {str(t.dtype).removeprefix('torch.')}; it must be {want}"
+        )
+    if kind is ParamKind.TABLE:
+        ok = t.dim() == 2 and t.shape[0] == heads and t.shape[1] >= 1
+        shape = f"(heads, columns) = ({heads}, columns >= 1)"
+    else:
+        n = heads if kind is ParamKind.PER_HEAD else batch
+        ok = t.dim() == 1 and t.shape[0] == n
+        shape = f"{shape_text} = ({n},)"
+    if not ok:
+        raise UnsupportedCall(f"{what} has shape {tuple(t.shape)}; it must be {shape}")
+    if not t.is_contiguous():
+        raise UnsupportedCall(f"{what} must be contiguous (row-major): pass .contiguous()")
+
+
+def _check_user_number(what: str, s, kind: ParamKind) -> None:
+    if isinstance(s, bool) or not isinstance(s, (int, float)):
+        raise UnsupportedCall(f"{what} must be a number, got {type(s).__name__}")
+    if not math.isfinite(s):
+        raise UnsupportedCall(f"{what} must be finite, got {s}")
+    if kind is ParamKind.SCALAR_INT and (s != int(s) or abs(s) >= 2**53):
+        raise UnsupportedCall(f"{what} must be an integer (|value| < 2^53), got {s}")
+
+
+def user_mod(q: Tensor, batch: int, heads: int, score_mod, *slots) -> Optional[UserMod]:
+    """The UserMod of a call's `score_mod` argument (None for ""), its slots checked: each
+    declared parameter's slot holds what its kind needs (a tensor of the kind's dtype and
+    shape on q's device, or a finite number, an integer for scalar_int), every other
+    `user_t<k>` is None and every other `user_s<k>` 0.0. `slots`: user_t0..3, user_s0..3.
+    Refusals are UnsupportedCalls naming the parameter, its slot and what is allowed."""
+    tensors, numbers = slots[:USER_SLOTS], slots[USER_SLOTS:]
+    if not score_mod:
+        if any(t is not None for t in tensors) or any(s != 0.0 for s in numbers):
+            raise UnsupportedCall(
+                "user_t<k> / user_s<k> are set but score_mod is '': they carry a variant's "
+                "parameters (flashgen.torch.compile_variant); leave them None and 0.0"
+            )
+        return None
+    if not isinstance(score_mod, str):
+        raise UnsupportedCall(f"score_mod must be a str (a variant key), got {type(score_mod)}")
+    mod = _parse_variant(score_mod)
+    declared = {k: (name, kind) for k, (name, kind) in enumerate(mod.params)}
+    for k in range(USER_SLOTS):
+        t, s = tensors[k], numbers[k]
+        if k not in declared:
+            if t is not None or s != 0.0:
+                names = ", ".join(f"{n} (slot {i})" for i, (n, _) in declared.items())
+                raise UnsupportedCall(
+                    f"user slot {k} is set but the score_mod declares no parameter there "
+                    f"(its parameters, sorted by name: {names or 'none'})"
+                )
+            continue
+        name, kind = declared[k]
+        what = f"score_mod parameter {name!r} ({kind.value}, slot {k})"
+        if kind in _SCALAR_KINDS:
+            if t is not None:
+                raise UnsupportedCall(f"{what} is a number (user_s{k}), not a tensor")
+            _check_user_number(what, s, kind)
+        else:
+            if s != 0.0:
+                raise UnsupportedCall(f"{what} is a tensor (user_t{k}); user_s{k} must be 0.0")
+            _check_user_tensor(what, t, kind, q, batch, heads)
+    return mod
+
+
+def user_params(mod: Optional[UserMod], *slots) -> dict:
+    """The launch fields `fg_score_params.user_*` of a checked call (`user_mod`), packed as
+    verify.runner's `user_slot_params` packs them: user_ptr<k> the tensor's data, a table's
+    columns in user_i<k>, a scalar in user_f<k>, a scalar_int in user_i<k>."""
+    if mod is None:
+        return {}
+    out: dict = {}
+    for k, (_, kind) in enumerate(mod.params):
+        t, s = slots[k], slots[USER_SLOTS + k]
+        if kind is ParamKind.SCALAR:
+            out[f"user_f{k}"] = float(s)
+        elif kind is ParamKind.SCALAR_INT:
+            out[f"user_i{k}"] = int(s)
+        else:
+            out[f"user_ptr{k}"] = t.data_ptr()
+            if kind is ParamKind.TABLE:
+                out[f"user_i{k}"] = int(t.shape[1])
     return out
 
 
@@ -493,17 +668,29 @@ def _fwd_outputs(q: Tensor, pb: Problem) -> tuple[Tensor, Tensor, Tensor, Tensor
     return out, lse, seed, torch.empty((), dtype=torch.int64, device="cpu")
 
 
+def _any_user(user: tuple) -> bool:
+    """Whether any user slot is set (a call without a score_mod must leave them all unset)."""
+    return any(t is not None for t in user[1 : 1 + USER_SLOTS]) or any(
+        x != 0.0 for x in user[1 + USER_SLOTS :]
+    )
+
+
 def _fwd_select(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
     causal, window_left, window_right, deterministic, softcap, alibi_slopes, learnable_sink,
+    *user,
 ):  # fmt: skip
-    """Every check of a forward call and its kernel: (problem, features, runtime window,
-    library). The Python implementation and the binding's planner both start here."""
+    """Every check of a forward call and its kernel: (problem, features, score_mod, runtime
+    window, library). The Python implementation and the binding's planner both start here.
+    `user`: the nine user arguments (NO_USER when none)."""
     pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
-    call, window = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic, feats)
+    mod = user_mod(q, pb.batch, pb.heads, *user) if user[0] or _any_user(user) else None
+    call, window = _call(
+        q, pb, dropout_p, causal, window_left, window_right, deterministic, feats, mod
+    )
     _check_scale(softmax_scale)
-    return pb, feats, window, cache.kernel_library(selection.forward_spec(call))
+    return pb, feats, mod, window, cache.kernel_library(selection.forward_spec(call))
 
 
 def _fwd_impl(
@@ -523,11 +710,21 @@ def _fwd_impl(
     softcap: float = 0.0,
     alibi_slopes: Optional[Tensor] = None,
     learnable_sink: Optional[Tensor] = None,
+    score_mod: str = "",
+    user_t0: Optional[Tensor] = None,
+    user_t1: Optional[Tensor] = None,
+    user_t2: Optional[Tensor] = None,
+    user_t3: Optional[Tensor] = None,
+    user_s0: float = 0.0,
+    user_s1: float = 0.0,
+    user_s2: float = 0.0,
+    user_s3: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    pb, feats, (win_l, win_r), lib = _fwd_select(
+    user = (score_mod, user_t0, user_t1, user_t2, user_t3, user_s0, user_s1, user_s2, user_s3)
+    pb, feats, mod, (win_l, win_r), lib = _fwd_select(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
         softmax_scale, causal, window_left, window_right, deterministic, softcap, alibi_slopes,
-        learnable_sink,
+        learnable_sink, *user,
     )  # fmt: skip
     device = q.device
     seed, offset = philox_state(device, dropout_p)
@@ -575,19 +772,28 @@ def _fwd_impl(
     }
     if feats:
         params.update(score_params(feats, softcap, alibi_slopes, learnable_sink))
+    if mod is not None:
+        params.update(user_params(mod, *user[1:]))
     with _OnDevice(device):
         lib.launch(params, _stream(device))
     return out, lse, _scalar(seed), _scalar(offset)
 
 
+def _user(user: tuple) -> tuple:
+    """The nine user arguments, their defaults filling what a caller left out."""
+    return tuple(user) + NO_USER[len(user) :]
+
+
 def _fwd_fake(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
     causal, window_left, window_right, deterministic, softcap=0.0, alibi_slopes=None,
-    learnable_sink=None,
+    learnable_sink=None, *user,
 ):  # fmt: skip
     pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
-    call, _ = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic, feats)
+    mod = user_mod(q, pb.batch, pb.heads, *_user(user))
+    call, _ = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic, feats,
+                    mod)  # fmt: skip
     selection.forward_spec(call)  # refuse at trace time what the kernel cannot serve
     return _fwd_outputs(q, pb)
 
@@ -623,19 +829,23 @@ def _bwd_outputs(
 def _bwd_select(
     dout, q, k, v, out, softmax_lse, philox_seed, philox_offset, cu_seqlens_q, cu_seqlens_k,
     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
-    deterministic, softcap, alibi_slopes, learnable_sink,
+    deterministic, softcap, alibi_slopes, learnable_sink, *user,
 ):  # fmt: skip
-    """Every check of a backward call and its kernel: (problem, features, runtime window,
-    spec, library). The Python implementation and the binding's planner both start here."""
+    """Every check of a backward call and its kernel: (problem, features, score_mod, runtime
+    window, spec, library). The Python implementation and the binding's planner both start
+    here."""
     pb = _bwd_problem(
         dout, q, k, v, out, softmax_lse, philox_seed, philox_offset,
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     )  # fmt: skip
     feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
-    call, window = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic, feats)
+    mod = user_mod(q, pb.batch, pb.heads, *user) if user[0] or _any_user(user) else None
+    call, window = _call(
+        q, pb, dropout_p, causal, window_left, window_right, deterministic, feats, mod
+    )
     _check_scale(softmax_scale)
     spec = selection.backward_spec(call)
-    return pb, feats, window, spec, cache.kernel_library(spec)
+    return pb, feats, mod, window, spec, cache.kernel_library(spec)
 
 
 def _bwd_impl(
@@ -660,12 +870,22 @@ def _bwd_impl(
     softcap: float = 0.0,
     alibi_slopes: Optional[Tensor] = None,
     learnable_sink: Optional[Tensor] = None,
+    score_mod: str = "",
+    user_t0: Optional[Tensor] = None,
+    user_t1: Optional[Tensor] = None,
+    user_t2: Optional[Tensor] = None,
+    user_t3: Optional[Tensor] = None,
+    user_s0: float = 0.0,
+    user_s1: float = 0.0,
+    user_s2: float = 0.0,
+    user_s3: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     lse = softmax_lse
-    pb, feats, (win_l, win_r), spec, lib = _bwd_select(
+    user = (score_mod, user_t0, user_t1, user_t2, user_t3, user_s0, user_s1, user_s2, user_s3)
+    pb, feats, mod, (win_l, win_r), spec, lib = _bwd_select(
         dout, q, k, v, out, lse, philox_seed, philox_offset, cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
-        deterministic, softcap, alibi_slopes, learnable_sink,
+        deterministic, softcap, alibi_slopes, learnable_sink, *user,
     )  # fmt: skip
     dq, dk, dv, dsink = _bwd_outputs(q, k, v, pb, learnable_sink)
     if q.numel() == 0 or k.numel() == 0:  # nothing visible anywhere: every gradient is 0
@@ -714,6 +934,8 @@ def _bwd_impl(
         params.update(score_params(feats, softcap, alibi_slopes, learnable_sink))
         if learnable_sink is not None:
             params["dsinks"] = dsink.data_ptr()  # written by the kernel, not accumulated
+    if mod is not None:
+        params.update(user_params(mod, *user[1:]))
     # The workspace, carved exactly as verify.runner_bwd does (the C ABI's layout): fp32
     # dq_accum, fp32 dsum, then the int32 dq_sem of deterministic builds, each 256-byte
     # aligned; the launcher zeroes what must start at zero, so torch.empty suffices.
@@ -745,14 +967,16 @@ def _bwd_impl(
 def _bwd_fake(
     dout, q, k, v, out, softmax_lse, philox_seed, philox_offset, cu_seqlens_q, cu_seqlens_k,
     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
-    deterministic, softcap=0.0, alibi_slopes=None, learnable_sink=None,
+    deterministic, softcap=0.0, alibi_slopes=None, learnable_sink=None, *user,
 ):  # fmt: skip
     pb = _bwd_problem(
         dout, q, k, v, out, softmax_lse, philox_seed, philox_offset,
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     )  # fmt: skip
     feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
-    call, _ = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic, feats)
+    mod = user_mod(q, pb.batch, pb.heads, *_user(user))
+    call, _ = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic, feats,
+                    mod)  # fmt: skip
     selection.backward_spec(call)
     return _bwd_outputs(q, k, v, pb, learnable_sink)
 
@@ -769,7 +993,7 @@ _PLAIN = (bool, int, float)
 
 def _backward_key(q, k, v, cu_q, cu_k, dropout_p, causal, window_left, window_right,
                   deterministic, softcap=0.0, alibi_slopes=None,
-                  learnable_sink=None) -> Optional[tuple]:  # fmt: skip
+                  learnable_sink=None, *user) -> Optional[tuple]:  # fmt: skip
     """What decides check_backward's verdict on a call whose tensors `_problem` and whose
     score arguments `score_features` accept: q's dtype, head_dim and heads, k's heads, which
     cu_seqlens are given, q's device, the dropout, mask and deterministic arguments and the
@@ -792,19 +1016,24 @@ def _backward_key(q, k, v, cu_q, cu_k, dropout_p, causal, window_left, window_ri
     key = (q.dtype, sq[-1], sq[-2], sk[-2], cu_q is None, cu_k is None, q.device, dropout_p,
            causal, window_left, window_right, deterministic, softcap, alibi_slopes is None,
            learnable_sink is None)  # fmt: skip
+    if user and (user[0] or _any_user(user)):  # a variant: its key and which slots are set
+        if type(user[0]) is not str:
+            return None
+        key += (user[0], *(t is None for t in user[1 : 1 + USER_SLOTS]))
     hash(key)
     return key
 
 
 def _backward_known(q, k, v, cu_q, cu_k, dropout_p, causal, window_left, window_right,
                     deterministic, softcap=0.0, alibi_slopes=None,
-                    learnable_sink=None) -> bool:  # fmt: skip
+                    learnable_sink=None, *user) -> bool:  # fmt: skip
     """True when check_backward accepted a call of the same `_backward_key` before: then
     check_backward on these arguments either passes or fails in `_problem`, `score_features`
     or `_call`, which the forward runs first on the same arguments, with the same message."""
     try:
         key = _backward_key(q, k, v, cu_q, cu_k, dropout_p, causal, window_left, window_right,
-                            deterministic, softcap, alibi_slopes, learnable_sink)  # fmt: skip
+                            deterministic, softcap, alibi_slopes, learnable_sink,
+                            *user)  # fmt: skip
     except TypeError:
         return False
     return key is not None and key in _BACKWARD_OK
@@ -826,17 +1055,20 @@ def check_backward(
     softcap: float = 0.0,
     alibi_slopes: Optional[Tensor] = None,
     learnable_sink: Optional[Tensor] = None,
+    *user,
 ) -> None:
     """Raise UnsupportedCall now if this call's backward has no kernel (so a training step
-    fails at its forward, not after it)."""
+    fails at its forward, not after it). `user`: the nine user arguments, if any."""
     pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
-    call, _ = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic, feats)
+    mod = user_mod(q, pb.batch, pb.heads, *_user(user))
+    call, _ = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic, feats,
+                    mod)  # fmt: skip
     selection.backward_spec(call)
     try:
         key = _backward_key(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, causal,
                             window_left, window_right, deterministic, softcap, alibi_slopes,
-                            learnable_sink)  # fmt: skip
+                            learnable_sink, *user)  # fmt: skip
     except TypeError:
         return
     if key is not None:
@@ -846,23 +1078,31 @@ def check_backward(
 
 
 # fwd's inputs: q, k, v, cu_seqlens_q/k, max_seqlen_q/k, dropout_p, softmax_scale, causal,
-# window_left/right, deterministic, softcap, alibi_slopes, learnable_sink.
+# window_left/right, deterministic, softcap, alibi_slopes, learnable_sink, then the nine user
+# arguments (score_mod, user_t0..3, user_s0..3).
 _SINK_INPUT = 15
+_FWD_INPUTS = 16 + len(USER_ARGS)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     (q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, win_l, win_r, det, softcap,
-     alibi, sink) = inputs  # fmt: skip
+     alibi, sink) = inputs[:16]  # fmt: skip
+    user = _user(inputs[16:])
     out, lse, seed, offset = output
     # The forward accepted these tensors (_problem), so a call known to check_backward
     # passes it: only the first call of its kind pays for the check.
     score = (softcap, alibi, sink)
-    if not _backward_known(q, k, v, cu_q, cu_k, dropout_p, causal, win_l, win_r, det, *score):
+    if not _backward_known(
+        q, k, v, cu_q, cu_k, dropout_p, causal, win_l, win_r, det, *score, *user
+    ):
         check_backward(
-            q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, win_l, win_r, det, *score
-        )
-    ctx.save_for_backward(q, k, v, out, lse, seed, offset, cu_q, cu_k, alibi, sink)
+            q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, win_l, win_r, det, *score,
+            *user,
+        )  # fmt: skip
+    tensors = user[1 : 1 + USER_SLOTS]
+    ctx.save_for_backward(q, k, v, out, lse, seed, offset, cu_q, cu_k, alibi, sink, *tensors)
     ctx.attrs = (max_q, max_k, dropout_p, scale, causal, win_l, win_r, det, softcap)
+    ctx.user = (user[0], user[1 + USER_SLOTS :])
     # The LSE is an output for inspection and merging, not a differentiable one (as in
     # flash-attn): the backward kernel has no term for a gradient flowing into it.
     ctx.mark_non_differentiable(lse, seed, offset)
@@ -877,13 +1117,17 @@ def _usable(dout: Tensor) -> Tensor:
 
 
 def _backward(ctx, dout, _dlse, _dseed, _doffset):
-    q, k, v, out, lse, seed, offset, cu_q, cu_k, alibi, sink = ctx.saved_tensors
+    q, k, v, out, lse, seed, offset, cu_q, cu_k, alibi, sink, *tensors = ctx.saved_tensors
+    key, numbers = ctx.user
     dq, dk, dv, dsink = torch.ops.flashgen.bwd.default(
-        _usable(dout), q, k, v, out, lse, seed, offset, cu_q, cu_k, *ctx.attrs, alibi, sink
-    )
-    # softcap and alibi_slopes get no gradient (as in flash-attn); the sink's is the kernel's
+        _usable(dout), q, k, v, out, lse, seed, offset, cu_q, cu_k, *ctx.attrs, alibi, sink,
+        key, *tensors, *numbers,
+    )  # fmt: skip
+    # softcap, alibi_slopes and a score_mod's parameters get no gradient (as in flash-attn);
+    # the sink's is the kernel's
     want_sink = sink is not None and ctx.needs_input_grad[_SINK_INPUT]
-    return (dq, dk, dv) + (None,) * 12 + (dsink if want_sink else None,)
+    rest = (None,) * (_FWD_INPUTS - _SINK_INPUT - 1)
+    return (dq, dk, dv) + (None,) * 12 + (dsink if want_sink else None,) + rest
 
 
 # --------------------------------------------------------------------------------------------
@@ -897,6 +1141,26 @@ _SLOT_CTYPE = {r.name: r.ctype for r in SCORE_PARAMS}
 _SLOT_ARG = {r.name: f.torch_arg for f in FEATURES for r in f.params}
 _SLOT_KINDS = {"alibi_slopes": 1, "learnable_sink": 2}  # binding.cpp's SlotKind; 3: dsinks
 _DSINKS_SLOT = "dsinks"
+# binding.cpp's SlotKind of the user slots: the data pointer of user_t<value>, user_s<value>
+# as a double, user_s<value> as an int64
+_USER_TENSOR, _USER_F64, _USER_I64 = 4, 5, 6
+
+
+def _user_slots(mod: Optional[UserMod], tensors: tuple) -> list[tuple]:
+    """The binding's slots of a variant's parameters (`user_params`' fields): pointers and
+    numbers read per call from the op's arguments, a table's columns a constant of the key
+    (the table's layout is in it)."""
+    slots = []
+    for k, (_, kind) in enumerate(mod.params if mod is not None else ()):
+        if kind is ParamKind.SCALAR:
+            slots.append((_SLOT_INDEX[f"user_f{k}"], _USER_F64, k))
+        elif kind is ParamKind.SCALAR_INT:
+            slots.append((_SLOT_INDEX[f"user_i{k}"], _USER_I64, k))
+        else:
+            slots.append((_SLOT_INDEX[f"user_ptr{k}"], _USER_TENSOR, k))
+            if kind is ParamKind.TABLE:
+                slots.append((_SLOT_INDEX[f"user_i{k}"], 0, int(tensors[k].shape[1])))
+    return slots
 
 
 def _score_slots(feats, softcap, alibi_slopes, learnable_sink, dsinks: bool) -> list[tuple]:
@@ -931,35 +1195,38 @@ def _plan(lib, window, slots, spec=None) -> dict:
 def _fwd_plan(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
     causal, window_left, window_right, deterministic, softcap=0.0, alibi_slopes=None,
-    learnable_sink=None,
+    learnable_sink=None, *user,
 ):  # fmt: skip
     """The binding's plan for the key of this forward call, or None when the Python
     implementation serves the key (dropout: the CUDA generator's state is read per call).
     Raises what the Python path raises."""
-    _, feats, window, lib = _fwd_select(
+    user = _user(user)
+    _, feats, mod, window, lib = _fwd_select(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
         softmax_scale, causal, window_left, window_right, deterministic, softcap, alibi_slopes,
-        learnable_sink,
+        learnable_sink, *user,
     )  # fmt: skip
     if dropout_p > 0.0:
         return None
-    return _plan(lib, window, _score_slots(feats, softcap, alibi_slopes, learnable_sink, False))
+    slots = _score_slots(feats, softcap, alibi_slopes, learnable_sink, False)
+    return _plan(lib, window, slots + _user_slots(mod, user[1 : 1 + USER_SLOTS]))
 
 
 def _bwd_plan(
     dout, q, k, v, out, softmax_lse, philox_seed, philox_offset, cu_seqlens_q, cu_seqlens_k,
     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
-    deterministic, softcap=0.0, alibi_slopes=None, learnable_sink=None,
+    deterministic, softcap=0.0, alibi_slopes=None, learnable_sink=None, *user,
 ):  # fmt: skip
     """The binding's plan for the key of this backward call (see `_fwd_plan`); the seed and
     offset are read per call, so dropout is served."""
-    _, feats, window, spec, lib = _bwd_select(
+    user = _user(user)
+    _, feats, mod, window, spec, lib = _bwd_select(
         dout, q, k, v, out, softmax_lse, philox_seed, philox_offset, cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
-        deterministic, softcap, alibi_slopes, learnable_sink,
+        deterministic, softcap, alibi_slopes, learnable_sink, *user,
     )  # fmt: skip
     slots = _score_slots(feats, softcap, alibi_slopes, learnable_sink, learnable_sink is not None)
-    return _plan(lib, window, slots, spec)
+    return _plan(lib, window, slots + _user_slots(mod, user[1 : 1 + USER_SLOTS]), spec)
 
 
 def _launch_error(name: str, err: int, msg: Optional[str]) -> None:
@@ -970,14 +1237,14 @@ def _launch_error(name: str, err: int, msg: Optional[str]) -> None:
 def _check_backward_args(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
     causal, window_left, window_right, deterministic, softcap=0.0, alibi_slopes=None,
-    learnable_sink=None,
+    learnable_sink=None, *user,
 ) -> None:  # fmt: skip
     """check_backward on fwd's arguments (the binding's autograd kernel calls it once per
     key, before the forward runs)."""
     del softmax_scale
     check_backward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal,
-        window_left, window_right, deterministic, softcap, alibi_slopes, learnable_sink,
+        window_left, window_right, deterministic, softcap, alibi_slopes, learnable_sink, *user,
     )  # fmt: skip
 
 

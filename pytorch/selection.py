@@ -384,7 +384,9 @@ class AttentionCall:
     """Everything about a call that selects a kernel (sizes and pointers do not).
 
     `deterministic` only concerns the backward (bitwise repeatable dQ, dK, dV). `features`:
-    the score-stage features that are on (`score_features`).
+    the score-stage features that are on (`score_features`). `score_mod`: the UserMod of a
+    `compile_variant` call (its kernels are the spec's expression compiled into the family
+    this selection picks), None for every other call.
     """
 
     dtype: Dtype
@@ -397,6 +399,8 @@ class AttentionCall:
     dropout: bool = False
     deterministic: bool = False
     features: frozenset[str] = NO_FEATURES
+    # a user-defined score modifier (generator.usermod.UserMod; `compile_variant`), or None
+    score_mod: Any = None
 
 
 def _head_dims(dims: Sequence[int]) -> str:
@@ -443,6 +447,7 @@ def _spec_for(kind: KernelKind, call: AttentionCall, target: Target) -> KernelSp
             "dropout": call.dropout,
             "deterministic": call.deterministic and kind is KernelKind.BACKWARD,
             **{f.name: f.name in call.features for f in FEATURES},
+            **({"score_mod": call.score_mod} if call.score_mod is not None else {}),
         },
     )
 
