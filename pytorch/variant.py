@@ -167,8 +167,27 @@ class Variant:
                     raise UnsupportedCall(f"{name}= ({kind.value}) must be finite, got {value}")
                 numbers[k] = float(value)
             else:
+                import torch
+
+                if not isinstance(value, torch.Tensor):
+                    raise UnsupportedCall(
+                        f"{name}= ({kind.value}) must be {_KIND_TEXT[kind]}, got "
+                        f"{type(value).__name__}"
+                    )
                 tensors[k] = value
         return (self.key, *tensors, *numbers)
+
+    @staticmethod
+    def _no_builtin(softcap, alibi_slopes) -> None:
+        """softcap= and alibi_slopes= keep their places in the call (flash_attn_func's
+        positional order) but a variant takes neither: its score_mod gives the whole logit."""
+        if softcap != 0.0 or alibi_slopes is not None:
+            name = "softcap" if softcap != 0.0 else "alibi_slopes"
+            raise UnsupportedCall(
+                f"{name}= is not taken by a variant: its score_mod gives the whole logit, so "
+                "write it in the expression (cap * tanh(s / cap), s - slopes[h] * abs(i + "
+                "seqlen_k - seqlen_q - j)) with its parameter in params (docs/usermod.md)"
+            )
 
     def _check_call(self, q, k, v) -> None:
         import torch
@@ -210,16 +229,19 @@ class Variant:
         softmax_scale: Optional[float] = None,
         causal: bool = False,
         window_size: tuple[int, int] = (-1, -1),
+        softcap: float = 0.0,
+        alibi_slopes=None,
         deterministic: bool = False,
         return_attn_probs: bool = False,
         *,
         learnable_sink=None,
         **params: Any,
     ):
-        """flash_attn_func's call (no softcap= or alibi_slopes=: write them in the
-        score_mod), plus the spec's parameters by name."""
+        """flash_attn_func's call, plus the spec's parameters by name (softcap and
+        alibi_slopes must stay off: write them in the score_mod)."""
         from flashgen.torch import interface
 
+        self._no_builtin(softcap, alibi_slopes)
         user = self.user_args(params)
         self._check_call(q, k, v)
         return interface._attention(
@@ -240,18 +262,25 @@ class Variant:
         softmax_scale: Optional[float] = None,
         causal: bool = False,
         window_size: tuple[int, int] = (-1, -1),
+        softcap: float = 0.0,
+        alibi_slopes=None,
         deterministic: bool = False,
         return_attn_probs: bool = False,
+        block_table=None,
         *,
         learnable_sink=None,
         **params: Any,
     ):
-        """flash_attn_varlen_func's call (packed sequences; per_batch parameters have one
-        entry per sequence), plus the spec's parameters by name."""
+        """flash_attn_varlen_func's call (packed sequences, or paged K/V with block_table;
+        per_batch parameters have one entry per sequence), plus the spec's parameters by
+        name."""
         from flashgen.torch import interface
 
+        self._no_builtin(softcap, alibi_slopes)
         user = self.user_args(params)
         self._check_call(q, k, v)
+        if block_table is not None:
+            k, v = interface._paged_kv(k, v, cu_seqlens_k, block_table)
         return interface._attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
             dropout_p, softmax_scale, causal, window_size, 0.0, None, deterministic,
