@@ -550,3 +550,121 @@ def test_decode_keys_hit_and_check_inputs_takes_the_python_path(monkeypatch, moc
     args[11] = True
     torch.ops.flashgen.decode.default(*args)
     assert ops.BINDING.stats()["fallbacks"] - s1["fallbacks"] == 1
+
+
+# -- compile_variant: the user arguments (docs/torch.md, "User-defined variants") -----------------
+
+_VARIANT = """
+kernel: [forward, backward]
+dtype: bf16
+head_dim: 64
+score_mod: >-
+  s - slopes[h] * abs(i - j) + offset + bias[h, min(abs(i - j) // 8, 31)]
+  + where(j < n, 0.0, 1.0)
+params: {slopes: per_head, offset: scalar, bias: table, n: scalar_int}
+"""
+
+
+def _variant_args(var, offset=0.25, n=3, grad=False, cu=False):
+    if cu:
+        cu_t = torch.tensor([0, 9, 24], dtype=torch.int32)
+        q, k, v = (torch.randn(24, 4, 64, dtype=torch.bfloat16) for _ in range(3))
+        dense = (cu_t, cu_t, 15, 15)
+    else:
+        q, k, v = (torch.randn(2, 24, 4, 64, dtype=torch.bfloat16, requires_grad=grad)
+                   for _ in range(3))  # fmt: skip
+        dense = (None, None, 0, 0)
+    params = {"slopes": torch.rand(4), "offset": offset, "bias": torch.randn(4, 32), "n": n}
+    user = var.user_args(params)
+    return (q, k, v, *dense, 0.0, 0.125, True, -1, -1, False, 0.0, None, None, *user)
+
+
+def _bwd_variant_args(args, out, lse, seed, offset):
+    return (torch.randn_like(out), *args[:3], out, lse, seed, offset, *args[3:])
+
+
+@pytest.mark.parametrize("cu", [False, True])
+def test_variant_structs_equal_the_python_paths(mock, cu):
+    from flashgen.torch import compile_variant
+
+    var = compile_variant(_VARIANT)
+    args = _variant_args(var, cu=cu)
+    s0 = ops.BINDING.stats()
+    out, lse, seed, offset = torch.ops.flashgen.fwd.default(*args)
+    fast = taken(mock, "fwd")
+    py_out, py_lse, *_ = ops._fwd_impl(*args)
+    slow = taken(mock, "fwd")
+    assert _normalised(fast, {"o": out, "lse": lse}) == _normalised(
+        slow, {"o": py_out, "lse": py_lse}
+    )
+    assert fast["user_ptr3"] == args[16 + 4].data_ptr()  # slopes: slot 3 (bias, n, offset, ...)
+    assert (fast["user_i0"], fast["user_i1"], fast["user_f2"]) == (32, 3, 0.25)
+    bargs = _bwd_variant_args(args, out, lse, seed, offset)
+    dq, dk, dv, _ = torch.ops.flashgen.bwd.default(*bargs)
+    fast = taken(mock, "bwd")
+    py = ops._bwd_impl(*bargs)
+    slow = taken(mock, "bwd")
+    fast_n = _normalised(fast, dict(zip(("dq", "dk", "dv"), (dq, dk, dv))))
+    slow_n = _normalised(slow, dict(zip(("dq", "dk", "dv"), py[:3])))
+    for rec in (fast_n, slow_n):
+        base = rec["dq_accum"]
+        rec["dq_accum"], rec["dsum"] = 0, rec["dsum"] - base
+    assert fast_n == slow_n and fast["user_ptr3"] == args[20].data_ptr()
+    assert ops.BINDING.stats()["fallbacks"] == s0["fallbacks"]  # both served by the fast path
+
+
+def test_variant_values_are_per_call_and_other_keys_unchanged(mock):
+    from flashgen.torch import compile_variant
+
+    var = compile_variant(_VARIANT)
+    args = _variant_args(var)
+    plain = args[:16]
+    torch.ops.flashgen.fwd.default(*plain)
+    s0 = ops.BINDING.stats()
+    torch.ops.flashgen.fwd.default(*args)  # a variant of the same layouts: its own key
+    s1 = ops.BINDING.stats()
+    assert (s1["misses"] - s0["misses"], s1["hits"] - s0["hits"]) == (1, 0)
+    again = _variant_args(var, offset=-1.5, n=7)  # other values and tensors, same layouts
+    torch.ops.flashgen.fwd.default(*again)
+    torch.ops.flashgen.fwd.default(*plain)
+    s2 = ops.BINDING.stats()
+    assert (s2["misses"] - s1["misses"], s2["hits"] - s1["hits"]) == (0, 2)
+    rec = taken(mock, "fwd")
+    assert not any(v for n, v in rec.items() if n.startswith("user_"))  # the plain call's
+    torch.ops.flashgen.fwd.default(*again)
+    rec = taken(mock, "fwd")
+    assert (rec["user_i1"], rec["user_f2"], rec["user_ptr0"]) == (7, -1.5, again[17].data_ptr())
+
+
+def test_variant_values_the_planner_refuses_are_refused_on_a_hit(mock):
+    from flashgen.torch import compile_variant
+
+    var = compile_variant(_VARIANT)
+    torch.ops.flashgen.fwd.default(*_variant_args(var))
+    args = list(_variant_args(var))
+    args[16 + 5 + 2] = float("nan")  # offset (slot 2)
+    with pytest.raises(UnsupportedCall, match=r"'offset' \(scalar, slot 2\) must be finite"):
+        torch.ops.flashgen.fwd.default(*args)
+    args = list(_variant_args(var))
+    args[16 + 5 + 1] = 2.5  # n (scalar_int, slot 1)
+    with pytest.raises(UnsupportedCall, match=r"'n' \(scalar_int, slot 1\) must be an integer"):
+        torch.ops.flashgen.fwd.default(*args)
+    args = list(_variant_args(var))
+    args[16 + 5 + 3] = 1.0  # slot 3 is slopes, a tensor: its number must stay 0
+    with pytest.raises(UnsupportedCall, match="user_s3 must be 0.0"):
+        torch.ops.flashgen.fwd.default(*args)
+
+
+def test_opcheck_and_autograd_pass_on_a_variant_call(mock):
+    from flashgen.torch import compile_variant
+
+    var = compile_variant(_VARIANT)
+    args = _variant_args(var, grad=True)
+    torch.library.opcheck(torch.ops.flashgen.fwd.default, args)
+    q, k, v = args[:3]
+    out, *_ = torch.ops.flashgen.fwd.default(*args)
+    out.float().sum().backward()
+    assert all(t.grad is not None for t in (q, k, v))
+    rec = taken(mock, "bwd")
+    assert (rec["user_i0"], rec["user_i1"], rec["user_f2"]) == (32, 3, 0.25)
+    assert rec["user_ptr3"] == args[20].data_ptr()

@@ -11,7 +11,10 @@
 //   key       what the Python path's verdict and kernel choice depend on: the layouts
 //             (dtype, device, sizes, strides) of every tensor argument, packed lengths
 //             excepted, and every scalar argument but the per-call values (softmax_scale,
-//             varlen max_seqlen). Equal keys give equal plans.
+//             varlen max_seqlen). Equal keys give equal plans. A compile_variant call's
+//             user arguments (score_mod, user_t0..3, user_s0..3) join the key only when one
+//             is set (`push_user`): the variant's id, the tensors' layouts and which numbers
+//             are 0; the numbers themselves are per-call values.
 //   fallback  a call the fast path does not serve (dropout, empty or misaligned tensors,
 //             values the planner must check): it runs the Python implementation, which
 //             launches through ctypes or raises the Python path's error.
