@@ -390,7 +390,7 @@ def score_params(features: frozenset, softcap, alibi_slopes, learnable_sink) -> 
 # none: every other call), then slot k's tensor `user_t<k>` (a per_head, per_batch,
 # per_batch_int or table parameter) and slot k's number `user_s<k>` (a scalar or scalar_int
 # parameter); parameter k of the spec's params, sorted by name, owns slot k
-# (docs/usermod.md, "Launch arguments"). Unused slots are None and 0.0.
+# (docs/usermod.md, "The parameters' C ABI"). Unused slots are None and 0.0.
 USER_ARGS = (
     ("score_mod",)
     + tuple(f"user_t{k}" for k in range(USER_SLOTS))
