@@ -12,12 +12,14 @@ Schemas (all sizes in elements; see `flashgen.torch.flash_attn_func` for the lay
 
     fwd(q, k, v, cu_seqlens_q?, cu_seqlens_k?, max_seqlen_q, max_seqlen_k, dropout_p,
         softmax_scale, causal, window_left, window_right, deterministic, softcap=0.0,
-        alibi_slopes?=None, learnable_sink?=None)
+        alibi_slopes?=None, learnable_sink?=None, score_mod="", user_t0..3?=None,
+        user_s0..3=0.0)
         -> (out, softmax_lse, philox_seed, philox_offset)
     bwd(dout, q, k, v, out, softmax_lse, philox_seed, philox_offset, cu_seqlens_q?,
         cu_seqlens_k?, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
         window_left, window_right, deterministic, softcap=0.0, alibi_slopes?=None,
-        learnable_sink?=None) -> (dq, dk, dv, dsink)
+        learnable_sink?=None, score_mod="", user_t0..3?=None, user_s0..3=0.0)
+        -> (dq, dk, dv, dsink)
 
 `philox_seed` and `philox_offset` are 0-dim int64 CPU tensors (as torch's own fused attention
 returns them): the seed's 64 bits are stored two's-complement. Dense calls pass `None`
@@ -29,6 +31,12 @@ heads)`) and `learnable_sink` (float32 `(heads,)`); `selection.score_features` c
 derives the spec's features. `dsink` is dL/dlearnable_sink, float32 `(heads,)`, when the call
 has a sink, else an empty float32 `(0,)` tensor (a custom op cannot return None). softcap and
 the slopes get no gradient (as in flash-attn).
+
+The last nine carry a user-defined score modifier (`flashgen.torch.compile_variant`) and
+default to none: `score_mod` is the variant's key (`variant_key`), `user_t<k>` / `user_s<k>`
+the tensor / number of the modifier's parameter slot k (`user_mod` checks them, `user_params`
+packs them as verify.runner does). The selected kernels are the spec's expression compiled
+into the family the call gets (`AttentionCall.score_mod`); nothing else changes.
 """
 
 import json
