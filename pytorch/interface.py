@@ -131,7 +131,7 @@ def _attention(
 ) -> Result:  # fmt: skip
     """The shared body of flash_attn_func, flash_attn_varlen_func and compile_variant's
     callables (`user`: the ops' nine user arguments, ops.NO_USER for none)."""
-    extra = () if user is ops.NO_USER else user  # a call without a variant passes none
+    extra = user if user[0] else ()  # a call without a variant (key "") passes none
     head_dim = q.shape[-1]
     if softmax_scale is None:  # the caller's head dim, padded or not (0: refused below)
         softmax_scale = head_dim**-0.5 if head_dim > 0 else 1.0
@@ -148,7 +148,7 @@ def _attention(
     )
     q, k, v, kernel_head_dim = _kernel_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backward,
-        pad=user is ops.NO_USER,
+        pad=not user[0],
     )  # fmt: skip
     if backward and ops.BINDING is None and not torch.compiler.is_compiling():
         # (the binding's autograd kernel makes the same check, once per key, before the
