@@ -381,3 +381,17 @@ def test_opcheck_passes_on_a_variant_call():
     d = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
     bargs = (torch.randn_like(out), *d[:3], out.detach(), lse, seed, offset, *d[3:])
     torch.library.opcheck(torch.ops.flashgen.bwd.default, bargs)
+
+
+def test_the_example_spec_is_a_variant(mock):
+    """examples/variant_kernels.yaml, as its header calls it."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "variant_kernels.yaml"
+    var = compile_variant(str(path))
+    assert list(var.params) == ["bias", "gain", "slopes"]
+    assert var.dtypes == {"bfloat16", "float16"} and var.head_dims == {64, 128}
+    q, k, v = _qkv(grad=True)
+    out = var(q, k, v, causal=True, slopes=torch.rand(4), bias=torch.randn(4, 32), gain=0.5)
+    out.float().sum().backward()
+    assert taken(mock, "bwd")["user_f1"] == 0.5
