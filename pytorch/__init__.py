@@ -3,6 +3,9 @@
     from flashgen.torch import flash_attn_func            # instead of: from flash_attn import ...
     out = flash_attn_func(q, k, v, causal=True)          # (batch, seqlen, heads, head_dim)
 
+    attn = compile_variant(spec_yaml)                    # a spec's score_mod (docs/torch.md)
+    out = attn(q, k, v, causal=True, slopes=slopes)      # flash_attn_func's conventions
+
 Needs PyTorch (`pip install '.[torch]'` from a flashgen checkout). The functions, the operators
 `torch.ops.flashgen.fwd` / `torch.ops.flashgen.bwd` and their conventions are documented in
 `flashgen.torch.interface` and docs/torch.md. Kernel selection (`flashgen.torch.selection`)
