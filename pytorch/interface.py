@@ -148,7 +148,7 @@ def _attention(
     )
     q, k, v, kernel_head_dim = _kernel_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backward,
-        pad=not user[0],
+        not user[0],  # pad: never for a variant (positional, as the tests' stand-ins take it)
     )  # fmt: skip
     if backward and ops.BINDING is None and not torch.compiler.is_compiling():
         # (the binding's autograd kernel makes the same check, once per key, before the
