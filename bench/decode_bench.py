@@ -25,6 +25,18 @@ same nvcc flags and launched through their own C launchers with the same `fg_dec
 (the struct is unchanged since the first decode version), on the same tensors, in the same
 graphs, right after this version's.
 
+Issue 20's form (this version): the JSON is `{"rows": [...], "environment": {...}}`; every
+row has `q_len` (1 here); a paged row's gbps has `flashgen_paged` (its own kernel) next to
+`flashgen` (the contiguous kernel on the same shape, same run, kept under that name in the
+page-0 row too); `read` is the faster of two read-only streams over the same bytes, a Triton
+kernel (`read_triton`: each program sums a strided share of the bytes in float32 and writes
+one float) and torch's sum (`read_torch`). `--chunked` adds rows `{"kind":
+"chunked_prefill", batch, heads, kv_heads, context (cached keys), q_len (new tokens),
+page_size, "ms": {...}, "tflops": {...}}`: `flash_attn_with_kvcache` over a paged cache
+(q_len new queries, causal, bottom-right) against SDPA's CUDNN, FLASH and EFFICIENT on the
+same call (the cache as contiguous tensors, `causal_lower_right`), timed eagerly with CUDA
+events (flashgen's chunked path syncs once per call, so it cannot be graph-captured).
+
 `--profile` launches each of PROFILE_SHAPES once (after one warm-up call) between
 cudaProfilerStart and cudaProfilerStop, new kernel then old, printing each shape before its
 launch, for Nsight Compute:
@@ -37,6 +49,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -48,6 +61,8 @@ HEADS = (32, 64)
 BATCHES = (1, 8, 64)
 CONTEXTS = (4096, 16384, 32768, 65536, 131072)
 PAGES = (0, 16, 256)  # 0: contiguous
+# chunked prefill (--chunked): (batch, heads, cached keys, new tokens, page size)
+CHUNKED = ((1, 32, 32768, 512, 256), (4, 32, 32768, 512, 256), (1, 32, 32768, 512, 16))
 # (batch, heads, context, page_size): the short batch-1 call (launch and tail bound), the
 # batch-1 contexts below the copy bar, a split batch-8 call and an unsplit paged batch-64 one
 PROFILE_SHAPES = (
@@ -145,6 +160,130 @@ def _time(fn, calls: int, reps: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / calls)
     return sorted(times)[len(times) // 2]
+
+
+def _triton_read():
+    """A read-only stream over a flat bf16 tensor, in Triton (None where Triton is missing):
+    `GRID` programs each sum a strided share of the elements in float32 and store one float,
+    so the bytes written are negligible."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def _read(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        step = tl.num_programs(0) * BLOCK
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(pid * BLOCK, n, step):
+            offs = start + tl.arange(0, BLOCK)
+            acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+    def read(x, out):
+        _read[(out.numel(),)](x, out, x.numel(), BLOCK=4096, num_warps=8)
+
+    return read
+
+
+def _time_eager(fn, calls: int, reps: int) -> float:
+    """Seconds per call without a graph: `calls` calls between CUDA events, median of
+    `reps`, after two warm-up calls (for calls that sync, which a graph cannot capture)."""
+    import torch
+
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def _chunked_rows(calls: int, reps: int) -> list[dict]:
+    """CHUNKED shapes: flash_attn_with_kvcache with q_len new queries over `context` cached
+    keys in a paged cache (random page order) against SDPA on the same call."""
+    import torch
+    from flashgen.torch import flash_attn_with_kvcache
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    dev = torch.device("cuda")
+    rows = []
+    for batch, heads, context, q_len, page in CHUNKED:
+        keys = context + q_len
+        k = torch.randn(batch, keys, KV_HEADS, D, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        q = torch.randn(batch, q_len, heads, D, device=dev, dtype=torch.bfloat16)
+        pages_per = -(-keys // page)
+        pages = batch * pages_per
+        perm = torch.randperm(pages, device=dev)
+        kp = torch.zeros(pages, page, KV_HEADS, D, device=dev, dtype=torch.bfloat16)
+        vp = torch.zeros_like(kp)
+        pad = pages_per * page - keys
+        kf = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)).view(pages, page, KV_HEADS, D)
+        vf = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).view(pages, page, KV_HEADS, D)
+        kp[perm], vp[perm] = kf, vf
+        table = perm.view(batch, pages_per).to(torch.int32).contiguous()
+        lens = torch.full((batch,), keys, device=dev, dtype=torch.int32)
+        flops = 4 * batch * heads * D * (q_len * context + q_len * (q_len + 1) / 2)
+        ms = {}
+
+        def fg(q=q, kp=kp, vp=vp, lens=lens, table=table):
+            return flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table,
+                                           causal=True)  # fmt: skip
+
+        want = None
+        ms["flashgen_paged"] = _time_eager(fg, calls, reps) * 1e3
+        got = fg()
+        qt = q.transpose(1, 2)  # SDPA gets the KV heads repeated (CausalBias takes no GQA)
+        kt = k.transpose(1, 2).repeat_interleave(heads // KV_HEADS, dim=1)
+        vt = v.transpose(1, 2).repeat_interleave(heads // KV_HEADS, dim=1)
+        bias = causal_lower_right(q_len, keys)
+        for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
+            try:
+                with sdpa_kernel(getattr(SDPBackend, backend)):
+
+                    def run(qt=qt, kt=kt, vt=vt, bias=bias):
+                        return sdpa(qt, kt, vt, attn_mask=bias)
+
+                    ms[backend.split("_")[0]] = _time_eager(run, calls, reps) * 1e3
+                    if want is None:
+                        want = run().transpose(1, 2)
+            except (RuntimeError, TypeError, torch.cuda.OutOfMemoryError) as e:
+                print(f"chunked: SDPA {backend} refused: {str(e)[:120]}", flush=True)
+        err = None if want is None else (got.float() - want.float()).abs().max().item()
+        row = {
+            "kind": "chunked_prefill",
+            "batch": batch,
+            "heads": heads,
+            "kv_heads": KV_HEADS,
+            "context": context,
+            "q_len": q_len,
+            "page_size": page,
+            "ms": ms,
+            "tflops": {key: flops / (t / 1e3) / 1e12 for key, t in ms.items()},
+            "max_abs_diff_vs_sdpa": err,
+        }
+        rows.append(row)
+        print(
+            f"chunked b={batch} h={heads} ctx={context} q_len={q_len} page={page}: "
+            + ", ".join(f"{key} {t:.3f} ms" for key, t in ms.items())
+            + f" (max |diff| vs SDPA {err})",
+            flush=True,
+        )
+        del k, v, kp, vp, kf, vf, kt, vt
+        torch.cuda.empty_cache()
+    return rows
 
 
 def _cache(k, v, batch: int, context: int, page: int):
@@ -279,6 +418,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--profile", action="store_true", help="PROFILE_SHAPES once each, for Nsight Compute"
     )
+    ap.add_argument(
+        "--chunked", action="store_true", help="also chunked prefill over a paged cache"
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode_h200.json"))
     args = ap.parse_args(argv)
     calls, reps = (3, 3) if args.quick else (20, 7)
@@ -297,6 +439,8 @@ def main(argv=None) -> int:
     if args.profile:
         return _profile(libs, olds)
     rows, t0 = [], time.time()
+    triton_read = _triton_read()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for batch in BATCHES:
         for context in contexts:
             kv_bytes = 2 * batch * context * KV_HEADS * D * 2
@@ -308,6 +452,22 @@ def main(argv=None) -> int:
             src = torch.cat([k.view(-1), v.view(-1)])
             copy = _time(lambda dst=dst, src=src: dst.copy_(src), calls, reps)
             read = _time(lambda src=src: src.sum(dtype=torch.float32), calls, reps)
+            read_triton = None
+            if triton_read is not None:
+                partial = torch.empty(8 * sms, device=dev, dtype=torch.float32)
+                triton_read(src, partial)
+                torch.cuda.synchronize()
+                want = src.sum(dtype=torch.float32).item()
+                got = partial.sum().item()
+                if abs(got - want) > 1e-3 * max(1.0, abs(want)) + 1e-2 * math.sqrt(src.numel()):
+                    raise RuntimeError(f"the Triton read sums {got}, torch {want}")
+                read_triton = _time(
+                    lambda src=src, partial=partial: triton_read(src, partial), calls, reps
+                )
+            reads = {"read_torch": kv_bytes / read / 1e9}
+            if read_triton is not None:
+                reads["read_triton"] = kv_bytes / read_triton / 1e9
+            reads["read"] = max(reads.values())
             del src
             lens = torch.full((batch,), context, device=dev, dtype=torch.int32)
             for heads in heads_set:
@@ -326,6 +486,7 @@ def main(argv=None) -> int:
                         sdpa_gbps[backend.split("_")[0]] = kv_bytes / t / 1e9
                     except (RuntimeError, torch.cuda.OutOfMemoryError):
                         pass
+                contiguous_gbps = None
                 for page in PAGES:
                     lib = libs[page > 0]
                     cache, kk, vv, keep = _cache(k, v, batch, context, page)
@@ -335,18 +496,25 @@ def main(argv=None) -> int:
                     extra = {}
                     if old is not None:
                         extra["old"] = kv_bytes / _time(old, calls, reps) / 1e9
+                    mine = kv_bytes / t / 1e9
+                    if page == 0:
+                        contiguous_gbps = mine
+                        flashgen = {"flashgen": mine}
+                    else:  # the contiguous kernel of this shape (page 0 runs first)
+                        flashgen = {"flashgen": contiguous_gbps, "flashgen_paged": mine}
                     row = {
                         "batch": batch,
                         "heads": heads,
                         "kv_heads": KV_HEADS,
                         "context": context,
                         "page_size": page,
+                        "q_len": 1,
                         "kernel": lib.name,
                         "num_splits": splits,
                         "gbps": {
-                            "flashgen": kv_bytes / t / 1e9,
+                            **flashgen,
                             "copy": 2 * kv_bytes / copy / 1e9,
-                            "read": kv_bytes / read / 1e9,
+                            **reads,
                             **sdpa_gbps,
                             **extra,
                         },
@@ -358,10 +526,10 @@ def main(argv=None) -> int:
                     best = max(sdpa_gbps.values(), default=float("nan"))
                     print(
                         f"b={batch:3d} h={heads} ctx={context:6d} page={page:3d} "
-                        f"splits={splits:3d} flashgen {g['flashgen']:7.0f} GB/s "
-                        f"({g['flashgen'] / g['copy']:.0%} of copy {g['copy']:.0f}, "
-                        f"{g['flashgen'] / best:.2f}x best SDPA"
-                        + (f", {g['flashgen'] / g['old']:.2f}x old" if "old" in g else "")
+                        f"splits={splits:3d} flashgen {mine:7.0f} GB/s "
+                        f"({mine / g['read']:.0%} of read {g['read']:.0f}, "
+                        f"{mine / best:.2f}x best SDPA"
+                        + (f", {mine / g['old']:.2f}x old" if "old" in g else "")
                         + "); "
                         + ", ".join(f"{b_} {x:.0f}" for b_, x in sdpa_gbps.items()),
                         flush=True,
@@ -369,9 +537,14 @@ def main(argv=None) -> int:
                     del kk, vv, keep, keep2
             del k, v, dst
             torch.cuda.empty_cache()
+    if args.chunked:
+        rows += _chunked_rows(5 if args.quick else 10, reps)
+    from flashgen.bench.fwd_bench import environment
+
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1) + "\n")
+    doc = {"rows": rows, "environment": environment()}
+    out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"{len(rows)} rows in {time.time() - t0:.0f} s -> {out}")
     return 0
 

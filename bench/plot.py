@@ -68,7 +68,14 @@ def decode(src: str, dst: str, heads: int = 32) -> None:
     """One panel per batch: flashgen (contiguous and paged, page 16), the fastest SDPA backend
     of each shape, the device-to-device copy, and 80% of the copy; `heads` query heads."""
     plt = _plt()
-    rows = [r for r in json.loads(open(src).read()) if r["heads"] == heads]
+    data = json.loads(open(src).read())
+    rows = []
+    for r in data["rows"] if isinstance(data, dict) else data:  # issue 20's form, or a list
+        if r.get("kind", "decode") != "decode" or r["heads"] != heads:
+            continue
+        if "flashgen_paged" in r["gbps"]:  # a paged row: its own kernel's bandwidth
+            r = {**r, "gbps": {**r["gbps"], "flashgen": r["gbps"]["flashgen_paged"]}}
+        rows.append(r)
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(4.4 * len(batches), 3.8), sharey=True)
     for ax, b in zip(axes, batches):

@@ -24,9 +24,9 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 from flashgen.generator.spec import KernelKind
+from flashgen.torch import attn_probs, ops, selection
 from flashgen.torch import kvcache_prep as prep
 from flashgen.torch import kvcache_select as ks
-from flashgen.torch import ops, selection
 from flashgen.torch.selection import UnsupportedCall
 from torch import Tensor
 
@@ -133,6 +133,7 @@ def _attention(
     callables (`user`: the ops' nine user arguments, ops.NO_USER for none)."""
     extra = user if user[0] else ()  # a call without a variant (key "") passes none
     head_dim = q.shape[-1]
+    q_in, k_in = q, k  # the caller's, for return_attn_probs with dropout
     if softmax_scale is None:  # the caller's head dim, padded or not (0: refused below)
         softmax_scale = head_dim**-0.5 if head_dim > 0 else 1.0
     if type(softcap) is not float:
@@ -167,7 +168,7 @@ def _attention(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *rest, *score,
                 *extra,
             )  # fmt: skip
-    out, lse, _, _ = torch.ops.flashgen.fwd.default(
+    out, lse, seed, offset = torch.ops.flashgen.fwd.default(
         q,
         k,
         v,
@@ -189,7 +190,17 @@ def _attention(
     if kernel_head_dim != head_dim:  # zero-padded: the output's first head_dim columns
         out = out[..., :head_dim].contiguous()
     if return_attn_probs:
-        return out, lse, None
+        probs = None
+        # flash-attn's S_dmask, recomputed (flashgen.torch.attn_probs); not for a variant,
+        # whose score_mod the recomputation does not know (None, as without dropout)
+        if dropout_p > 0.0 and not user[0]:
+            probs = attn_probs.dropout_probs(
+                q_in.detach(), k_in.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                max_seqlen_k, ops._u64(seed), ops._u64(offset), float(dropout_p),
+                float(softmax_scale), bool(causal), (int(window_left), int(window_right)),
+                softcap, alibi_slopes,
+            )  # fmt: skip
+        return out, lse, probs
     return out
 
 
@@ -237,8 +248,12 @@ def flash_attn_func(
             `-slope[b, h] * |i + seqlen_k - seqlen_q - j|` is added to the (capped) score of
             query i and key j, causal or not (flash-attn's definition; no gradient).
         deterministic: use the deterministic backward kernel (bitwise repeatable dq, dk, dv).
-        return_attn_probs: also return `softmax_lse` (see below) and, in the place of
-            flash-attn's `S_dmask`, None: flashgen never materialises the attention matrix.
+        return_attn_probs: also return `softmax_lse` (see below) and flash-attn's `S_dmask`:
+            None without dropout (as flash-attn); with dropout, the unnormalised
+            probabilities `exp(z - rowmax)` with the dropped elements negated, `(batch, heads,
+            seqlen_q, seqlen_k)` in q's dtype, recomputed on the device after the kernel from
+            the same inputs and keep mask (`flashgen.torch.attn_probs`; for tests: one
+            float32 score matrix per head, and a device-to-host copy of seed and offset).
         learnable_sink (keyword only, FlashAttention-4's name): None, or float32 `(heads,)` on
             q's device: one logit per query head that joins only the softmax's denominator,
             `P_ij = exp(z_ij) / (exp(sink_h) + sum_j exp(z_ij))` with z the scaled (capped,
@@ -248,7 +263,8 @@ def flash_attn_func(
 
     Returns:
         `out` `(batch, seqlen_q, heads, head_dim)` in q's dtype (contiguous); with
-        `return_attn_probs=True`, `(out, softmax_lse, None)`. `softmax_lse` is float32
+        `return_attn_probs=True`, `(out, softmax_lse, S_dmask)` (S_dmask None without
+        dropout). `softmax_lse` is float32
         `(batch, heads, seqlen_q)`, the natural-log log-sum-exp of each row's scores
         `log(sum_j exp(z_ij))` over visible keys (before dropout; plus `exp(sink_h)` in the
         sum with a sink), -inf on rows that see no key (sink_h with a sink). It is not

@@ -580,6 +580,51 @@ def flash_attn_with_kvcache(
     capacity, tables shorter than the capacity, batch indices or left padding with a paged
     cache, the kernels' own rules), and, when the values are checked, for bad device values.
     """
+    if check_inputs is None:
+        check_inputs = os.environ.get(CHECK_ENV, "") == "1"
+    plain = (
+        k is None
+        and v is None
+        and rotary_cos is None
+        and rotary_sin is None
+        and cache_batch_idx is None
+        and cache_leftpad is None
+        and alibi_slopes is None
+        and learnable_sink is None
+        and type(softcap) is float
+        and softcap == 0.0
+        and type(window_size) is tuple
+        and type(cache_seqlens) is Tensor
+        and type(q) is Tensor
+        and type(k_cache) is Tensor
+        and type(v_cache) is Tensor
+        and not check_inputs
+        and not torch.compiler.is_compiling()
+    )
+    if plain:  # a layout served before with no copy: straight to the op (docs/torch.md)
+        key = _plain_key(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale,
+                         causal, window_size, num_splits)  # fmt: skip
+        plan = _PLAIN_PLANS.get(key)
+        if plan is not None:
+            scale, window_left, window_right = plan
+            out, lse = torch.ops.flashgen.decode.default(
+                q.detach() if q.requires_grad else q,
+                k_cache.detach() if k_cache.requires_grad else k_cache,
+                v_cache.detach() if v_cache.requires_grad else v_cache,
+                cache_seqlens,
+                block_table,
+                scale if softmax_scale is None else float(softmax_scale),
+                bool(causal),
+                window_left,
+                window_right,
+                int(num_splits),
+                0,
+                False,
+                0.0,
+                None,
+                None,
+            )
+            return (out, lse) if return_softmax_lse else out
     if type(softcap) is not float:
         softcap = as_softcap(softcap)
     if alibi_slopes is not None or learnable_sink is not None:
@@ -587,8 +632,6 @@ def flash_attn_with_kvcache(
     head_dim = q.shape[-1]
     if softmax_scale is None:  # the caller's head dim, padded or not (0: refused below)
         softmax_scale = head_dim**-0.5 if head_dim > 0 else 1.0
-    if check_inputs is None:
-        check_inputs = os.environ.get(CHECK_ENV, "") == "1"
     window_left, window_right = ks.window_pair(window_size)
     capacity = _capacity(k_cache, block_table)
     if capacity is not None:  # flash-attn's binding: a side >= the capacity is unbounded
@@ -627,7 +670,52 @@ def flash_attn_with_kvcache(
         q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_left,
         window_right, num_splits, check_inputs, softcap, alibi_slopes, learnable_sink,
     )  # fmt: skip
+    if plain and _plain_served(q, k_cache, v_cache, block_table):
+        if len(_PLAIN_PLANS) >= _PLAIN_PLANS_MAX:
+            _PLAIN_PLANS.clear()
+        _PLAIN_PLANS[key] = (float(softmax_scale), window_left, window_right)
     return (out, lse) if return_softmax_lse else out
+
+
+# The host fast path of the plain decode call (no append, rotary, batch indices, left
+# padding, score modifiers or checks; a tensor cache_seqlens; a tuple window_size): once a
+# call of one layout has run through every check above with no copy and no padding, later
+# calls of the same layout (`_plain_key`: every shape, stride, dtype, device and alignment the
+# checks read, and the arguments that are not per-call values) go straight to the op, whose
+# own checks (once per layout in the binding) still run. Only calls that succeeded are
+# remembered, so refusals keep their messages.
+_PLAIN_PLANS: dict = {}
+_PLAIN_PLANS_MAX = 4096
+
+
+def _layout(t: Tensor) -> tuple:
+    return (t.shape, t.stride(), t.dtype, t.device, t.storage_offset() % 8)
+
+
+def _plain_key(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal,
+               window_size, num_splits) -> tuple:  # fmt: skip
+    return (
+        _layout(q),
+        _layout(k_cache),
+        v_cache is k_cache or _layout(v_cache),
+        (cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device),
+        None if block_table is None else _layout(block_table),
+        softmax_scale is None,
+        causal,
+        window_size,
+        num_splits,
+    )
+
+
+def _plain_served(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table) -> bool:
+    """Whether the plain call just made read the caller's tensors as they are: the decode
+    kernels serve its head dim and page size (no padding, no varlen route) and read its
+    layouts (no copy)."""
+    if q.dim() != 4 or q.shape[1] > ks.MAX_QUERIES or not _decode_serves(q, k_cache, block_table):
+        return False
+    if _decode_head_dim(operator.index(q.shape[-1]), q.device.index, "decode") != q.shape[-1]:
+        return False
+    return all(_cache_readable(t) for t in (q, k_cache, v_cache))
 
 
 def _decode_serves(q: Tensor, k_cache: Tensor, block_table: Optional[Tensor]) -> bool:

@@ -250,6 +250,7 @@ def kernels(monkeypatch):
 
     for name in ("_CALLS", "_SCORES", "_PROBLEMS"):
         monkeypatch.setattr(ops, name, {})
+    monkeypatch.setattr(kvcache, "_PLAIN_PLANS", {})
     monkeypatch.setattr(ops, "_meta", as_cuda)
     monkeypatch.setattr(kvcache, "_meta", as_cuda)
     monkeypatch.setattr(kvcache, "_on_cuda", lambda t: True)
@@ -1007,3 +1008,78 @@ def test_decode_serves_head_dims_up_to_192_and_the_decode_page_sizes():
     assert decode_serves(192, None) and decode_serves(8, 16) and decode_serves(59, 256)
     assert not decode_serves(200, None) and not decode_serves(256, 64)
     assert not decode_serves(64, 8) and not decode_serves(64, 512) and not decode_serves(64, 3)
+
+
+# ================================================================================================
+# The host fast path of the plain call
+# ================================================================================================
+
+
+def test_a_plain_call_of_a_layout_served_before_goes_straight_to_the_op(kernels, monkeypatch):
+    """The second plain call of one layout skips every Python check (no `_run_decode`) and
+    launches exactly what the first did; a call that changes anything the checks read (a
+    stride, the block table, check_inputs, a score modifier, an int cache_seqlens) takes the
+    full path again, and a refused call is never remembered."""
+    q, kc, vc = (
+        _rand(2, 1, 4, 32, seed=70),
+        _rand(2, 40, 2, 32, seed=71),
+        _rand(2, 40, 2, 32, seed=72),
+    )
+    lens = torch.tensor([17, 40], dtype=torch.int32)
+    full = []
+    real = kvcache._run_decode
+
+    def counted(*a, **kw):
+        full.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(kvcache, "_run_decode", counted)
+
+    def call(*args, **kw):
+        kernels.calls.clear()
+        out = flash_attn_with_kvcache(*args, cache_seqlens=kw.pop("cache_seqlens", lens), **kw)
+        ((name, launched),) = kernels.calls
+        assert name == "decode"
+        return out, launched
+
+    first, args1 = call(q, kc, vc, causal=True)
+    assert len(full) == 1 and len(kvcache._PLAIN_PLANS) == 1
+    second, args2 = call(q, kc, vc, causal=True)
+    assert len(full) == 1  # the fast path
+    assert torch.equal(first, second)
+
+    def plain(args):
+        return {k: (v.data_ptr(), v.shape) if isinstance(v, torch.Tensor) else v
+                for k, v in args.items() if k != "cache_seqlens"}  # fmt: skip
+
+    assert plain(args1) == plain(args2)
+    assert torch.equal(args1["cache_seqlens"], args2["cache_seqlens"])
+    call(q, kc, vc, causal=True, softmax_scale=0.3)  # a scale given: a new layout key
+    assert len(full) == 2
+    call(q, kc, vc, causal=True, softmax_scale=0.5)  # ... then fast, with its own value
+    assert len(full) == 2
+    wide = _rand(2, 40, 2, 64, seed=73)[..., :32]  # another stride
+    call(q, wide, wide, causal=True)
+    assert len(full) == 3
+    call(q, kc, vc, causal=True, check_inputs=True)
+    call(q, kc, vc, causal=True, softcap=5.0)
+    call(q, kc, vc, causal=True, cache_seqlens=17)
+    assert len(full) == 6
+    n = len(kvcache._PLAIN_PLANS)
+    with pytest.raises(UnsupportedCall):
+        flash_attn_with_kvcache(q, kc, vc[..., :16], cache_seqlens=lens, causal=True)
+    assert len(kvcache._PLAIN_PLANS) == n
+
+
+def test_calls_that_pad_or_copy_are_never_on_the_fast_path(kernels):
+    """A head dim the decode kernels do not serve (zero-padded) and a layout they cannot read
+    (copied) always take the full path: the fast path reads the caller's tensors as they are."""
+    lens = torch.tensor([5, 9], dtype=torch.int32)
+    q, kc = _rand(2, 1, 4, 36, seed=74), _rand(2, 12, 2, 36, seed=75)  # padded to 40
+    for _ in range(2):
+        flash_attn_with_kvcache(q, kc, kc, cache_seqlens=lens)
+    odd = _rand(2, 12, 2, 33, seed=76)[..., :32]  # a row stride that is not a multiple of 8
+    q32 = _rand(2, 1, 4, 32, seed=77)
+    for _ in range(2):
+        flash_attn_with_kvcache(q32, odd, odd, cache_seqlens=lens)
+    assert not kvcache._PLAIN_PLANS

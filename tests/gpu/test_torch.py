@@ -486,6 +486,41 @@ def test_dropout_forward_uses_the_generator_state_and_matches_the_reference():
         assert verdict.passed, f"{name}: {verdict.message}"
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_return_attn_probs_with_dropout_is_flash_attns_s_dmask(varlen):
+    """With dropout, the third result is flash-attn's S_dmask: its signs are the keep mask the
+    kernel drew (verify.dropout, from the generator's seed and offset), its magnitudes
+    exp(z - rowmax) (each visible row's largest is 1, and log(sum |S|) + rowmax is the LSE),
+    and the output is the float64 reference's with that mask."""
+    rng = np.random.default_rng(42)
+    b, s, h, d, p = 2, 150, 3, 64, 0.25
+    q, k, v = (_tensor(rng.standard_normal((b, s, h, d)), "bf16") for _ in range(3))
+    torch.manual_seed(77)
+    if varlen:
+        cu = torch.tensor([0, s, 2 * s], dtype=torch.int32, device=DEV)
+        flat = [t.reshape(b * s, h, d) for t in (q, k, v)]
+        out, lse, S = flash_attn_varlen_func(*flat, cu, cu, s, s, p, causal=True,
+                                             return_attn_probs=True)  # fmt: skip
+        out = out.reshape(b, s, h, d)
+        lse = lse.reshape(h, b, s).transpose(0, 1) if lse.dim() == 2 else lse
+    else:
+        out, lse, S = flash_attn_func(q, k, v, p, causal=True, return_attn_probs=True)
+    assert S.shape == (b, h, s, s) and S.dtype == q.dtype
+    keep = vdropout.keep_mask(77, 0, b, h, s, s, p)
+    mag = _np64(S.abs())
+    vis = mag > 0
+    assert np.array_equal((_np64(S) > 0)[vis], keep[vis])
+    z = np.einsum("bihd,bjhd->bhij", _np64(q), _np64(k)) * d**-0.5
+    z = np.where(np.tril(np.ones((s, s), bool)), z, -np.inf)
+    m = z.max(-1)
+    assert np.all(mag.max(-1) == 1.0)
+    assert np.allclose(np.log(mag.sum(-1)) + m, _np64(lse), atol=2e-2)
+    res = SimpleNamespace(inputs={"q": _np(q), "k": _np(k), "v": _np(v)}, o=_np(out), lse=_np(lse))
+    spec = _spec("fwd", "bf16", d, causal=True, dropout=True)  # equal lengths: as fixed
+    for name, verdict in verdicts(spec, res, keep_mask=keep, dropout_p=p).items():
+        assert verdict.passed, f"{name}: {verdict.message}"
+
+
 def test_dropout_gradients_match_the_reference_with_the_forwards_keep_mask():
     rng = np.random.default_rng(5)
     b, s, h, d, p = 1, 150, 2, 64, 0.2
