@@ -40,6 +40,10 @@ __all__ = ["VARIANTS", "Variant", "main", "measure"]
 BACKENDS = ("flashgen", "FLEX", "builtin")
 PASSES = ("fwd", "bwd")
 SOFTCAP = 30.0
+# the default head dims and masks (tests/test_variant_prebuild.py holds
+# examples/variant_kernels.yaml to the kernels they need)
+DIMS = (64, 128)
+CAUSALS = {"both": [False, True], "yes": [True], "no": [False]}
 T5_FACTOR = 2.8853900817779268  # (16 - 8) / ln(128 / 8): docs/usermod.md, Examples
 
 
@@ -291,7 +295,7 @@ def cases(variants, dims, seqlens, causals) -> list[tuple]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="usermod_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    ap.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--dims", type=int, nargs="+", default=list(DIMS))
     ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     ap.add_argument("--passes", nargs="+", default=list(PASSES), choices=list(PASSES))
@@ -301,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tolerance", type=float, default=3e-2)
     ap.add_argument("--out", default=None, help="the JSON file (e.g. usermod_h200.json)")
     args = ap.parse_args(argv)
-    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    causals = CAUSALS[args.causal]
 
     checks = []
     if args.check:

@@ -401,6 +401,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
         state = "FAILED" if not r.ok else ("SPILLS" if r.spill_error else "ok")
         if r.ok and r.spills and r.allow_spills:
             state = "spills (allowed)"
+        elif r.spill_error and args.accept_spills:
+            state = "spills (accepted)"
         if r.cached and r.ok:
             state += " (cached)"
         rows.append(
@@ -418,7 +420,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     failed = [r for r in results if not r.ok]
-    spilled = [r for r in results if r.spill_error]
+    spilled = [r for r in results if r.spill_error and not args.accept_spills]
     for r in failed:
         _err(f"nvcc failed for {r.kernel}:\n{r.error}")
     for r in spilled:
@@ -548,6 +550,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", default="build/kernels", help="default: build/kernels")
     c.add_argument("--templates", help="template directory (default: the repo's templates/)")
     c.add_argument("--nvcc", default=os.environ.get("NVCC", "nvcc"), help="default: $NVCC or nvcc")
+    c.add_argument(
+        "--accept-spills",
+        action="store_true",
+        help="report spills without failing (prebuilding the kernels flashgen.torch derives: "
+        "their specs never say allow_spills, which would change the kernel's name)",
+    )
     _add_max_kernels(c)
     c.set_defaults(func=cmd_compile)
 

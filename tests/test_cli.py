@@ -782,6 +782,14 @@ def test_compile_accepts_spills_when_the_spec_allows_them(tmp_path, templates, c
     assert rc == 0 and "spills (allowed)" in capsys.readouterr().out
 
 
+def test_compile_accept_spills_reports_them_and_exits_0(tmp_path, templates, spec_file, capsys):
+    nvcc = fake_nvcc(tmp_path, spill=8)
+    rc = run("compile", spec_file, "-o", tmp_path / "b", "--templates", templates, "--nvcc", nvcc,
+             "--accept-spills")  # fmt: skip
+    captured = capsys.readouterr()
+    assert rc == 0 and "spills (accepted)" in captured.out and "spills (8" not in captured.err
+
+
 def test_compile_failure_shows_the_nvcc_error(tmp_path, templates, spec_file, capsys):
     nvcc = fake_nvcc(tmp_path, fail=True)
     rc = run("compile", spec_file, "-o", tmp_path / "b", "--templates", templates, "--nvcc", nvcc)

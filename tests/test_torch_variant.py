@@ -384,10 +384,10 @@ def test_opcheck_passes_on_a_variant_call():
 
 
 def test_the_example_spec_is_a_variant(mock):
-    """examples/variant_kernels.yaml, as its header calls it."""
+    """examples/variant_alibi_bias.yaml, as its header calls it."""
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "examples" / "variant_kernels.yaml"
+    path = Path(__file__).resolve().parent.parent / "examples" / "variant_alibi_bias.yaml"
     var = compile_variant(str(path))
     assert list(var.params) == ["bias", "gain", "slopes"]
     assert var.dtypes == {"bfloat16", "float16"} and var.head_dims == {64, 128}

@@ -33,6 +33,16 @@ from flashgen.verify.score_mods import ScoreArgs, check_user_params  # noqa: E40
 
 from .checks import verdicts  # noqa: E402
 from .test_backward import bwd_verdicts  # noqa: E402
+from .variant_cases import (  # noqa: E402
+    COMPILED,
+    GRAPH,
+    HEAD_DIMS,
+    HEADS,
+    LENGTHS,
+    VARIANTS,
+    VARLEN,
+)
+from .variant_cases import DTYPES as DTYPE_NAMES  # noqa: E402
 
 EXAMPLES = max(1, int(os.environ.get("FLASHGEN_GPU_EXAMPLES", "200")) // 20)
 SETTINGS = settings(
@@ -44,17 +54,6 @@ SETTINGS = settings(
 )
 DEV = "cuda"
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-LENGTHS = [1, 7, 16, 17, 64, 65, 128, 129, 257]
-
-_HEAD = "kernel: [forward, backward]\ndtype: [bf16, fp16]\nhead_dim: [64, 128]\n"
-VARIANTS = {
-    "alibi": (
-        _HEAD + 'score_mod: "s - slopes[h] * abs(i + seqlen_k - seqlen_q - j)"\n'
-        "params: {slopes: per_head}\n"
-    ),
-    "softcap": _HEAD + 'score_mod: "cap * tanh(s / cap)"\nparams: {cap: scalar}\n',
-    "relative": (_HEAD + 'score_mod: "s - rate * log(1.0 + abs(i - j))"\nparams: {rate: scalar}\n'),
-}
 _COMPILED: dict = {}
 
 
@@ -129,15 +128,15 @@ def test_the_host_path_is_the_one_asked_for():
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
 def test_variant_forward_and_gradients_match_the_float64_reference(name, dtype, d):
     var = variant(name)
 
     @SETTINGS
     @given(
         batch=st.integers(1, 2),
-        heads=st.sampled_from([1, 3, 4]),
+        heads=st.sampled_from(HEADS),
         sq=st.sampled_from(LENGTHS),
         sk=st.sampled_from(LENGTHS),
         causal=st.booleans(),
@@ -159,45 +158,48 @@ def test_variant_forward_and_gradients_match_the_float64_reference(name, dtype, 
 def test_varlen_variant_matches_the_reference_per_sequence(name):
     var = variant(name)
     rng = np.random.default_rng(7)
-    lens = [5, 130, 64]
+    lens, dtype, d, heads = VARLEN["lens"], VARLEN["dtype"], VARLEN["head_dim"], VARLEN["heads"]
+    causal = VARLEN["causal"]
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    q, k, v = (_tensor(rng, (cu[-1], 4, 64), "bf16") for _ in range(3))
-    dout = _tensor(rng, (cu[-1], 4, 64), "bf16", grad=False)
-    params = params_for(name, 4, rng)
+    q, k, v = (_tensor(rng, (cu[-1], heads, d), dtype) for _ in range(3))
+    dout = _tensor(rng, (cu[-1], heads, d), dtype, grad=False)
+    params = params_for(name, heads, rng)
     cu_t = torch.tensor(cu, device=DEV)
-    out, lse, _ = var.varlen(q, k, v, cu_t, cu_t, max(lens), max(lens), causal=True,
+    out, lse, _ = var.varlen(q, k, v, cu_t, cu_t, max(lens), max(lens), causal=causal,
                              return_attn_probs=True, **params)  # fmt: skip
-    check_variant(var, name, "bf16", 64, q, k, v, out, lse, dout, params, True, cu=cu)
+    check_variant(var, name, dtype, d, q, k, v, out, lse, dout, params, causal, cu=cu)
 
 
 def test_a_variant_forward_replays_in_a_cuda_graph():
     """Captured once; replays read the static inputs and the slopes as they are then."""
-    var = variant("alibi")
+    name, dtype, shape, causal, _ = GRAPH
+    var = variant(name)
     rng = np.random.default_rng(11)
-    q, k, v = (_tensor(rng, (2, 256, 4, 128), "bf16", grad=False) for _ in range(3))
-    slopes = params_for("alibi", 4, rng)["slopes"]
-    var(q, k, v, causal=True, slopes=slopes)  # compile and warm up outside the capture
+    q, k, v = (_tensor(rng, shape, dtype, grad=False) for _ in range(3))
+    slopes = params_for(name, shape[2], rng)["slopes"]
+    var(q, k, v, causal=causal, slopes=slopes)  # compile and warm up outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = var(q, k, v, causal=True, slopes=slopes)
+        static_out = var(q, k, v, causal=causal, slopes=slopes)
     for step in range(2):
         for t in (q, k, v):
             t.copy_(torch.randn_like(t))
         slopes.mul_(0.5 + step)
         graph.replay()
         torch.cuda.synchronize()
-        want = var(q, k, v, causal=True, slopes=slopes)
+        want = var(q, k, v, causal=causal, slopes=slopes)
         assert torch.equal(static_out, want)
 
 
 def test_a_variant_compiles_under_torch_compile_fullgraph():
-    var = variant("softcap")
+    name, dtype, shape, causal, _ = COMPILED
+    var = variant(name)
     rng = np.random.default_rng(12)
-    q, k, v = (_tensor(rng, (2, 129, 4, 64), "bf16") for _ in range(3))
+    q, k, v = (_tensor(rng, shape, dtype) for _ in range(3))
 
     def step(q, k, v):
-        return var(q, k, v, causal=True, cap=30.0).float().square().sum()
+        return var(q, k, v, causal=causal, cap=30.0).float().square().sum()
 
     want = torch.autograd.grad(step(q, k, v), (q, k, v))
     got = torch.autograd.grad(torch.compile(step, fullgraph=True)(q, k, v), (q, k, v))
