@@ -39,6 +39,7 @@
 #include "bwd_params.h"
 #include "frag.cuh"
 #include "mask.cuh"
+#include "mask_mod.cuh"
 #include "philox.cuh"
 #include "schedule.cuh"
 #include "score_mod.cuh"
@@ -193,7 +194,11 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
   // the next head with a non-empty one (`sched` then becomes that head's). Steps are planned
   // in order, one ahead of the one computing, so one schedule is live at a time.
   Schedule sched = schedule(0);
-  auto advance = [&](BwdStep s) {
+  // The mask stage of a spec's mask_mod (mask_mod.cuh; off and free without one), for the
+  // group's first head; `umask0.at(h)` is head h's.
+  const MaskModOf<C> umask0(p.score, b, h0, seq.q_off(p.seqlen_q, 1, 0),
+                            seq.k_off(p.seqlen_k, 1, 0), sq, sk);
+  auto advance_one = [&](BwdStep s) {
     s.it += 1;
     while (s.it >= sched.count) {
       if (s.g + 1 >= group) {
@@ -207,6 +212,17 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
     s.m = sched.tile(s.it, io, tid == 0);
     s.partial = sched.partial(s.it);
     s.valid = true;
+    return s;
+  };
+  // ... skipping the steps whose tile the mask_mod leaves EMPTY.
+  auto advance = [&](BwdStep s) {
+    s = advance_one(s);
+    if constexpr (MaskModOf<C>::kOn) {
+      while (s.valid && umask0.at(p.score, h0 + s.g)
+                                .tile_class(s.m * C::kBlockM, s.m * C::kBlockM + C::kBlockM - 1,
+                                            c0, c0 + kr - 1) == kMaskEmpty)
+        s = advance_one(s);
+    }
     return s;
   };
   BwdStep first;
@@ -329,6 +345,11 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
     const bool masked = C::kSparse ? (cur.partial || c0 + C::kBlockN > sk)
                                    : mask.tile_needs_mask(r0, r0 + qr - 1, nt, C::kBlockN);
     if (masked) mask_frag(acc_s, mask.tile(r0 + s_row0, c0 + s_col0), lane);
+    if constexpr (MaskModOf<C>::kOn) {  // a step is never EMPTY here (advance skips those)
+      const MaskModOf<C> umask = umask0.at(p.score, h);
+      if (umask.tile_class(r0, r0 + qr - 1, c0, c0 + kr - 1) != kMaskFull)
+        umask.mask_frag(acc_s, r0 + s_row0, c0 + s_col0, lane);
+    }
     // P = exp2(S * scale * log2 e - LSE * log2 e); a row whose LSE is -inf (no visible key)
     // gets P = 0, never inf * 0.
 #pragma unroll
