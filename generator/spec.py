@@ -807,8 +807,13 @@ def _mask_mod_problems(spec: KernelSpec) -> list[tuple[str, str]]:
     for name, why in _NOT_WITH_MASK_MOD.items():
         value = FIELD_BY_PATH[name].get(spec)
         if value != FIELD_BY_PATH[name].default:
-            out.append((name, f"{FIELD_BY_PATH[name].yaml_value(value)} cannot be combined "
-                        f"with mask_mod: {why}"))
+            out.append(
+                (
+                    name,
+                    f"{FIELD_BY_PATH[name].yaml_value(value)} cannot be combined "
+                    f"with mask_mod: {why}",
+                )
+            )
     return out
 
 

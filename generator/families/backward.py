@@ -37,8 +37,9 @@ SMEM_ROW_PAD = 8
 PEAK_ACC_REGS = 128
 SQUARE_WARP_TILES_MAX_D = 128
 
-PARAMS = params_table(
-    """
+PARAMS = (
+    params_table(
+        """
     ptr q
     ptr k
     ptr v
@@ -99,7 +100,10 @@ PARAMS = params_table(
     i64 blk_max_blocks
     ptr io_counters
     """
-) + SCORE_PARAM_FIELDS + SHAPE_PARAM_FIELDS
+    )
+    + SCORE_PARAM_FIELDS
+    + SHAPE_PARAM_FIELDS
+)
 IO_KEYS = (
     "Q",
     "K",

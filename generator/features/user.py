@@ -36,7 +36,15 @@ from flashgen.generator.usermod import (
     emit_cpp,
 )
 
-__all__ = ["SLOT_FIELDS", "TOKEN_KINDS", "slot_checks", "slot_loads", "slot_vals", "user_score_cpp", "user_slots"]
+__all__ = [
+    "SLOT_FIELDS",
+    "TOKEN_KINDS",
+    "slot_checks",
+    "slot_loads",
+    "slot_vals",
+    "user_score_cpp",
+    "user_slots",
+]
 
 # the field of slot k a kind reads: ptr (its device array), f (a scalar), i (an int, a table's
 # columns)
@@ -96,7 +104,9 @@ def slot_vals(mod: UserMod) -> list[str]:
         if kind in TOKEN_KINDS:
             if mod.kind == "mask_mod":
                 for side in TOKEN_KINDS[kind]:
-                    out.append(f"const int32_t* {side}tok_{name};  // {name} at token 0 of the sequence")
+                    out.append(
+                        f"const int32_t* {side}tok_{name};  // {name} at token 0 of the sequence"
+                    )
         elif kind is ParamKind.TABLE:
             out.append(f"const float* v_{name};  // row h of the (heads, n_{name}) table {name}")
             out.append(f"int64_t n_{name};")
@@ -117,9 +127,7 @@ def slot_loads(mod: UserMod) -> list[str]:
             if mod.kind == "mask_mod":
                 for side in TOKEN_KINDS[kind]:
                     base = "q_tok0" if side == "i" else "k_tok0"
-                    out.append(
-                        f"v.{side}tok_{name} = static_cast<const int32_t*>({ptr}) + {base};"
-                    )
+                    out.append(f"v.{side}tok_{name} = static_cast<const int32_t*>({ptr}) + {base};")
         elif kind is ParamKind.SCALAR:
             out.append(f"v.v_{name} = static_cast<float>(sp.user_f{k});")
         elif kind is ParamKind.SCALAR_INT:
