@@ -280,7 +280,7 @@ def test_host_classifier_of_the_shipped_masks(tmp_path, name, values):
     check([mod], values, cases, told, tmp_path)
     if name != "document":  # exact: equal to the truth on every box
         got = run_host([mod], values, cases, tmp_path)[0]
-        for (b, h, sq, sk), (cls, _) in zip(cases, got):
+        for (b, _h, sq, sk), (cls, _) in zip(cases, got):
             env = {"b": b, "i": np.arange(sq)[:, None], "j": np.arange(sk)[None, :]}
             env.update(seqlen_q=sq, seqlen_k=sk)
             m = np.broadcast_to(U.evaluate(mod.tree, env, values), (sq, sk))
