@@ -198,7 +198,7 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
   // group's first head; `umask0.at(h)` is head h's.
   const MaskModOf<C> umask0(p.score, b, h0, seq.q_off(p.seqlen_q, 1, 0),
                             seq.k_off(p.seqlen_k, 1, 0), sq, sk);
-  auto advance_one = [&](BwdStep s) {
+  auto advance = [&](BwdStep s) {
     s.it += 1;
     while (s.it >= sched.count) {
       if (s.g + 1 >= group) {
@@ -214,20 +214,23 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
     s.valid = true;
     return s;
   };
-  // ... skipping the steps whose tile the mask_mod leaves EMPTY.
-  auto advance = [&](BwdStep s) {
-    s = advance_one(s);
-    if constexpr (MaskModOf<C>::kOn) {
-      while (s.valid && umask0.at(p.score, h0 + s.g)
-                                .tile_class(s.m * C::kBlockM, s.m * C::kBlockM + C::kBlockM - 1,
-                                            c0, c0 + kr - 1) == kMaskEmpty)
-        s = advance_one(s);
-    }
+  // ... skipping the steps whose tile the mask_mod leaves EMPTY (with one: a kernel without
+  // calls `advance` itself, as before).
+  auto advance_mm = [&](BwdStep s) {
+    s = advance(s);
+    while (MaskModOf<C>::kOn && s.valid &&
+           umask0.at(p.score, h0 + s.g)
+                   .tile_class(s.m * C::kBlockM, s.m * C::kBlockM + C::kBlockM - 1, c0,
+                               c0 + kr - 1) == kMaskEmpty)
+      s = advance(s);
     return s;
   };
+  // (a macro, not a third lambda: a kernel without a mask_mod then compiles to the very PTX it
+  // had, which a wrapping lambda changed; #undef after the walk)
+#define FG_BWD_ADVANCE(s) (MaskModOf<C>::kOn ? advance_mm(s) : advance(s))
   BwdStep first;
   first.it = -1;
-  BwdStep cur = advance(first);
+  BwdStep cur = FG_BWD_ADVANCE(first);
 
   const Elem* gK = static_cast<const Elem*>(p.k) + seq.k_off(p.k_batch_stride, p.k_row_stride, c0) +
                    hk * p.k_head_stride;
@@ -285,7 +288,7 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
         sV, gV, p.v_row_stride, kr, io, BwdIo::kV);
     load_step(cur, 0);  // K and V ride in the same group
   }
-  BwdStep nxt = cur.valid ? advance(cur) : cur;
+  BwdStep nxt = cur.valid ? FG_BWD_ADVANCE(cur) : cur;
 
   for (int step = 0; cur.valid; ++step) {
     const int slot = C::kStages == 2 ? (step & 1) : 0;
@@ -540,8 +543,9 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
     }
     if (C::kStages == 1) __syncthreads();  // the only buffers are refilled next step
     cur = nxt;
-    if (nxt.valid) nxt = advance(nxt);
+    if (nxt.valid) nxt = FG_BWD_ADVANCE(nxt);
   }
+#undef FG_BWD_ADVANCE
 
   // ---- epilogue: dK = scale * dS^T Q, dV; zeros when no step saw these keys ---------------
   const float scale = static_cast<float>(p.softmax_scale);
