@@ -475,6 +475,7 @@ FIELDS: tuple[Field, ...] = (
         None,
         part=lambda m: f"mm{m.digest()}" if m is not None else "",
         feature="mask_mod",
+        kinds=(KernelKind.FORWARD, KernelKind.BACKWARD),  # not sm_90a's backward: see below
         doc="a user-defined mask (docs/usermod.md)",
         optional=True,
     ),

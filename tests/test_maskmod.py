@@ -61,7 +61,7 @@ def test_mask_mod_joins_the_name_and_shares_params_with_score_mod():
         ({"mask_mod": '"s > 0"'}, "mask_mod", "not available in a mask_mod"),
         ({"mask_mod": '"j <= q"'}, "mask_mod", "unknown"),
         ({"mask_mod": '"j <= i"', "params": "{c: scalar_int}"}, "params.c", "not read"),
-        ({"mask_mod": '"j <= i"', "kernel": "decode"}, "mask_mod", "not built for kernel"),
+        ({"mask_mod": '"j <= i"', "kernel": "decode"}, "mask_mod", "applies to kernel"),
         ({"mask_mod": '"j <= i"', "sparsity": "block"}, "sparsity", "cannot be combined"),
         ({"mask_mod": '"j <= i"', "instrument_io": "true"}, "instrument_io", "cannot be"),
         ({"score_mod": '"s + doc[i]"', "params": "{doc: per_token}"}, "params.doc", "mask_mod"),
