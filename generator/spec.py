@@ -856,7 +856,8 @@ def parse_user_mod(text: Any, params: Any, kind: str = "score_mod") -> UserMod |
     if text is None:
         if params is not None and kind == "score_mod":
             raise SpecError(
-                "declares the runtime parameters of a score_mod or mask_mod: give one of them",
+                "declares the runtime parameters of a score_mod or mask_mod: give score_mod or "
+                "mask_mod too",
                 field="params",
             )
         return None

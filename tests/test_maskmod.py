@@ -307,3 +307,107 @@ def test_every_maskmod_kernel_compiles_without_spills(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "SPILLS" not in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# the references
+# ---------------------------------------------------------------------------------------------
+
+
+def _qkv(rng, b, sq, sk, h, d=8):
+    return (rng.standard_normal(shape) for shape in ((b, sq, h, d), (b, sk, h, d), (b, sk, h, d)))
+
+
+@pytest.mark.parametrize(
+    "name, values, builtin",
+    [
+        ("causal", {}, {"causal": "top_left"}),
+        ("causal_bottom_right", {}, {"causal": "bottom_right"}),
+        ("sliding_window", {"window": 3}, {"causal": "top_left", "window": (3, 0)}),
+    ],
+)
+def test_reference_mask_mod_is_the_built_in_mask(name, values, builtin):
+    from flashgen.verify import baseline, reference
+
+    rng = np.random.default_rng(3)
+    q, k, v = _qkv(rng, 2, 13, 9, 2)
+    mod = _example(name)
+    from functools import partial
+
+    for attention in (
+        reference.attention_forward,
+        partial(baseline.attention_forward, dtype="bf16"),
+    ):
+        o, lse = attention(q, k, v, mask_mod=mod, score_params=values)
+        o2, lse2 = attention(q, k, v, **builtin)
+        np.testing.assert_array_equal(o, o2)
+        np.testing.assert_array_equal(lse, lse2)
+
+
+def test_reference_document_mask_is_attention_within_each_document_and_composes():
+    from flashgen.verify import reference
+
+    rng = np.random.default_rng(4)
+    lens = [9, 6]
+    cu = np.array([0, 9, 15], dtype=np.int32)
+    doc = np.array([0, 0, 0, 1, 1, 1, 1, 2, 2, 3, 3, 3, 4, 4, 4])
+    q, k, v = (rng.standard_normal((15, 2, 8)) for _ in range(3))
+    mod = _example("document")
+    kw = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "mask_mod": mod, "score_params": {"doc": doc}}
+    o, lse = reference.attention_forward(q, k, v, **kw)
+    for lo, hi in ((0, 3), (3, 7), (7, 9), (9, 12), (12, 15)):
+        o1, _ = reference.attention_forward(q[None, lo:hi], k[None, lo:hi], v[None, lo:hi])
+        np.testing.assert_allclose(o[lo:hi], o1[0], rtol=0, atol=1e-12)
+    # with causal: ANDed
+    oc, _ = reference.attention_forward(q, k, v, causal="top_left", **kw)
+    o1, _ = reference.attention_forward(q[None, 3:7], k[None, 3:7], v[None, 3:7], causal="top_left")
+    np.testing.assert_allclose(oc[3:7], o1[0], rtol=0, atol=1e-12)
+    # a per_token vector needs queries and keys to be the same tokens
+    bad = dict(kw, cu_seqlens_k=np.array([0, 8, 15], dtype=np.int32))
+    with pytest.raises(ValueError, match="same tokens"):
+        reference.attention_forward(q, k, v, **bad)
+    assert sum(lens) == 15
+
+
+def test_rows_that_see_nothing_give_zero_minus_inf_and_zero_gradients():
+    from flashgen.verify import reference
+
+    rng = np.random.default_rng(5)
+    q, k, v = _qkv(rng, 1, 8, 8, 1)
+    mod = U.parse_mask_mod("i >= 4 and j <= i")
+    o, lse = reference.attention_forward(q, k, v, mask_mod=mod, score_params={})
+    assert (o[0, :4] == 0).all() and np.isneginf(lse[0, 0, :4]).all()
+    do = rng.standard_normal(o.shape)
+    dq, dk, dv = reference.attention_backward(q, k, v, o, lse, do, mask_mod=mod, score_params={})
+    assert (dq[0, :4] == 0).all() and np.isfinite(dq).all() and np.isfinite(dk).all()
+    assert np.isfinite(dv).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_drawn_mask_mod_specs_build_and_their_params_are_drawn(data):
+    from flashgen.generator.spec import KernelKind, Target
+    from flashgen.verify import reference
+    from flashgen.verify.strategies import mask_mods, score_args, valid_specs
+
+    mod = data.draw(mask_mods())
+    spec = data.draw(
+        valid_specs(
+            head_dims=[64],
+            target=Target.SM90,
+            kernel=KernelKind.FORWARD,
+            dropout=False,
+            debug_keep_mask=False,
+        )
+    )
+    from flashgen.generator.spec import Mask, Sparsity
+
+    spec = spec.replace(
+        mask_mod=mod, sparsity=Sparsity.NONE, instrument_io=False, mask=Mask(spec.mask.causal)
+    )
+    tokens = (2 * 11, 2 * 11)
+    score = data.draw(score_args(spec, 2, 2, tokens))
+    rng = np.random.default_rng(0)
+    q, k, v = _qkv(rng, 2, 11, 11, 2)
+    o, lse = reference.attention_forward(q, k, v, causal=spec.mask.causal.yaml, **score.kwargs())
+    assert np.isfinite(o).all()

@@ -38,6 +38,7 @@ __all__ = [
     "cu_seqlens",
     "dropout_params",
     "fixed_score_args",
+    "mask_mods",
     "self_attention",
     "user_mod_of",
     "fixed_user_params",
@@ -244,6 +245,25 @@ def self_attention(spec: Any) -> bool:
     and key positions alike): its calls need seqlen_q == seqlen_k (varlen: equal cu_seqlens)."""
     mod = user_mod_of(spec)
     return mod is not None and any(k.value == "per_token" for _, k in mod.params)
+
+
+@st.composite
+def mask_mods(draw: Any, max_terms: int = 3) -> Any:
+    """A mask_mod (generator.usermod.UserMod): one of the shipped masks
+    (generator/usermod/examples.py: causal, sliding window, chunked, prefix-LM, document) or
+    `and` / `or` / `not` compositions of up to `max_terms` of them, with their parameters
+    (each example's own names, so a composition declares their union)."""
+    from flashgen.generator.usermod import EXAMPLES, parse_mask_mod
+
+    masks = [e for e in EXAMPLES if e.kind == "mask_mod"]
+    terms = draw(st.lists(st.sampled_from(masks), min_size=1, max_size=max_terms, unique=True))
+    text = f"({terms[0].text})"
+    for term in terms[1:]:
+        op = draw(st.sampled_from(["and", "or"]))
+        neg = "not " if draw(st.booleans()) else ""
+        text = f"{text} {op} {neg}({term.text})"
+    params = {name: kind for e in terms for name, kind in e.params}
+    return parse_mask_mod(text, params)
 
 
 def _token_ids(rng: np.random.Generator, n: int, runs: bool = True) -> np.ndarray:
