@@ -795,9 +795,9 @@ def _mask_mod_problems(spec: KernelSpec) -> list[tuple[str, str]]:
     if spec.mask_mod is None:
         return []
     out = []
-    hopper_bwd = spec.kernel is KernelKind.BACKWARD and spec.target.value.suffix == "a"
-    if spec.kernel is KernelKind.DECODE or hopper_bwd:
-        what = "decode" if spec.kernel is KernelKind.DECODE else "backward, target: sm_90a"
+    # (decode is refused by the field's kinds)
+    if spec.kernel is KernelKind.BACKWARD and spec.target.value.suffix == "a":
+        what = "backward, target: sm_90a"
         out.append(
             (
                 "mask_mod",
