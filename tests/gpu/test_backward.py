@@ -475,6 +475,9 @@ def _fixed_case(spec, *, sq, sk, lens_q=None, lens_k=None, window=(-1, -1), seed
         "memory_layout": "bshd",
         "pad": 0,
     }
+    if self_attention(spec):  # a per_token vector: queries and keys are the same tokens
+        case["sk"] = sk = sq
+        lens_k = lens_q
     if spec.mask.varlen:
         lens_q, lens_k = list(lens_q), list(lens_k)
         if spec.sparse:
