@@ -787,6 +787,7 @@ _NOT_WITH_MASK_MOD = {
     "sparsity": "block sparsity has its own tile lists (the mask stage classifies tiles itself)",
     "deterministic": "the deterministic dQ order walks every dense step (first_visitor)",
     "instrument_io": "the IO models do not count the mask stage's skipped tiles or reads",
+    "debug_keep_mask": "the keep-mask is written per visited tile, and EMPTY tiles are skipped",
 }
 
 

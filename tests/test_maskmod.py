@@ -64,6 +64,11 @@ def test_mask_mod_joins_the_name_and_shares_params_with_score_mod():
         ({"mask_mod": '"j <= i"', "kernel": "decode"}, "mask_mod", "applies to kernel"),
         ({"mask_mod": '"j <= i"', "sparsity": "block"}, "sparsity", "cannot be combined"),
         ({"mask_mod": '"j <= i"', "instrument_io": "true"}, "instrument_io", "cannot be"),
+        (
+            {"mask_mod": '"j <= i"', "dropout": "true", "debug_keep_mask": "true"},
+            "debug_keep_mask",
+            "cannot be",
+        ),
         ({"score_mod": '"s + doc[i]"', "params": "{doc: per_token}"}, "params.doc", "mask_mod"),
     ],
 )
