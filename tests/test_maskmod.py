@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -305,7 +306,15 @@ def test_host_classifier_of_the_shipped_masks(tmp_path, name, values):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 def test_every_maskmod_kernel_compiles_without_spills(tmp_path):
     proc = subprocess.run(
-        ["flashgen", "compile", str(REPO / "specs" / "maskmod.yaml"), "-o", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "flashgen.generator",
+            "compile",
+            str(REPO / "specs" / "maskmod.yaml"),
+            "-o",
+            str(tmp_path),
+        ],
         capture_output=True,
         text=True,
         timeout=3600,
