@@ -240,10 +240,8 @@ def _mask(tree: U.Expr) -> U.UserMod:
     return U.UserMod("mask_mod", tree, tuple(sorted(U.check_params(PARAMS).items())))
 
 
-# what blocks.py is told: every value but the per-token vectors (the kernel does not bound them)
-_TOLD = {
-    k: v for k, v in VALUES.items() if PARAMS[k] not in ("per_token", "per_token_q", "per_token_k")
-}
+# what blocks.py is told: every value (the kernel bounds per-token vectors over each tile too)
+_TOLD = dict(VALUES)
 _CASES = [(0, 0, 6, 7), (1, 2, 6, 7), (1, 1, 5, 3)]
 
 
@@ -281,19 +279,18 @@ def _example(name: str) -> U.UserMod:
 )
 def test_host_classifier_of_the_shipped_masks(tmp_path, name, values):
     mod = _example(name)
-    told = {k: v for k, v in values.items() if k != "doc"}
     cases = [(0, 0, 12, 12), (1, 0, 9, 12), (1, 1, 12, 7)]
-    check([mod], values, cases, told, tmp_path)
-    if name != "document":  # exact: equal to the truth on every box
-        got = run_host([mod], values, cases, tmp_path)[0]
-        for (b, _h, sq, sk), (cls, _) in zip(cases, got):
-            env = {"b": b, "i": np.arange(sq)[:, None], "j": np.arange(sk)[None, :]}
-            env.update(seqlen_q=sq, seqlen_k=sk)
-            m = np.broadcast_to(U.evaluate(mod.tree, env, values), (sq, sk))
-            for c, (i0, i1, j0, j1) in zip(cls, boxes(sq, sk)):
-                block = m[i0 : i1 + 1, j0 : j1 + 1]
-                want = 2 if block.all() else 0 if not block.any() else 1
-                assert c == want, (name, i0, i1, j0, j1)
+    check([mod], values, cases, values, tmp_path)
+    # exact (document ids consecutive): equal to the truth on every box
+    got = run_host([mod], values, cases, tmp_path)[0]
+    for (b, _h, sq, sk), (cls, _) in zip(cases, got):
+        env = {"b": b, "i": np.arange(sq)[:, None], "j": np.arange(sk)[None, :]}
+        env.update(seqlen_q=sq, seqlen_k=sk)
+        m = np.broadcast_to(U.evaluate(mod.tree, env, values), (sq, sk))
+        for c, (i0, i1, j0, j1) in zip(cls, boxes(sq, sk)):
+            block = m[i0 : i1 + 1, j0 : j1 + 1]
+            want = 2 if block.all() else 0 if not block.any() else 1
+            assert c == want, (name, i0, i1, j0, j1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ The rendered struct (`user_mask_cpp`):
   helpers of `mask_mod_iv.h`, the C++ twin of `usermod.blocks` (`classify_cpp`). Int and bool
   nodes are bounded exactly as blocks.py bounds them; a comparison with a float operand may be
   either (blocks.py bounds floats too, with float32 widening: here such a mask runs its
-  element-wise test on every tile, which is sound); per-token vectors are unbounded (their
-  values are not known per tile);
+  element-wise test on every tile, which is sound); a per-token vector is bounded by its values
+  over the tile's rows or keys, read one by one (`fg_tok_bounds`), as blocks.py bounds a vector
+  it is given;
 - `check(sp)` (host): the launch check of the parameter slots (`user.slot_checks`).
 
 No text of the expression reaches the C++ but what is emitted from the tree (parameter names
@@ -74,6 +75,9 @@ class _Bounds:
     """C++ of an int node's `fg_iv` or a bool node's `fg_tri` (module doc), mirroring
     usermod.blocks._Bounder on ints and bools."""
 
+    def __init__(self) -> None:
+        self.tokens: set[tuple[str, str]] = set()  # (side, name) of per-token reads
+
     def __call__(self, node: Expr) -> str:
         if node.type is Type.BOOL:
             return self.tri(node)
@@ -105,7 +109,11 @@ class _Bounds:
         if isinstance(node, Param):
             if node.kind in (ParamKind.SCALAR_INT, ParamKind.PER_BATCH_INT):
                 return f"fg_iv_of(p.v_{node.name}, p.v_{node.name})"
-            return "fg_iv_top()"  # per-token vectors: not known per tile
+            if node.kind in TOKEN_KINDS:  # its values over the tile's rows or keys
+                side = node.index[0].name
+                self.tokens.add((side, node.name))
+                return f"fg_iv_of(lo_{side}_{node.name}, hi_{side}_{node.name})"
+            raise AssertionError(f"not an int parameter: {node!r}")
         if isinstance(node, Unary):
             return f"fg_iv_neg({self.iv(node.arg)})"
         if isinstance(node, Binary):
@@ -124,10 +132,21 @@ class _Bounds:
         raise AssertionError(f"not an int node: {node!r}")
 
 
-def classify_cpp(mod: UserMod) -> str:
-    """The C++ expression (an int: 0 EMPTY, 1 PARTIAL, 2 FULL) of the tile class of `mod`, of
-    `p` (Vals), the tile's `i0, i1, j0, j1` and the lengths `sq`, `sk` (int64_t)."""
-    return f"fg_tri_class({_Bounds().tri(mod.tree)})"
+def classify_cpp(mod: UserMod) -> tuple[list[str], str]:
+    """The C++ of the tile class of `mod` (an int: 0 EMPTY, 1 PARTIAL, 2 FULL), of `p` (Vals),
+    the tile's `i0, i1, j0, j1` and the lengths `sq`, `sk` (int64_t): the statements that
+    bound the per-token vectors it reads over the tile's rows (side i) or keys (side j), and
+    the expression."""
+    bounds = _Bounds()
+    expr = f"fg_tri_class({bounds.tri(mod.tree)})"
+    stmts = []
+    for side, name in sorted(bounds.tokens):
+        lo, hi = ("i0", "i1") if side == "i" else ("j0", "j1")
+        stmts.append(f"int64_t lo_{side}_{name}, hi_{side}_{name};")
+        stmts.append(
+            f"fg_tok_bounds(p.{side}tok_{name}, {lo}, {hi}, lo_{side}_{name}, hi_{side}_{name});"
+        )
+    return stmts, expr
 
 
 def visible_cpp(mod: UserMod) -> str:
@@ -163,7 +182,8 @@ def user_mask_cpp(mod: UserMod, indent: str = "  ") -> str:
         "  static FG_USERMOD_FN int classify(const Vals& p, int64_t i0, int64_t i1, int64_t j0,",
         "                                    int64_t j1, int64_t sq, int64_t sk) {",
         "    (void)p, (void)i0, (void)i1, (void)j0, (void)j1, (void)sq, (void)sk;",
-        f"    return {classify_cpp(mod)};",
+        *(f"    {line}" for line in classify_cpp(mod)[0]),
+        f"    return {classify_cpp(mod)[1]};",
         "  }",
         "  // the launch check of the parameter slots (fg_score_params.user_*)",
         "  static const char* check(const fg_score_params& sp) {",

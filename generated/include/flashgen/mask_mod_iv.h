@@ -13,7 +13,9 @@
 //   class    0 EMPTY (false on every element), 1 PARTIAL, 2 FULL (true on every element)
 // Float subexpressions are not bounded here: a comparison with a float operand may be either
 // (fg_tri_any), so a mask whose decisions need floats classifies its tiles PARTIAL, and every
-// element is then masked by the mask itself (sound; blocks.py may do better).
+// element is then masked by the mask itself (sound; blocks.py may do better). Per-token
+// vectors are bounded by their values over the tile's rows or keys (fg_tok_bounds), as
+// blocks.py bounds a vector it is given.
 #pragma once
 
 #include <math.h>
@@ -158,5 +160,17 @@ FG_USERMOD_FN fg_tri fg_iv_eq(fg_iv a, fg_iv b) {
   return fg_tri{!apart, !same};
 }
 FG_USERMOD_FN fg_tri fg_iv_ne(fg_iv a, fg_iv b) { return fg_tri_not(fg_iv_eq(a, b)); }
+// The bounds [lo, hi] of an int32 per-token vector over positions [k0, k1] (read one by one:
+// a tile's rows or keys, at most a tile long): a classifier's per-token reads.
+FG_USERMOD_FN void fg_tok_bounds(const int32_t* v, int64_t k0, int64_t k1, int64_t& lo,
+                                 int64_t& hi) {
+  int32_t a = v[k0], b = v[k0];
+  for (int64_t k = k0 + 1; k <= k1; ++k) {
+    const int32_t x = v[k];
+    a = x < a ? x : a;
+    b = x > b ? x : b;
+  }
+  lo = a, hi = b;
+}
 // the class of a tile from the mask's possible values
 FG_USERMOD_FN int fg_tri_class(fg_tri m) { return !m.f ? 2 : (!m.t ? 0 : 1); }

@@ -33,6 +33,8 @@ enum : int { kMaskEmpty = 0, kMaskPartial = 1, kMaskFull = 2 };
 template <class U>
 struct MaskMod {
   static constexpr bool kOn = U::kOn;
+  // reads per-token vectors: a tile's class reads them over its rows and keys
+  static constexpr bool kTokens = U::kTokens;
   typename U::Vals v{};
   int64_t sq = 0, sk = 0, q_tok0 = 0, k_tok0 = 0;
 
