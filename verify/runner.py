@@ -92,6 +92,7 @@ def check_score(
     heads: int,
     score_mod=None,
     score_params=None,
+    mask_mod=None,
 ) -> ScoreArgs:
     """The score-stage arguments of a call, validated against the spec: a value the spec has
     no feature for is refused, a feature the spec has must get one (RunnerError naming the
@@ -102,6 +103,8 @@ def check_score(
     mask = getattr(spec, "mask_mod", None)  # its parameters share score_params
     if score_mod is not None and score_mod != mod:
         raise RunnerError("score_mod given is not this spec's score_mod")
+    if mask_mod is not None and mask_mod != mask:
+        raise RunnerError("mask_mod given is not this spec's mask_mod")
     user = mod if mod is not None else mask
     if user is not None and score_params is None:
         decl = ", ".join(f"{n}: {k.value}" for n, k in user.params) or "none declared"
@@ -216,6 +219,7 @@ def validate(
     sinks=None,
     score_mod=None,
     score_params=None,
+    mask_mod=None,
 ) -> Problem:
     """Check the arguments against the spec; raise RunnerError naming the first problem.
 
@@ -319,6 +323,7 @@ def validate(
         heads=heads,
         score_mod=score_mod,
         score_params=score_params,
+        mask_mod=mask_mod,
     )
     return Problem(batch, heads, kv_heads, sq, sk, d, varlen, scale, win, cu_q, cu_k, score)
 
@@ -506,6 +511,7 @@ class FwdKernel:
         sinks=None,
         score_mod=None,
         score_params=None,
+        mask_mod=None,
     ) -> FwdResult:
         spec = self.spec
         pb = validate(
@@ -524,6 +530,7 @@ class FwdKernel:
             sinks=sinks,
             score_mod=score_mod,
             score_params=score_params,
+            mask_mod=mask_mod,
         )
         if not 0 <= int(seed) < 2**64:
             raise RunnerError(f"seed must be in [0, 2^64), got {seed}")
