@@ -22,7 +22,8 @@ bit for bit):
 
 It costs one float32 score matrix per (sequence, head) on the device: a testing tool, as in
 flash-attn ("testing only"). With `dropout_p == 0` flash-attn returns None there, and so does
-flashgen.
+flashgen. With `learnable_sink` the magnitudes are still `exp(z - m_i)` over the keys (the sink
+joins only the denominator; flash-attn has no sinks to compare with).
 """
 
 from __future__ import annotations
