@@ -441,6 +441,13 @@ def test_padding_and_copies_under_torch_compile_and_cuda_graphs():
                      torch.autograd.grad(want, (base, k, v), dout)):  # fmt: skip
         assert torch.equal(a, b_)
 
+    # Fresh leaves for the capture: the ones above took part in autograd graphs on the default
+    # stream, and a leaf's AccumulateGrad node keeps the stream of its first graph; under
+    # capture the engine would make that (legacy) stream wait on the capturing one, which
+    # invalidates the capture (pytorch/pytorch#137483 and #180090; any op does this, not only
+    # flashgen's). The warm-up below on a side stream is their first use.
+    base, k, v = (t.detach().requires_grad_() for t in (base, k, v))
+
     def step():
         out = fwd(base, k, v)
         return (out, *torch.autograd.grad(out, (base, k, v), dout))
