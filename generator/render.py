@@ -63,8 +63,8 @@ def render_context(spec: KernelSpec, name: str) -> dict[str, Any]:
     `cfg` holds the family's derived constants (`Family.config`; for the forward:
     `dtype_cpp`, `head_dim`, `head_dim_pad`, `block_m`, `block_n`, `warps`, `threads`, `stages`,
     `smem_bytes`, `causal_cpp`, `window`, `varlen`, `gqa`, `dropout`, `debug_keep_mask`,
-    `sparse`, `instrument_io`, `sm`, `score_features`, and `user_score`: the C++ of the spec's
-    score_mod functor, or "").
+    `sparse`, `instrument_io`, `sm`, `score_features`, `user_score`: the C++ of the spec's
+    score_mod functor, or "", and `user_mask`: the C++ of its mask_mod functor, or "").
     """
     return {
         "spec": spec,

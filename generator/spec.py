@@ -30,6 +30,7 @@ from flashgen.generator.usermod import (
     UserMod,
     UserModError,
     check_params,
+    parse_mask_mod,
     parse_score_mod,
 )
 
@@ -468,7 +469,23 @@ FIELDS: tuple[Field, ...] = (
         doc="a user-defined score modifier (docs/usermod.md)",
         optional=True,
     ),
-    Field("params", FieldKind.PARAMS, None, doc="score_mod's runtime parameters", optional=True),
+    Field(
+        "mask_mod",
+        FieldKind.EXPR,
+        None,
+        part=lambda m: f"mm{m.digest()}" if m is not None else "",
+        feature="mask_mod",
+        kinds=(KernelKind.FORWARD, KernelKind.BACKWARD),  # not sm_90a's backward: see below
+        doc="a user-defined mask (docs/usermod.md)",
+        optional=True,
+    ),
+    Field(
+        "params",
+        FieldKind.PARAMS,
+        None,
+        doc="the runtime parameters of score_mod and mask_mod",
+        optional=True,
+    ),
     Field("instrument_io", FieldKind.BOOL, False, part=_flag("io"), feature="instrument_io"),
     Field("tile", FieldKind.TILE, "auto", part=lambda t: t.short),
     Field("target", FieldKind.ENUM, Target.SM90, Target, lambda t: t.short),
@@ -538,6 +555,8 @@ class KernelSpec:
     features: frozenset[str] = frozenset()
     # a user-defined score modifier (generator.usermod; YAML `score_mod` and `params`), or None
     score_mod: UserMod | None = None
+    # a user-defined mask (generator.usermod; YAML `mask_mod`, sharing `params`), or None
+    mask_mod: UserMod | None = None
     target: Target = Target.SM90
     instrument_io: bool = False
     allow_spills: bool = False
@@ -569,6 +588,13 @@ class KernelSpec:
                 f"{self.score_mod!r} is not a score_mod (generator.usermod.parse_score_mod)",
                 field="score_mod",
             )
+        if self.mask_mod is not None and not (
+            isinstance(self.mask_mod, UserMod) and self.mask_mod.kind == "mask_mod"
+        ):
+            raise SpecError(
+                f"{self.mask_mod!r} is not a mask_mod (generator.usermod.parse_mask_mod)",
+                field="mask_mod",
+            )
         _check_bool(self.tile_auto, "tile_auto")
         if not isinstance(self.features, frozenset) or any(
             n not in FEATURE_BY_NAME for n in self.features
@@ -596,6 +622,8 @@ class KernelSpec:
         for name in sorted(self.features):
             out.extend(FEATURE_BY_NAME[name].problems(self))
         out.extend(_score_mod_problems(self))
+        out.extend(_mask_mod_problems(self))
+        out.extend(_params_problems(self))
         if not out:
             out.extend(rules.problems(self))
         return out
@@ -620,7 +648,8 @@ class KernelSpec:
     def params(self) -> dict[str, ParamKind] | None:
         """The runtime parameters the user modifier declares, `{name: kind}` sorted by name
         (their slots of `fg_score_params`, in this order), or None without one."""
-        return None if self.score_mod is None else dict(self.score_mod.params)
+        mod = self.score_mod if self.score_mod is not None else self.mask_mod
+        return None if mod is None else dict(mod.params)
 
     @property
     def sparse(self) -> bool:
@@ -640,6 +669,7 @@ class KernelSpec:
             or self.instrument_io
             or self.features
             or self.score_mod is not None
+            or self.mask_mod is not None
         )
 
     @property
@@ -706,8 +736,9 @@ class KernelSpec:
 # logit (write them in the expression: docs/usermod.md has both). The sink only adds to the
 # softmax's denominator, so it composes.
 _NOT_WITH_SCORE_MOD = ("softcap", "alibi")
-# Parameter kinds the kernels do not read yet: per-token vectors need a per-sequence token
-# offset (varlen, decode's cache) that comes with mask_mod.
+# Parameter kinds a score_mod does not read: per-token vectors are read by a mask_mod only
+# (their token offsets, varlen's packed positions included, come with the mask stage,
+# templates/include/flashgen/mask_mod.cuh).
 _KINDS_NOT_SERVED = (ParamKind.PER_TOKEN_Q, ParamKind.PER_TOKEN_K, ParamKind.PER_TOKEN)
 
 
@@ -736,53 +767,108 @@ def _score_mod_problems(spec: KernelSpec) -> list[tuple[str, str]]:
                 "score_mod's parameter reads (a table is read per score)",
             )
         )
-    if len(mod.params) > USER_SLOTS:
-        out.append(
-            (
-                "params",
-                f"{len(mod.params)} parameters declared; a kernel has {USER_SLOTS} parameter "
-                f"slots (fg_score_params.user_*)",
-            )
-        )
-    for name, kind in mod.params:
+    for name, kind in mod.used_params:
         if kind in _KINDS_NOT_SERVED:
             served = ", ".join(k.value for k in ParamKind if k not in _KINDS_NOT_SERVED)
             out.append(
                 (
                     f"params.{name}",
-                    f"kind {kind.value} is not served by the kernels yet (per-token vectors "
-                    f"come with mask_mod); kinds served: {served}",
+                    f"kind {kind.value} is read by a mask_mod only (a per-token vector); kinds "
+                    f"a score_mod reads: {served}",
                 )
             )
-    unused = sorted(set(dict(mod.params)) - {n for n, _ in mod.used_params})
+    return out
+
+
+# What a mask_mod is built for: the mma.sync forward and backward and the sm_90a forward
+# (mask_mod.cuh); every other kernel kind, and the features below, are refused.
+MASK_MOD_KINDS = ("forward (any target)", "backward (mma.sync targets, not sm_90a)")
+_NOT_WITH_MASK_MOD = {
+    "sparsity": "block sparsity has its own tile lists (the mask stage classifies tiles itself)",
+    "deterministic": "the deterministic dQ order walks every dense step (first_visitor)",
+    "instrument_io": "the IO models do not count the mask stage's skipped tiles or reads",
+    "debug_keep_mask": "the keep-mask is written per visited tile, and EMPTY tiles are skipped",
+}
+
+
+def _mask_mod_problems(spec: KernelSpec) -> list[tuple[str, str]]:
+    """What the kernels do not serve of a spec's mask_mod, as (field, message) pairs."""
+    if spec.mask_mod is None:
+        return []
+    out = []
+    # (decode is refused by the field's kinds)
+    if spec.kernel is KernelKind.BACKWARD and spec.target.value.suffix == "a":
+        what = "backward, target: sm_90a"
+        out.append(
+            (
+                "mask_mod",
+                f"is not built for kernel: {what} (allowed: "
+                f"{', '.join(MASK_MOD_KINDS)}; docs/usermod.md, mask_mod in a spec)",
+            )
+        )
+    for name, why in _NOT_WITH_MASK_MOD.items():
+        value = FIELD_BY_PATH[name].get(spec)
+        if value != FIELD_BY_PATH[name].default:
+            out.append(
+                (
+                    name,
+                    f"{FIELD_BY_PATH[name].yaml_value(value)} cannot be combined "
+                    f"with mask_mod: {why}",
+                )
+            )
+    return out
+
+
+def _params_problems(spec: KernelSpec) -> list[tuple[str, str]]:
+    """The declared `params`, shared by score_mod and mask_mod: at most USER_SLOTS, and each
+    read by one of them."""
+    mods = [m for m in (spec.score_mod, spec.mask_mod) if m is not None]
+    if not mods:
+        return []
+    out = []
+    declared = dict(mods[0].params)
+    if len(declared) > USER_SLOTS:
+        out.append(
+            (
+                "params",
+                f"{len(declared)} parameters declared; a kernel has {USER_SLOTS} parameter "
+                f"slots (fg_score_params.user_*)",
+            )
+        )
+    used = {n for m in mods for n, _ in m.used_params}
+    unused = sorted(set(declared) - used)
     if unused:
+        readers = " or ".join(m.kind for m in mods)
         out.append(
             (
                 f"params.{unused[0]}",
-                "declared but not read by score_mod: remove it, or use it in the expression "
+                f"declared but not read by {readers}: remove it, or use it in the expression "
                 "(every declared parameter is a launch argument)",
             )
         )
     return out
 
 
-def parse_user_mod(text: Any, params: Any) -> UserMod | None:
-    """The `UserMod` of a spec's `score_mod` text and `params` mapping (None when neither is
-    given); SpecError names the field (`score_mod`, `params` or `params.<name>`) and, for
-    the expression, the column (1-based, from the start of the text)."""
+def parse_user_mod(text: Any, params: Any, kind: str = "score_mod") -> UserMod | None:
+    """The `UserMod` of a spec's `score_mod` (or, with kind="mask_mod", `mask_mod`) text and
+    `params` mapping (None when the text is not given); SpecError names the field (`score_mod`,
+    `mask_mod`, `params` or `params.<name>`) and, for the expression, the column (1-based,
+    from the start of the text)."""
     if text is None:
-        if params is not None:
+        if params is not None and kind == "score_mod":
             raise SpecError(
-                "declares the runtime parameters of a score_mod: give score_mod too",
+                "declares the runtime parameters of a score_mod or mask_mod: give score_mod or "
+                "mask_mod too",
                 field="params",
             )
         return None
     if isinstance(text, UserMod):
         return text
     if not isinstance(text, str):
+        example = "s - slopes[h] * abs(i - j)" if kind == "score_mod" else "j <= i"
         raise SpecError(
-            f'{text!r} is not an expression (a string, e.g. "s - slopes[h] * abs(i - j)")',
-            field="score_mod",
+            f'{text!r} is not an expression (a string, e.g. "{example}")',
+            field=kind,
         )
     if params is not None and not isinstance(params, dict):
         raise SpecError(
@@ -791,11 +877,11 @@ def parse_user_mod(text: Any, params: Any) -> UserMod | None:
             field="params",
         )
     decl = {k: (v.value if isinstance(v, ParamKind) else v) for k, v in (params or {}).items()}
-    for name, kind in decl.items():
-        if not isinstance(kind, str):
+    for name, pkind in decl.items():
+        if not isinstance(pkind, str):
             kinds = ", ".join(k.value for k in ParamKind)
             raise SpecError(
-                f"{kind!r} is not a parameter kind (allowed: {kinds})", field=f"params.{name}"
+                f"{pkind!r} is not a parameter kind (allowed: {kinds})", field=f"params.{name}"
             )
     try:
         check_params(decl)
@@ -803,21 +889,30 @@ def parse_user_mod(text: Any, params: Any) -> UserMod | None:
         bad = next((n for n in decl if f"{n!r}" in e.message), None)
         raise SpecError(e.message, field=f"params.{bad}" if bad else "params") from None
     try:
+        if kind == "mask_mod":
+            return parse_mask_mod(text, decl)
         return parse_score_mod(text, decl)
     except UserModError as e:
-        raise SpecError(str(e), field="score_mod") from None
+        raise SpecError(str(e), field=kind) from None
 
 
 def build_spec(values: dict[str, Any], *, tile_auto: bool = False, source: str = "") -> KernelSpec:
     """A KernelSpec from parsed values keyed by field path (`mask.causal`, ...); `score_mod`
     (text or a `UserMod`) and `params` ({name: kind}) become one `UserMod`."""
-    user = {"score_mod", "params"}
+    user = {"score_mod", "mask_mod", "params"}
     top = {
         f.path: values[f.path]
         for f in FIELDS
         if not f.sub and not f.score_feature and f.path not in user
     }
-    top["score_mod"] = parse_user_mod(values.get("score_mod"), values.get("params"))
+    params = values.get("params")
+    given = values.get("score_mod") is not None or values.get("mask_mod") is not None
+    if not given:
+        parse_user_mod(None, params)  # params without an expression is refused
+    top["score_mod"] = (
+        None if values.get("score_mod") is None else parse_user_mod(values["score_mod"], params)
+    )
+    top["mask_mod"] = parse_user_mod(values.get("mask_mod"), params, kind="mask_mod")
     mask = Mask(**{f.sub: values[f.path] for f in FIELDS if f.top == "mask"})
     feats = [f for f in FIELDS if f.score_feature]
     for f in feats:

@@ -5,7 +5,7 @@ Rule (documented in docs/spec.md; the measurements behind it are in docs/tiles.m
 1. The spec's features put it in a *register class* (`register_class`): `dense` (only
    `mask.causal`), `masked` (also `mask.window`, `mask.varlen` or `gqa`), `heavy` (also
    `dropout`, `sparsity: block` or `instrument_io`) or `debug` (`debug_keep_mask`); a
-   `score_mod` is `masked`. Each
+   `score_mod` or a `mask_mod` is `masked`. Each
    class keeps more values live per thread than the one before it.
 2. A `dense` spec takes `MEASURED_DEFAULTS[(target, head_dim)]` when present: the fastest
    non-spilling tile measured on a GPU.
@@ -169,7 +169,9 @@ def register_class(features: Mapping[str, Any] | None = None) -> str:
     # a score_mod keeps its positions and parameters beside the scores: with two 16-row tiles
     # per warp (the dense d <= 64 tile) the shipped examples spilled 56-140 bytes at d 64, with
     # one (the masked rows) none (ptxas 13.0, specs/usermod.yaml)
-    if f.get("mask.window") or f.get("mask.varlen") or f.get("gqa") or f.get("score_mod"):
+    # (likewise a mask_mod's per-element test and its parameters)
+    user = f.get("score_mod") or f.get("mask_mod")
+    if f.get("mask.window") or f.get("mask.varlen") or f.get("gqa") or user:
         return "masked"
     return "dense"
 

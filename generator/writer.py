@@ -35,7 +35,7 @@ from flashgen.generator.families import family
 from flashgen.generator.features import SCORE_PARAMS_HEADER, render_score_params_h
 from flashgen.generator.load import display_path
 from flashgen.generator.render import BANNER_MARK, Renderer
-from flashgen.generator.spec import FEATURE_FIELDS, FIELDS, KernelSpec, SpecError
+from flashgen.generator.spec import FEATURE_FIELDS, FIELDS, FieldKind, KernelSpec, SpecError
 
 __all__ = [
     "MANIFEST_NAME",
@@ -129,6 +129,8 @@ def spec_summary(canonical: dict[str, Any]) -> dict[str, str]:
             if value not in (None, "none"):
                 feats.append(f"{value} sparse")
         elif f.path != "allow_spills" and value is True:
+            feats.append(f.feature)
+        elif f.kind is FieldKind.EXPR and value is not None:  # score_mod, mask_mod
             feats.append(f.feature)
     tile = f"{t['block_m']}x{t['block_n']}, {t['warps']} warps, {t['stages']} stages"
     if canonical.get("tile_auto"):

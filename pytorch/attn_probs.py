@@ -22,7 +22,8 @@ bit for bit):
 
 It costs one float32 score matrix per (sequence, head) on the device: a testing tool, as in
 flash-attn ("testing only"). With `dropout_p == 0` flash-attn returns None there, and so does
-flashgen.
+flashgen. With `learnable_sink` the magnitudes are still `exp(z - m_i)` over the keys (the sink
+joins only the denominator; flash-attn has no sinks to compare with).
 """
 
 from __future__ import annotations
@@ -121,7 +122,10 @@ def dropout_probs(
             starts_q = cu_seqlens_q.tolist()
             starts_k = cu_seqlens_k.tolist()
             batch = len(starts_q) - 1
-            sq_max, sk_max = int(max_seqlen_q), int(max_seqlen_k)
+            lens_q = [b - a for a, b in zip(starts_q, starts_q[1:])]
+            lens_k = [b - a for a, b in zip(starts_k, starts_k[1:])]
+            sq_max = max([int(max_seqlen_q), *lens_q])  # (a max below a length: still fits)
+            sk_max = max([int(max_seqlen_k), *lens_k])
         else:
             batch, sq_max = q.shape[0], q.shape[1]
             sk_max = k.shape[1]

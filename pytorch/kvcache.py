@@ -582,6 +582,12 @@ def flash_attn_with_kvcache(
     """
     if check_inputs is None:
         check_inputs = os.environ.get(CHECK_ENV, "") == "1"
+    if type(num_splits) is not int:  # (not int(): 1.7 would run as 1)
+        if isinstance(num_splits, bool) or not hasattr(num_splits, "__index__"):
+            raise UnsupportedCall(
+                f"num_splits must be an int (0: the heuristic, 1..128: forced), got {num_splits!r}"
+            )
+        num_splits = operator.index(num_splits)
     plain = (
         k is None
         and v is None
@@ -593,7 +599,12 @@ def flash_attn_with_kvcache(
         and learnable_sink is None
         and type(softcap) is float
         and softcap == 0.0
-        and type(window_size) is tuple
+        and type(causal) is bool  # strict types: the key compares 1 == True == 1.0, and
+        and type(num_splits) is int  # tensors by identity; anything else takes the full
+        and type(window_size) is tuple  # path, whose checks refuse what they refuse
+        and len(window_size) == 2
+        and type(window_size[0]) is int
+        and type(window_size[1]) is int
         and type(cache_seqlens) is Tensor
         and type(q) is Tensor
         and type(k_cache) is Tensor

@@ -1065,6 +1065,15 @@ def test_a_plain_call_of_a_layout_served_before_goes_straight_to_the_op(kernels,
     call(q, kc, vc, causal=True, softcap=5.0)
     call(q, kc, vc, causal=True, cache_seqlens=17)
     assert len(full) == 6
+    # arguments the full path type-checks never take the fast path (1 == True == 1.0 as keys;
+    # 0-dim tensors hash by identity and their values change)
+    n_full = len(full)
+    call(q, kc, vc, causal=True, window_size=(torch.tensor(-1), torch.tensor(-1)))
+    assert len(full) == n_full + 1
+    for bad in (dict(causal=1), dict(causal=True, window_size=(-1.0, -1.0)),
+                dict(causal=True, num_splits=1.0)):  # fmt: skip
+        with pytest.raises(UnsupportedCall):
+            flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, **bad)
     n = len(kvcache._PLAIN_PLANS)
     with pytest.raises(UnsupportedCall):
         flash_attn_with_kvcache(q, kc, vc[..., :16], cache_seqlens=lens, causal=True)

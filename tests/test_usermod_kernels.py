@@ -64,7 +64,7 @@ def test_the_canonical_form_of_a_score_mod_reads_back():
     "extra, where, words",
     [
         ('score_mod: "s + x"\n', "u.yaml:4: score_mod: column 5", "unknown name 'x'"),
-        ("params: {a: scalar}\n", "u.yaml:4: params", "give score_mod too"),
+        ("params: {a: scalar}\n", "u.yaml:4: params", "give score_mod or mask_mod too"),
         (
             'score_mod: "s * a"\nparams: {a: scalr}\n',
             "u.yaml:5: params.a",
@@ -75,7 +75,7 @@ def test_the_canonical_form_of_a_score_mod_reads_back():
         (
             'score_mod: "s + d[i] * 1.0"\nparams: {d: per_token_q}\n',
             "params.d",
-            "not served by the kernels yet",
+            "read by a mask_mod only",
         ),
         ('score_mod: "s"\nparams: {a: scalar}\n', "params.a", "declared but not read"),
         (

@@ -140,6 +140,7 @@ def attention_forward(
     sinks: Any = None,
     score_mod: Any = None,
     score_params: Any = None,
+    mask_mod: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Standard attention in `dtype` ('fp16' / 'bf16'): `(o, lse)` as float32 arrays.
 
@@ -170,6 +171,7 @@ def attention_forward(
         sinks=sinks,
         score_mod=score_mod,
         score_params=score_params,
+        mask_mod=mask_mod,
     )
 
 
@@ -197,6 +199,7 @@ def attention_backward(
     sinks: Any = None,
     score_mod: Any = None,
     score_params: Any = None,
+    mask_mod: Any = None,
 ) -> tuple[np.ndarray, ...]:
     """Standard attention backward in `dtype`: `(dq, dk, dv)` as float32 holding dtype values.
 
@@ -231,6 +234,7 @@ def attention_backward(
         sinks=sinks,
         score_mod=score_mod,
         score_params=score_params,
+        mask_mod=mask_mod,
     )
     dq, dk, dv = out[:3]
     grads = (dq, round_to_dtype(dk, name), round_to_dtype(dv, name))

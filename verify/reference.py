@@ -419,6 +419,17 @@ def _iter_blocks(
                 block_m=block_m,
                 block_n=block_n,
             )
+            if score.mask_mod is not None:  # ANDed with the built-in masks
+                vis = vis & score_mods.mask_visible(
+                    score.mask_mod,
+                    score.score_params,
+                    b=seq.b,
+                    heads=np.arange(hs.start, hs.stop),
+                    seqlen_q=sq,
+                    seqlen_k=sk,
+                    q_tok0=_first_token(seq.q_rows, seq.b, sq),
+                    k_tok0=_first_token(seq.k_rows, seq.b, sk),
+                )
             slopes, sinks = score.slopes_for(seq.b, hs), score.sinks_for(hs)
             user = None
             if score.score_mod is not None:
@@ -444,6 +455,12 @@ def _iter_blocks(
             )
 
 
+def _first_token(rows: Any, b: int, n: int) -> int:
+    """The token index of a sequence's first row in the per-token vectors: its packed row
+    (varlen: `rows` is a slice) or b * seqlen (dense: `rows` is the batch index)."""
+    return rows.start if isinstance(rows, slice) else b * n
+
+
 def _default_scale(scale: float | None, d: int) -> float:
     return 1.0 / math.sqrt(d) if scale is None else float(scale)
 
@@ -454,7 +471,13 @@ BackwardCore = Callable[[SeqInputs, np.ndarray, np.ndarray, np.ndarray], tuple[n
 
 
 def _score_args(
-    pb: _Problem, softcap: Any, alibi_slopes: Any, sinks: Any, score_mod: Any, score_params: Any
+    pb: _Problem,
+    softcap: Any,
+    alibi_slopes: Any,
+    sinks: Any,
+    score_mod: Any,
+    score_params: Any,
+    mask_mod: Any = None,
 ) -> ScoreArgs:
     return check_score_args(
         softcap,
@@ -464,6 +487,7 @@ def _score_args(
         heads=pb.heads,
         score_mod=score_mod,
         score_params=score_params,
+        mask_mod=mask_mod,
     )
 
 
@@ -489,6 +513,7 @@ def run_forward(
     sinks: Any = None,
     score_mod: Any = None,
     score_params: Any = None,
+    mask_mod: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Splits a batch into sequences, runs `core` on each and reassembles O and LSE.
 
@@ -499,7 +524,7 @@ def run_forward(
     q, k, v = (np.asarray(x, dtype=work_dtype) for x in (q, k, v))
     pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k)
     p = _check_p(dropout_p, keep_mask)
-    score = _score_args(pb, softcap, alibi_slopes, sinks, score_mod, score_params)
+    score = _score_args(pb, softcap, alibi_slopes, sinks, score_mod, score_params, mask_mod)
     o = np.zeros(q.shape, dtype=work_dtype)
     lse = np.full(pb.lse_shape, -np.inf, dtype=work_dtype)
     for blk, inp in _iter_blocks(
@@ -548,6 +573,7 @@ def run_backward(
     sinks: Any = None,
     score_mod: Any = None,
     score_params: Any = None,
+    mask_mod: Any = None,
 ) -> tuple[np.ndarray, ...]:
     """Like `run_forward` for the backward pass; dk, dv are summed over each GQA group
     (in head order, in the working dtype). With `sinks`, returns `(dq, dk, dv, dsinks)`:
@@ -560,7 +586,7 @@ def run_backward(
     if lse.shape != pb.lse_shape:
         raise ValueError(f"lse must have shape {pb.lse_shape}, got {lse.shape}")
     p = _check_p(dropout_p, keep_mask)
-    score = _score_args(pb, softcap, alibi_slopes, sinks, score_mod, score_params)
+    score = _score_args(pb, softcap, alibi_slopes, sinks, score_mod, score_params, mask_mod)
     dq = np.zeros(q.shape, dtype=work_dtype)
     dk = np.zeros(k.shape, dtype=work_dtype)
     dv = np.zeros(v.shape, dtype=work_dtype)
@@ -736,6 +762,7 @@ def attention_forward(
     sinks: Any = None,
     score_mod: Any = None,
     score_params: Any = None,
+    mask_mod: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Float64 attention forward: `(o, lse)`.
 
@@ -778,6 +805,7 @@ def attention_forward(
         sinks=sinks,
         score_mod=score_mod,
         score_params=score_params,
+        mask_mod=mask_mod,
     )
 
 
@@ -804,6 +832,7 @@ def attention_backward(
     sinks: Any = None,
     score_mod: Any = None,
     score_params: Any = None,
+    mask_mod: Any = None,
 ) -> tuple[np.ndarray, ...]:
     """Float64 attention backward: `(dq, dk, dv)` with the shapes of q, k, v, and with
     `sinks` `(dq, dk, dv, dsinks)`, dsinks float64 `(heads,)`.
@@ -839,4 +868,5 @@ def attention_backward(
         sinks=sinks,
         score_mod=score_mod,
         score_params=score_params,
+        mask_mod=mask_mod,
     )

@@ -92,6 +92,7 @@ def check_score(
     heads: int,
     score_mod=None,
     score_params=None,
+    mask_mod=None,
 ) -> ScoreArgs:
     """The score-stage arguments of a call, validated against the spec: a value the spec has
     no feature for is refused, a feature the spec has must get one (RunnerError naming the
@@ -99,11 +100,15 @@ def check_score(
     score_mod takes `score_params` (its declared parameters' values; `score_mod`, when given,
     must be the spec's own)."""
     mod = getattr(spec, "score_mod", None)
+    mask = getattr(spec, "mask_mod", None)  # its parameters share score_params
     if score_mod is not None and score_mod != mod:
         raise RunnerError("score_mod given is not this spec's score_mod")
-    if mod is not None and score_params is None:
-        decl = ", ".join(f"{n}: {k.value}" for n, k in mod.params) or "none declared"
-        raise RunnerError(f"this spec has a score_mod: pass score_params ({decl})")
+    if mask_mod is not None and mask_mod != mask:
+        raise RunnerError("mask_mod given is not this spec's mask_mod")
+    user = mod if mod is not None else mask
+    if user is not None and score_params is None:
+        decl = ", ".join(f"{n}: {k.value}" for n, k in user.params) or "none declared"
+        raise RunnerError(f"this spec has a {user.kind}: pass score_params ({decl})")
     try:
         score = check_score_args(
             0.0 if softcap is None else softcap,
@@ -113,6 +118,7 @@ def check_score(
             heads=heads,
             score_mod=mod if score_params is not None else None,
             score_params=score_params,
+            mask_mod=mask if score_params is not None else None,
         )
     except ValueError as e:
         raise RunnerError(str(e)) from None
@@ -129,6 +135,7 @@ def check_score(
         f32(score.sinks),
         score.score_mod,
         score.score_params,  # already as the device holds them (check_user_params)
+        score.mask_mod,
     )
 
 
@@ -146,7 +153,7 @@ def score_fields(gpu, score: ScoreArgs, heads: int, bufs: list) -> dict[str, Any
         params[nm] = buf.ptr
     if score.alibi_slopes is not None:
         params["alibi_batch_stride"] = 0 if score.alibi_slopes.ndim == 1 else int(heads)
-    if score.score_mod is not None:
+    if score.user_mod is not None:
         params.update(user_slot_params(gpu, score, bufs))
     return params
 
@@ -160,7 +167,7 @@ def user_slot_params(gpu, score: ScoreArgs, bufs: list) -> dict[str, Any]:
     from flashgen.generator.usermod import KIND_INFO, Type
 
     params: dict[str, Any] = {}
-    for k, name, kind in user_slots(score.score_mod):
+    for k, name, kind in user_slots(score.user_mod):
         value = score.score_params[name]
         fields = SLOT_FIELDS[kind]
         if "ptr" in fields:
@@ -212,6 +219,7 @@ def validate(
     sinks=None,
     score_mod=None,
     score_params=None,
+    mask_mod=None,
 ) -> Problem:
     """Check the arguments against the spec; raise RunnerError naming the first problem.
 
@@ -315,6 +323,7 @@ def validate(
         heads=heads,
         score_mod=score_mod,
         score_params=score_params,
+        mask_mod=mask_mod,
     )
     return Problem(batch, heads, kv_heads, sq, sk, d, varlen, scale, win, cu_q, cu_k, score)
 
@@ -502,6 +511,7 @@ class FwdKernel:
         sinks=None,
         score_mod=None,
         score_params=None,
+        mask_mod=None,
     ) -> FwdResult:
         spec = self.spec
         pb = validate(
@@ -520,6 +530,7 @@ class FwdKernel:
             sinks=sinks,
             score_mod=score_mod,
             score_params=score_params,
+            mask_mod=mask_mod,
         )
         if not 0 <= int(seed) < 2**64:
             raise RunnerError(f"seed must be in [0, 2^64), got {seed}")

@@ -116,6 +116,7 @@ def validate_bwd(
     sinks=None,
     score_mod=None,
     score_params=None,
+    mask_mod=None,
 ) -> Problem:
     """`verify.runner.validate` (q, k, v, masks, layout, score-stage features) plus the
     backward's own inputs: o and dout shaped like q, lse like the forward's LSE. Raises
@@ -140,6 +141,7 @@ def validate_bwd(
         sinks=sinks,
         score_mod=score_mod,
         score_params=score_params,
+        mask_mod=mask_mod,
     )
     for nm, t in (("o", o), ("dout", dout)):
         if not isinstance(t, np.ndarray):
@@ -237,6 +239,7 @@ class BwdKernel:
         sinks=None,
         score_mod=None,
         score_params=None,
+        mask_mod=None,
     ) -> BwdResult:
         spec = self.spec
         pb = validate_bwd(
@@ -258,6 +261,7 @@ class BwdKernel:
             sinks=sinks,
             score_mod=score_mod,
             score_params=score_params,
+            mask_mod=mask_mod,
         )
         if not 0 <= int(seed) < 2**64:
             raise RunnerError(f"seed must be in [0, 2^64), got {seed}")

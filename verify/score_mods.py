@@ -97,6 +97,9 @@ class ScoreArgs:
     # the device holds them (`check_user_params`); None without one
     score_mod: Any = None
     score_params: dict[str, Any] | None = None
+    # a spec's mask_mod (generator.usermod.UserMod; its parameters share `score_params`, as
+    # the spec's `params` serve both), or None
+    mask_mod: Any = None
 
     def uses(self, feature: str) -> bool:
         """Whether the call uses `feature` (a generator.features name)."""
@@ -115,7 +118,15 @@ class ScoreArgs:
         out = {ARGUMENTS[name]: getattr(self, ARGUMENTS[name]) for name in sorted(self.features)}
         if self.score_mod is not None:
             out.update(score_mod=self.score_mod, score_params=self.score_params)
+        if self.mask_mod is not None:
+            out.update(mask_mod=self.mask_mod, score_params=self.score_params)
         return out
+
+    @property
+    def user_mod(self) -> Any:
+        """The UserMod whose declared parameters `score_params` holds (score_mod, else
+        mask_mod: both declare the spec's `params`), or None."""
+        return self.score_mod if self.score_mod is not None else self.mask_mod
 
     def slopes_for(self, b: int, heads: slice) -> np.ndarray | None:
         """The slopes of sequence `b`'s query heads `heads`, `(h,)`, or None."""
@@ -132,12 +143,16 @@ class ScoreArgs:
             return "None" if a is None else f"array({a.tolist()!r})"
 
         user = ""
-        if self.score_mod is not None:
+        if self.user_mod is not None:
             vals = {
                 k: (v.tolist() if isinstance(v, np.ndarray) else v)
                 for k, v in (self.score_params or {}).items()
             }
-            user = f", score_mod={self.score_mod.canonical!r}, score_params={vals!r}"
+            if self.score_mod is not None:
+                user += f", score_mod={self.score_mod.canonical!r}"
+            if self.mask_mod is not None:
+                user += f", mask_mod={self.mask_mod.canonical!r}"
+            user += f", score_params={vals!r}"
         return (
             f"ScoreArgs(softcap={self.softcap!r}, alibi_slopes={arr(self.alibi_slopes)}, "
             f"sinks={arr(self.sinks)}{user})"
@@ -162,6 +177,7 @@ def check_score_args(
     heads: int | None = None,
     score_mod: Any = None,
     score_params: Any = None,
+    mask_mod: Any = None,
 ) -> ScoreArgs:
     """Validated `ScoreArgs` (float64 copies of the arrays); ValueError names the argument and
     what is allowed. `batch`, `heads` (when given) fix the allowed shapes: slopes `(heads,)`
@@ -188,12 +204,13 @@ def check_score_args(
         if sk.ndim != 1 or (heads is not None and sk.shape[0] != heads):
             want = "(heads,)" if heads is None else f"(heads,) = ({heads},)"
             raise ValueError(f"sinks must have shape {want}, got {sk.shape}")
-    if score_mod is None:
+    if score_mod is None and mask_mod is None:
         if score_params:
-            raise ValueError("score_params given without a score_mod")
+            raise ValueError("score_params given without a score_mod or mask_mod")
         return ScoreArgs(c, slopes, sk)
-    values = check_user_params(score_mod, score_params, batch=batch, heads=heads)
-    return ScoreArgs(c, slopes, sk, score_mod, values)
+    mod = score_mod if score_mod is not None else mask_mod
+    values = check_user_params(mod, score_params, batch=batch, heads=heads)
+    return ScoreArgs(c, slopes, sk, score_mod, values, mask_mod)
 
 
 def check_user_params(
@@ -238,6 +255,11 @@ def check_user_params(
             ParamKind.PER_BATCH: (batch,),
             ParamKind.PER_BATCH_INT: (batch,),
             ParamKind.TABLE: (heads, None),
+            # per-token vectors (a mask_mod's): one id per token of the batch, indexed by the
+            # packed position (varlen) or b * seqlen + position; `token_slice` checks lengths
+            ParamKind.PER_TOKEN_Q: (None,),
+            ParamKind.PER_TOKEN_K: (None,),
+            ParamKind.PER_TOKEN: (None,),
         }.get(kind)
         if want is None:
             raise ValueError(f"parameter kind {kind.value} is not served by the kernels")
@@ -245,7 +267,8 @@ def check_user_params(
         if kind is ParamKind.TABLE:
             ok = ok and arr.shape[1] >= 1
         if not ok:
-            dims = ", ".join("columns" if w is None else str(w) for w in want)
+            what = "tokens" if kind.value in TOKEN_KINDS else "columns"
+            dims = ", ".join(what if w is None else str(w) for w in want)
             shape = f"({dims},)" if len(want) == 1 else f"({dims})"
             raise ValueError(
                 f"score_params[{name!r}] ({kind.value}) must have shape {shape}, got {arr.shape}"
@@ -311,6 +334,14 @@ def score_args_problems(spec: Any, score: ScoreArgs) -> list[str]:
                 "sinks": "sinks, float (heads,)",
             }[arg]
             out.append(f"this spec has {name}: true: pass {what}")
+    mask = getattr(spec, "mask_mod", None)
+    if mask is not None and score.mask_mod != mask:
+        out.append(
+            f"this spec has mask_mod {mask.canonical!r}: pass score_params "
+            f"({', '.join(f'{n}: {k.value}' for n, k in mask.params) or 'none declared'})"
+        )
+    elif mask is None and score.mask_mod is not None:
+        out.append("a mask_mod given but this spec has none")
     mod = getattr(spec, "score_mod", None)
     if mod is not None and score.score_mod != mod:
         out.append(
@@ -320,6 +351,57 @@ def score_args_problems(spec: Any, score: ScoreArgs) -> list[str]:
     elif mod is None and score.score_mod is not None:
         out.append("score_params given but this spec has no score_mod")
     return out
+
+
+TOKEN_KINDS = ("per_token_q", "per_token_k", "per_token")
+
+
+def mask_visible(
+    mod: Any,
+    params: dict[str, Any],
+    *,
+    b: int,
+    heads: np.ndarray,
+    seqlen_q: int,
+    seqlen_k: int,
+    q_tok0: int,
+    k_tok0: int,
+) -> np.ndarray:
+    """A mask_mod's visibility `(h, Sq, Sk)` (or broadcastable to it) over sequence `b`, query
+    heads `heads`, whose first query and key are tokens `q_tok0`, `k_tok0` of the per-token
+    vectors. Evaluated in float32, the kernels' arithmetic (a float decision at a rounding
+    boundary is the kernel's; the reference and the baseline share it). A per_token vector is
+    read at query and key positions alike, so it needs q_tok0 == k_tok0 and Sq == Sk."""
+    from flashgen.generator.usermod import evaluate
+
+    vals = dict(params)
+    for name, kind in mod.params:
+        if kind.value not in TOKEN_KINDS:
+            continue
+        arr = vals[name]
+        if kind.value == "per_token" and (q_tok0 != k_tok0 or seqlen_q != seqlen_k):
+            raise ValueError(
+                f"mask_mod parameter {name} (per_token) is read at queries and keys alike: "
+                "queries and keys must be the same tokens (seqlen_q == seqlen_k, "
+                "cu_seqlens_q == cu_seqlens_k); use per_token_q / per_token_k otherwise"
+            )
+        lo = q_tok0 if kind.value != "per_token_k" else k_tok0
+        n = seqlen_q if kind.value != "per_token_k" else seqlen_k
+        if lo + n > arr.shape[0]:
+            raise ValueError(
+                f"mask_mod parameter {name} ({kind.value}) has {arr.shape[0]} tokens; sequence "
+                f"{b} reads tokens {lo}..{lo + n - 1}"
+            )
+        vals[name] = arr[lo : lo + n]
+    env = {
+        "b": np.int64(b),
+        "h": np.asarray(heads, dtype=np.int64)[:, None, None],
+        "i": np.arange(seqlen_q, dtype=np.int64)[None, :, None],
+        "j": np.arange(seqlen_k, dtype=np.int64)[None, None, :],
+        "seqlen_q": np.int64(seqlen_q),
+        "seqlen_k": np.int64(seqlen_k),
+    }
+    return np.asarray(evaluate(mod.tree, env, vals, dtype=np.float32), dtype=bool)
 
 
 # ---------------------------------------------------------------------------------------------

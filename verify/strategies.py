@@ -38,6 +38,9 @@ __all__ = [
     "cu_seqlens",
     "dropout_params",
     "fixed_score_args",
+    "mask_mods",
+    "self_attention",
+    "user_mod_of",
     "fixed_user_params",
     "score_args",
     "user_params",
@@ -230,28 +233,75 @@ def sink_values(draw: Any, heads: int) -> np.ndarray:
     return _f32(out)
 
 
-def fixed_score_args(spec: Any, batch: int, heads: int) -> ScoreArgs:
+def user_mod_of(spec: Any) -> Any:
+    """The UserMod whose parameters a spec declares (its score_mod, else its mask_mod: both
+    read the spec's `params`), or None."""
+    mod = getattr(spec, "score_mod", None)
+    return mod if mod is not None else getattr(spec, "mask_mod", None)
+
+
+def self_attention(spec: Any) -> bool:
+    """Whether a spec's parameters include a per_token vector (a mask_mod's, read at query
+    and key positions alike): its calls need seqlen_q == seqlen_k (varlen: equal cu_seqlens)."""
+    mod = user_mod_of(spec)
+    return mod is not None and any(k.value == "per_token" for _, k in mod.params)
+
+
+@st.composite
+def mask_mods(draw: Any, max_terms: int = 3) -> Any:
+    """A mask_mod (generator.usermod.UserMod): one of the shipped masks
+    (generator/usermod/examples.py: causal, sliding window, chunked, prefix-LM, document) or
+    `and` / `or` / `not` compositions of up to `max_terms` of them, with their parameters
+    (each example's own names, so a composition declares their union)."""
+    from flashgen.generator.usermod import EXAMPLES, parse_mask_mod
+
+    masks = [e for e in EXAMPLES if e.kind == "mask_mod"]
+    terms = draw(st.lists(st.sampled_from(masks), min_size=1, max_size=max_terms, unique=True))
+    text = f"({terms[0].text})"
+    for term in terms[1:]:
+        op = draw(st.sampled_from(["and", "or"]))
+        neg = "not " if draw(st.booleans()) else ""
+        text = f"{text} {op} {neg}({term.text})"
+    params = {name: kind for e in terms for name, kind in e.params}
+    return parse_mask_mod(text, params)
+
+
+def _token_ids(rng: np.random.Generator, n: int, runs: bool = True) -> np.ndarray:
+    """Document ids of n tokens: runs of consecutive ids (packed documents, about 1 in 8
+    tokens starts a new one) or, with runs=False, ids in [0, 3] in any order."""
+    if not runs:
+        return rng.integers(0, 4, size=n).astype(np.int64)
+    return np.cumsum(rng.random(n) < 0.125).astype(np.int64)
+
+
+def fixed_score_args(
+    spec: Any, batch: int, heads: int, tokens: tuple[int, int] = (0, 0)
+) -> ScoreArgs:
     """Deterministic values for the features `spec` has, for hand-picked cases: softcap 20,
     ALiBi's geometric slopes `(heads,)`, sinks spread over [-2, 4]; off otherwise."""
     c = 20.0 if spec_has(spec, "softcap") else 0.0
     slopes = alibi_geometric(heads) if spec_has(spec, "alibi") else None
     sinks = _f32(np.linspace(-2.0, 4.0, heads)) if spec_has(spec, "sink") else None
-    mod = getattr(spec, "score_mod", None)
+    mod = user_mod_of(spec)
     return check_score_args(
         c,
         slopes,
         sinks,
         batch=batch,
         heads=heads,
-        score_mod=mod,
-        score_params=None if mod is None else fixed_user_params(mod, batch, heads),
+        score_mod=getattr(spec, "score_mod", None),
+        score_params=None if mod is None else fixed_user_params(mod, batch, heads, tokens),
+        mask_mod=getattr(spec, "mask_mod", None),
     )
 
 
-def fixed_user_params(mod: Any, batch: int, heads: int) -> dict[str, Any]:
-    """Deterministic values of a score_mod's parameters: scalars 20 (a softcap), ints 8,
-    per_head ALiBi's geometric slopes, per_batch values in [0.5, 2], int vectors 0, 3, 6, ...,
-    tables (heads, 32) spread over [-2, 2]."""
+def fixed_user_params(
+    mod: Any, batch: int, heads: int, tokens: tuple[int, int] = (0, 0)
+) -> dict[str, Any]:
+    """Deterministic values of a score_mod's (or mask_mod's) parameters: scalars 20 (a
+    softcap), ints 8, per_head ALiBi's geometric slopes, per_batch values in [0.5, 2], int
+    vectors 0, 3, 6, ..., tables (heads, 32) spread over [-2, 2], per-token ids of documents of
+    5 tokens (`tokens`: the call's query and key token counts, batch * seqlen or total)."""
     from flashgen.generator.usermod import ParamKind as K
 
     out: dict[str, Any] = {}
@@ -268,16 +318,23 @@ def fixed_user_params(mod: Any, batch: int, heads: int) -> dict[str, Any]:
             out[name] = np.arange(batch, dtype=np.int64) * 3
         elif kind is K.TABLE:
             out[name] = _f32(np.linspace(-2.0, 2.0, heads * 32).reshape(heads, 32))
+        elif kind in (K.PER_TOKEN, K.PER_TOKEN_Q, K.PER_TOKEN_K):
+            n = tokens[1] if kind is K.PER_TOKEN_K else tokens[0]
+            out[name] = np.arange(n, dtype=np.int64) // 5
     return out
 
 
 @st.composite
-def user_params(draw: Any, mod: Any, batch: int, heads: int) -> dict[str, Any]:
+def user_params(
+    draw: Any, mod: Any, batch: int, heads: int, tokens: tuple[int, int] = (0, 0)
+) -> dict[str, Any]:
     """Values of a score_mod's declared parameters, float32-representable: scalars in
     [0.5, 50] (positive: a softcap, a temperature; a score_mod that divides by one stays
     finite), ints in [0, 64], per_head / per_batch floats in [0, 1] (ALiBi-like slopes) or
     [-1, 1], int vectors in [0, 64], tables of 1 to 40 columns in [-4, 4] (a column past the
-    end is clamped, so fewer columns than the expression's buckets are drawn too)."""
+    end is clamped, so fewer columns than the expression's buckets are drawn too), per-token
+    ids (`tokens`: the call's query and key token counts) in runs (packed documents) or in
+    any order."""
     from flashgen.generator.usermod import ParamKind as K
 
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
@@ -296,21 +353,33 @@ def user_params(draw: Any, mod: Any, batch: int, heads: int) -> dict[str, Any]:
         elif kind is K.TABLE:
             cols = draw(st.sampled_from((1, 8, 32, 40)))
             out[name] = _f32(rng.uniform(-4.0, 4.0, size=(heads, cols)))
+        elif kind in (K.PER_TOKEN, K.PER_TOKEN_Q, K.PER_TOKEN_K):
+            n = tokens[1] if kind is K.PER_TOKEN_K else tokens[0]
+            out[name] = _token_ids(rng, n, runs=draw(st.booleans()))
     return out
 
 
 @st.composite
-def score_args(draw: Any, spec: Any, batch: int, heads: int) -> ScoreArgs:
+def score_args(
+    draw: Any, spec: Any, batch: int, heads: int, tokens: tuple[int, int] = (0, 0)
+) -> ScoreArgs:
     """The runtime values of the score-stage features `spec` has (`spec.has(...)`), for a call
     of `batch` sequences and `heads` query heads; features the spec lacks stay off. Values
     are validated (`score_mods.check_score_args`) and float32-representable."""
     c = draw(softcaps()) if spec_has(spec, "softcap") else 0.0
     slopes = draw(alibi_slopes(batch, heads)) if spec_has(spec, "alibi") else None
     sinks = draw(sink_values(heads)) if spec_has(spec, "sink") else None
-    mod = getattr(spec, "score_mod", None)
-    values = None if mod is None else draw(user_params(mod, batch, heads))
+    mod = user_mod_of(spec)
+    values = None if mod is None else draw(user_params(mod, batch, heads, tokens))
     return check_score_args(
-        c, slopes, sinks, batch=batch, heads=heads, score_mod=mod, score_params=values
+        c,
+        slopes,
+        sinks,
+        batch=batch,
+        heads=heads,
+        score_mod=getattr(spec, "score_mod", None),
+        score_params=values,
+        mask_mod=getattr(spec, "mask_mod", None),
     )
 
 
@@ -500,6 +569,8 @@ def cases_for_spec(
         else:
             cu_q, cu_k = draw(cu_seqlens(batch, max_seqlen=max_seqlen))
             sq, sk = int(np.diff(cu_q).max()), int(np.diff(cu_k).max())
+    if self_attention(spec):  # a per_token vector: queries and keys are the same tokens
+        sk, cu_k = sq, cu_q
     window = draw(windows(sk)) if spec.mask.window else (-1, -1)
     block_mask = None
     if sparse:
@@ -507,7 +578,8 @@ def cases_for_spec(
         layout_heads = draw(st.sampled_from(sorted({1, shape.heads})))
         block_mask = draw(block_layouts(layout_heads, -(-sq // bm), -(-sk // bn)))
     dropout = draw(dropout_params()) if spec.dropout else None
-    score = draw(score_args(spec, batch, shape.heads))
+    tokens = (int(cu_q[-1]), int(cu_k[-1])) if cu_q is not None else (batch * sq, batch * sk)
+    score = draw(score_args(spec, batch, shape.heads, tokens))
     return Case(
         batch, shape.heads, shape.kv_heads, sq, sk, window, cu_q, cu_k, block_mask, dropout, score
     )

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 from flashgen.generator.features import FEATURES, SCORE_PARAMS
 from flashgen.generator.features.user import user_score_cpp
+from flashgen.generator.features.user_mask import user_mask_cpp
 from flashgen.generator.spec import (
     Dtype,
     KernelKind,
@@ -153,6 +154,9 @@ class Family:
             # the spec's score_mod as the C++ of Spec::UserScore (generator/features/user.py),
             # or "" without one
             "user_score": user_score_cpp(spec.score_mod) if spec.score_mod is not None else "",
+            # the spec's mask_mod as the C++ of Spec::UserMask (generator/features/user_mask.py),
+            # or "" without one
+            "user_mask": user_mask_cpp(spec.mask_mod) if spec.mask_mod is not None else "",
         }
 
     def entry_points(self, name: str) -> dict[str, str]:

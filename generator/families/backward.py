@@ -37,8 +37,9 @@ SMEM_ROW_PAD = 8
 PEAK_ACC_REGS = 128
 SQUARE_WARP_TILES_MAX_D = 128
 
-PARAMS = params_table(
-    """
+PARAMS = (
+    params_table(
+        """
     ptr q
     ptr k
     ptr v
@@ -99,7 +100,10 @@ PARAMS = params_table(
     i64 blk_max_blocks
     ptr io_counters
     """
-) + SCORE_PARAM_FIELDS + SHAPE_PARAM_FIELDS
+    )
+    + SCORE_PARAM_FIELDS
+    + SHAPE_PARAM_FIELDS
+)
 IO_KEYS = (
     "Q",
     "K",
@@ -365,7 +369,12 @@ class Backward(Family):
     def auto_tile(self, target: Target, dtype: Dtype, head_dim: int, values: dict) -> Tile:
         # the score stage's registers: a built-in modifier, or a score_mod (its positions,
         # parameters and derivative beside the scores)
-        scoremod = any(values.get(f.name) for f in FEATURES) or values.get("score_mod") is not None
+        # (or a mask_mod's per-element test)
+        scoremod = (
+            any(values.get(f.name) for f in FEATURES)
+            or values.get("score_mod") is not None
+            or values.get("mask_mod") is not None
+        )
         heavy = bool(
             values.get("dropout")
             or values.get("deterministic")
@@ -404,6 +413,7 @@ class Backward(Family):
             and not spec.dropout
             and not spec.features  # the score stage spilled at 128 registers (d 64)
             and spec.score_mod is None
+            and spec.mask_mod is None
             else 1,
         }
 

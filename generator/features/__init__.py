@@ -142,10 +142,12 @@ def render_score_params_h() -> str:
         for r in f.params:
             lines.append(f"  {r.c_decl}; /* {r.doc} */")
     lines += [
-        f"  /* score_mod (Spec::UserScore): the spec's params, {USER_SLOTS} slots; param k (by",
-        "     name) reads user_f<k> (scalar), user_i<k> (scalar_int), user_ptr<k> (fp32",
-        "     per_head / per_batch vector, int32 per_batch_int vector, fp32 (heads, columns)",
-        "     table with user_i<k> = columns); docs/usermod.md */",
+        f"  /* score_mod and mask_mod (Spec::UserScore, Spec::UserMask): the spec's params, "
+        f"{USER_SLOTS}",
+        "     slots; param k (by name) reads user_f<k> (scalar), user_i<k> (scalar_int),",
+        "     user_ptr<k> (fp32 per_head / per_batch vector, int32 per_batch_int vector, fp32",
+        "     (heads, columns) table with user_i<k> = columns, int32 per-token vector of a",
+        "     mask_mod, by packed position); docs/usermod.md */",
     ]
     for r in USER_PARAMS:
         lines.append(f"  {r.c_decl}; /* {r.doc} */")

@@ -36,7 +36,15 @@ from flashgen.generator.usermod import (
     emit_cpp,
 )
 
-__all__ = ["SLOT_FIELDS", "user_score_cpp", "user_slots"]
+__all__ = [
+    "SLOT_FIELDS",
+    "TOKEN_KINDS",
+    "slot_checks",
+    "slot_loads",
+    "slot_vals",
+    "user_score_cpp",
+    "user_slots",
+]
 
 # the field of slot k a kind reads: ptr (its device array), f (a scalar), i (an int, a table's
 # columns)
@@ -47,6 +55,18 @@ SLOT_FIELDS: dict[ParamKind, tuple[str, ...]] = {
     ParamKind.PER_BATCH: ("ptr",),
     ParamKind.PER_BATCH_INT: ("ptr",),
     ParamKind.TABLE: ("ptr", "i"),
+    # int32 per-token vectors (read by a mask_mod only: generator/features/user_mask.py)
+    ParamKind.PER_TOKEN_Q: ("ptr",),
+    ParamKind.PER_TOKEN_K: ("ptr",),
+    ParamKind.PER_TOKEN: ("ptr",),
+}
+
+# per-token kinds: a base pointer per side (`itok_<name>` for queries, `jtok_<name>` for
+# keys), offset to the sequence's first token when loaded
+TOKEN_KINDS = {
+    ParamKind.PER_TOKEN_Q: ("i",),
+    ParamKind.PER_TOKEN_K: ("j",),
+    ParamKind.PER_TOKEN: ("i", "j"),
 }
 
 # how the expression reads a parameter from `Vals` (the index is fixed by the grammar: h for
@@ -77,10 +97,17 @@ def user_slots(mod: UserMod) -> list[tuple[int, str, ParamKind]]:
     return [(k, name, kind) for k, (name, kind) in enumerate(mod.params)]
 
 
-def _vals(mod: UserMod) -> list[str]:
+def slot_vals(mod: UserMod) -> list[str]:
+    """The members of `Vals`; per-token vectors (a mask_mod's) have a base pointer per side."""
     out = ["int64_t b, h;"]
     for _, name, kind in user_slots(mod):
-        if kind is ParamKind.TABLE:
+        if kind in TOKEN_KINDS:
+            if mod.kind == "mask_mod":
+                for side in TOKEN_KINDS[kind]:
+                    out.append(
+                        f"const int32_t* {side}tok_{name};  // {name} at token 0 of the sequence"
+                    )
+        elif kind is ParamKind.TABLE:
             out.append(f"const float* v_{name};  // row h of the (heads, n_{name}) table {name}")
             out.append(f"int64_t n_{name};")
         elif kind in (ParamKind.SCALAR_INT, ParamKind.PER_BATCH_INT):
@@ -90,11 +117,18 @@ def _vals(mod: UserMod) -> list[str]:
     return out
 
 
-def _loads(mod: UserMod) -> list[str]:
+def slot_loads(mod: UserMod) -> list[str]:
+    """The body of `load`: a mask_mod's also takes the sequence's first query and key token
+    (`q_tok0`, `k_tok0`: packed positions with varlen, b * seqlen otherwise)."""
     out = ["v.b = b;", "v.h = h;"]
     for k, name, kind in user_slots(mod):
         ptr = f"sp.user_ptr{k}"
-        if kind is ParamKind.SCALAR:
+        if kind in TOKEN_KINDS:
+            if mod.kind == "mask_mod":
+                for side in TOKEN_KINDS[kind]:
+                    base = "q_tok0" if side == "i" else "k_tok0"
+                    out.append(f"v.{side}tok_{name} = static_cast<const int32_t*>({ptr}) + {base};")
+        elif kind is ParamKind.SCALAR:
             out.append(f"v.v_{name} = static_cast<float>(sp.user_f{k});")
         elif kind is ParamKind.SCALAR_INT:
             out.append(f"v.v_{name} = sp.user_i{k};")
@@ -112,7 +146,7 @@ def _loads(mod: UserMod) -> list[str]:
     return out
 
 
-def _checks(mod: UserMod) -> list[str]:
+def slot_checks(mod: UserMod) -> list[str]:
     """The body of `UserScore::check` (host code): declared slots set as their kind needs,
     everything else 0."""
     out = []
@@ -120,7 +154,7 @@ def _checks(mod: UserMod) -> list[str]:
     for k, name, kind in user_slots(mod):
         fields = SLOT_FIELDS[kind]
         used[k] = fields
-        what = f"score_mod parameter {name} ({kind.value}, slot {k})"
+        what = f"{mod.kind} parameter {name} ({kind.value}, slot {k})"
         if "ptr" in fields:
             out.append(f'if (!sp.user_ptr{k}) return "{what}: user_ptr{k} must be non-null";')
             out.append(
@@ -140,7 +174,7 @@ def _checks(mod: UserMod) -> list[str]:
                 continue
             test = {"ptr": f"sp.user_ptr{k}", "f": f"sp.user_f{k} != 0.0", "i": f"sp.user_i{k}"}[f]
             why = (
-                f"slot {k} holds no parameter of this kernel's score_mod"
+                f"slot {k} holds no parameter of this kernel's {mod.kind}"
                 if not fields
                 else f"slot {k} is {user_slots(mod)[k][1]}, which does not read it"
             )
@@ -160,11 +194,11 @@ def user_score_cpp(mod: UserMod, indent: str = "  ") -> str:
         "struct UserScore {",
         f"  static constexpr bool kOn = true, kHasGrad = {'true' if has_grad else 'false'};",
         "  struct Vals {",
-        *(f"    {line}" for line in _vals(mod)),
+        *(f"    {line}" for line in slot_vals(mod)),
         "  };",
         "  static __device__ __forceinline__ void load(const fg_score_params& sp, int64_t b,",
         "                                              int64_t h, Vals& v) {",
-        *(f"    {line}" for line in _loads(mod)),
+        *(f"    {line}" for line in slot_loads(mod)),
         "  }",
         "  static __device__ __forceinline__ float value(float s, const Vals& p,",
         "                                                const fg::ScorePos& q) {",
@@ -184,7 +218,7 @@ def user_score_cpp(mod: UserMod, indent: str = "  ") -> str:
     lines += [
         "  // the launch check of the parameter slots (fg_score_params.user_*)",
         "  static const char* check(const fg_score_params& sp) {",
-        *(f"    {line}" for line in _checks(mod)),
+        *(f"    {line}" for line in slot_checks(mod)),
         "  }",
         "};",
     ]

@@ -42,9 +42,9 @@ from .tree import (
 __all__ = ["CPP_HELPERS", "DEFAULT_ACCESS", "cpp_float_literal", "emit_cpp"]
 
 # How a parameter is read, per kind: `{p}` the parameter object, `{name}` the parameter's name,
-# `{index}` the first index (an int64_t expression), `{k}` a table's column (clamped by the
-# template). A table `name` is a row-major (heads, name_cols) array with its column count in
-# `name_cols`. The read is then converted to float or int64_t.
+# `{index}` the first index (an int64_t expression), `{var}` that index's variable name, `{k}`
+# a table's column (clamped by the template). A table `name` is a row-major (heads, name_cols)
+# array with its column count in `name_cols`. The read is then converted to float or int64_t.
 DEFAULT_ACCESS: dict[ParamKind, str] = {
     ParamKind.SCALAR: "{p}.{name}",
     ParamKind.SCALAR_INT: "{p}.{name}",
@@ -170,6 +170,7 @@ class _Emitter:
         fields = {"p": self.p, "name": node.name}
         if info.index:
             fields["index"] = self(node.index[0])
+            fields["var"] = node.index[0].name  # the index variable (i, j, h or b)
         if info.column:
             fields["k"] = self(node.index[1])
         read = self.access[node.kind].format(**fields)

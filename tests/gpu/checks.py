@@ -33,7 +33,11 @@ def lse_floor(spec, q, k, ref_kwargs) -> float:
         passrule.score_floor(q, k, softmax_scale(spec))
         + passrule.alibi_floor(ref_kwargs.get("alibi_slopes"), max_distance(q, k, ref_kwargs))
         + passrule.softcap_floor(ref_kwargs.get("softcap", 0.0))
-        + passrule.usermod_floor(ref_kwargs.get("score_params"), max_distance(q, k, ref_kwargs))
+        + passrule.usermod_floor(
+            # a mask_mod alone changes no logit: its parameters (document ids) are not a bound
+            ref_kwargs.get("score_params") if ref_kwargs.get("score_mod") is not None else None,
+            max_distance(q, k, ref_kwargs),
+        )
     )
 
 

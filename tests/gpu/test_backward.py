@@ -37,7 +37,12 @@ from flashgen.verify.io_model_bwd import backward_bytes
 from flashgen.verify.passrule import TANH_APPROX_REL
 from flashgen.verify.runner_bwd import load_bwd_kernel
 from flashgen.verify.score_mods import softcap_factor
-from flashgen.verify.strategies import block_layouts, fixed_score_args, score_args
+from flashgen.verify.strategies import (
+    block_layouts,
+    fixed_score_args,
+    score_args,
+    self_attention,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -83,12 +88,16 @@ def bwd_case(draw, spec, max_len: int = 300):
                 case["lens_q"][-1] = draw(lens)
             if sum(case["lens_k"]) == 0:
                 case["lens_k"][0] = draw(lens)
+        if self_attention(spec):  # a per_token vector: queries and keys are the same tokens
+            case["lens_k"] = list(case["lens_q"])
         case["batch"] = nseq
         case["sq"], case["sk"] = max(case["lens_q"]), max(case["lens_k"])
     else:
         case["batch"] = draw(st.integers(1, 2))
         case["sq"] = draw(lens)
         case["sk"] = case["sq"] if draw(st.integers(0, 3)) == 0 else draw(lens)
+        if self_attention(spec):
+            case["sk"] = case["sq"]
     if spec.mask.window:
         case["window"] = (draw(st.sampled_from(WINDOWS)), draw(st.sampled_from(WINDOWS)))
     case["values"] = draw(st.sampled_from(["normal", "normal", "wide", "sharp"]))
@@ -103,8 +112,15 @@ def bwd_case(draw, spec, max_len: int = 300):
         case["p"] = draw(st.sampled_from([0.0, 0.1, 0.5, 0.9]))
         case["drop_seed"] = draw(st.integers(0, 2**64 - 1))
         case["drop_offset"] = draw(st.integers(0, 2**32 - 1))
-    case["score"] = draw(score_args(spec, case["batch"], heads))
+    case["score"] = draw(score_args(spec, case["batch"], heads, case_tokens(spec, case)))
     return case
+
+
+def case_tokens(spec, case):
+    """The case's query and key token counts (per-token parameters hold one id each)."""
+    if spec.mask.varlen:
+        return sum(case["lens_q"]), sum(case["lens_k"])
+    return case["batch"] * case["sq"], case["batch"] * case["sk"]
 
 
 def make_inputs(spec, case):
@@ -152,7 +168,7 @@ def make_inputs(spec, case):
             keep = dropout.keep_mask(seed, offset, case["batch"], h, case["sq"], case["sk"], p)
         run_kw.update(dropout_p=p, seed=seed, offset=offset)
         ref_kw.update(keep_mask=keep, dropout_p=p)
-    score = case.get("score") or fixed_score_args(spec, case["batch"], h)
+    score = case.get("score") or fixed_score_args(spec, case["batch"], h, case_tokens(spec, case))
     run_kw.update(score.kwargs())  # float32-representable: the runner uploads them as they are
     ref_kw.update(score.kwargs())
     return q, k, v, dout, run_kw, ref_kw
@@ -231,6 +247,7 @@ def gradient_floors(
     sinks=None,
     score_mod=None,
     score_params=None,
+    mask_mod=None,
 ) -> dict[str, float]:
     """Extra pass-rule floors for dq and dk (passrule.check's `extra_floor`): the standard
     float32 bound on dS = P (dP - D), dot products of length d with eps per operation
@@ -269,6 +286,7 @@ def gradient_floors(
         sinks=sinks,
         score_mod=score_mod,
         score_params=score_params,
+        mask_mod=mask_mod,
     )
     bq, bk = out[0], out[1]
     floors = {"dq": float(bq.max(initial=0.0)), "dk": float(bk.max(initial=0.0)), "dv": 0.0}
@@ -457,6 +475,9 @@ def _fixed_case(spec, *, sq, sk, lens_q=None, lens_k=None, window=(-1, -1), seed
         "memory_layout": "bshd",
         "pad": 0,
     }
+    if self_attention(spec):  # a per_token vector: queries and keys are the same tokens
+        case["sk"] = sk = sq
+        lens_k = lens_q
     if spec.mask.varlen:
         lens_q, lens_k = list(lens_q), list(lens_k)
         if spec.sparse:

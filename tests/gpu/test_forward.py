@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flashgen.generator.naming import kernel_name
 from flashgen.verify.runner import load_kernel
-from flashgen.verify.strategies import fixed_score_args, score_args
+from flashgen.verify.strategies import fixed_score_args, score_args, self_attention
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -56,10 +56,12 @@ def runtime_case(draw, spec, max_len: int = 160):
         nseq = draw(st.integers(1, 3))
         case["lens_q"] = [draw(lens) for _ in range(nseq)]
         case["lens_k"] = [draw(lens) for _ in range(nseq)]
+        if self_attention(spec):  # a per_token vector: queries and keys are the same tokens
+            case["lens_k"] = list(case["lens_q"])
     else:
         case["batch"] = draw(st.integers(1, 2))
         case["sq"] = draw(lens)
-        case["sk"] = draw(lens)
+        case["sk"] = case["sq"] if self_attention(spec) else draw(lens)
     if spec.mask.window:
         case["window"] = (
             draw(st.sampled_from([-1, 0, 1, 5, 33, 100])),
@@ -69,8 +71,15 @@ def runtime_case(draw, spec, max_len: int = 160):
     case["memory_layout"] = draw(st.sampled_from(["bshd", "bhsd"]))
     case["pad"] = draw(st.sampled_from([0, 0, 8, 24]))
     batch = len(case["lens_q"]) if spec.mask.varlen else case["batch"]
-    case["score"] = draw(score_args(spec, batch, heads))
+    case["score"] = draw(score_args(spec, batch, heads, case_tokens(spec, case)))
     return case
+
+
+def case_tokens(spec, case):
+    """The case's query and key token counts (per-token parameters hold one id each)."""
+    if spec.mask.varlen:
+        return sum(case["lens_q"]), sum(case["lens_k"])
+    return case["batch"] * case["sq"], case["batch"] * case["sk"]
 
 
 def case_score(spec, case):
@@ -78,7 +87,7 @@ def case_score(spec, case):
     if "score" in case:
         return case["score"]
     batch = len(case["lens_q"]) if spec.mask.varlen else case["batch"]
-    return fixed_score_args(spec, batch, case["heads"])
+    return fixed_score_args(spec, batch, case["heads"], case_tokens(spec, case))
 
 
 def make_inputs(spec, case):
@@ -203,6 +212,7 @@ def _one_hot_problem(spec, sq, sk, seed):
         and not s.sparse
         and not s.features  # softcap, ALiBi and sinks change the weights of a one-hot row
         and s.score_mod is None  # and so does a score_mod
+        and s.mask_mod is None  # a mask_mod may hide the row's key
     ],
     ids=kernel_name,
 )

@@ -33,7 +33,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
@@ -441,6 +441,13 @@ def test_padding_and_copies_under_torch_compile_and_cuda_graphs():
                      torch.autograd.grad(want, (base, k, v), dout)):  # fmt: skip
         assert torch.equal(a, b_)
 
+    # Fresh leaves for the capture: the ones above took part in autograd graphs on the default
+    # stream, and a leaf's AccumulateGrad node keeps the stream of its first graph; under
+    # capture the engine would make that (legacy) stream wait on the capturing one, which
+    # invalidates the capture (pytorch/pytorch#137483 and #180090; any op does this, not only
+    # flashgen's). The warm-up below on a side stream is their first use.
+    base, k, v = (t.detach().requires_grad_() for t in (base, k, v))
+
     def step():
         out = fwd(base, k, v)
         return (out, *torch.autograd.grad(out, (base, k, v), dout))
@@ -517,7 +524,7 @@ def test_return_attn_probs_with_dropout_is_flash_attns_s_dmask(varlen):
     assert np.allclose(np.log(mag.sum(-1)) + m, _np64(lse), atol=2e-2)
     res = SimpleNamespace(inputs={"q": _np(q), "k": _np(k), "v": _np(v)}, o=_np(out), lse=_np(lse))
     spec = _spec("fwd", "bf16", d, causal=True, dropout=True)  # equal lengths: as fixed
-    for name, verdict in verdicts(spec, res, keep_mask=keep, dropout_p=p).items():
+    for name, verdict in verdicts(spec, res, keep_mask=keep, dropout_p=p, **_ref_kw(True)).items():
         assert verdict.passed, f"{name}: {verdict.message}"
 
 
@@ -650,6 +657,10 @@ def test_same_call_through_sdpa_is_within_the_pass_rule(dtype, d):
         grads64 = reference.attention_backward(qi, ki, vi, o64, lse64, doi, **ref_kw)
         floors = gradient_floors((qi, ki, vi, o64, lse64, doi), **ref_kw)
         names = ("o", "dq", "dk", "dv")
+        # SDPA as the baseline defines the rule only where SDPA stays finite (seen: its fp16
+        # backward overflows on 'sharp' scores, ~N(0, 81)); such draws say nothing of flashgen
+        assume(all(np.isfinite(_np(b_)[np.isfinite(r)]).all() for b_, r in
+                   zip(theirs, (o64, *grads64))))  # fmt: skip
         for name, a, b_, r in zip(names, ours, theirs, (o64, *grads64)):
             verdict = passrule.check(_np(a), r, _np(b_), dtype, extra_floor=floors.get(name, 0.0))
             assert verdict.passed, f"{name} against SDPA: {verdict.message}"

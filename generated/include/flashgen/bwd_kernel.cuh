@@ -39,6 +39,7 @@
 #include "bwd_params.h"
 #include "frag.cuh"
 #include "mask.cuh"
+#include "mask_mod.cuh"
 #include "philox.cuh"
 #include "schedule.cuh"
 #include "score_mod.cuh"
@@ -193,6 +194,10 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
   // the next head with a non-empty one (`sched` then becomes that head's). Steps are planned
   // in order, one ahead of the one computing, so one schedule is live at a time.
   Schedule sched = schedule(0);
+  // The mask stage of a spec's mask_mod (mask_mod.cuh; off and free without one), for the
+  // group's first head; `umask0.at(h)` is head h's.
+  const MaskModOf<C> umask0(p.score, b, h0, seq.q_off(p.seqlen_q, 1, 0),
+                            seq.k_off(p.seqlen_k, 1, 0), sq, sk);
   auto advance = [&](BwdStep s) {
     s.it += 1;
     while (s.it >= sched.count) {
@@ -209,9 +214,23 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
     s.valid = true;
     return s;
   };
+  // ... skipping the steps whose tile the mask_mod leaves EMPTY (with one: a kernel without
+  // calls `advance` itself, as before).
+  auto advance_mm = [&](BwdStep s) {
+    s = advance(s);
+    while (MaskModOf<C>::kOn && s.valid &&
+           umask0.at(p.score, h0 + s.g)
+                   .tile_class(s.m * C::kBlockM, s.m * C::kBlockM + C::kBlockM - 1, c0,
+                               c0 + kr - 1) == kMaskEmpty)
+      s = advance(s);
+    return s;
+  };
+  // (a macro, not a third lambda: a kernel without a mask_mod then compiles to the very PTX it
+  // had, which a wrapping lambda changed; #undef after the walk)
+#define FG_BWD_ADVANCE(s) (MaskModOf<C>::kOn ? advance_mm(s) : advance(s))
   BwdStep first;
   first.it = -1;
-  BwdStep cur = advance(first);
+  BwdStep cur = FG_BWD_ADVANCE(first);
 
   const Elem* gK = static_cast<const Elem*>(p.k) + seq.k_off(p.k_batch_stride, p.k_row_stride, c0) +
                    hk * p.k_head_stride;
@@ -269,7 +288,7 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
         sV, gV, p.v_row_stride, kr, io, BwdIo::kV);
     load_step(cur, 0);  // K and V ride in the same group
   }
-  BwdStep nxt = cur.valid ? advance(cur) : cur;
+  BwdStep nxt = cur.valid ? FG_BWD_ADVANCE(cur) : cur;
 
   for (int step = 0; cur.valid; ++step) {
     const int slot = C::kStages == 2 ? (step & 1) : 0;
@@ -329,6 +348,11 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
     const bool masked = C::kSparse ? (cur.partial || c0 + C::kBlockN > sk)
                                    : mask.tile_needs_mask(r0, r0 + qr - 1, nt, C::kBlockN);
     if (masked) mask_frag(acc_s, mask.tile(r0 + s_row0, c0 + s_col0), lane);
+    if constexpr (MaskModOf<C>::kOn) {  // a step is never EMPTY here (advance skips those)
+      const MaskModOf<C> umask = umask0.at(p.score, h);
+      if (umask.tile_class(r0, r0 + qr - 1, c0, c0 + kr - 1) != kMaskFull)
+        umask.mask_frag(acc_s, r0 + s_row0, c0 + s_col0, lane);
+    }
     // P = exp2(S * scale * log2 e - LSE * log2 e); a row whose LSE is -inf (no visible key)
     // gets P = 0, never inf * 0.
 #pragma unroll
@@ -519,8 +543,9 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
     }
     if (C::kStages == 1) __syncthreads();  // the only buffers are refilled next step
     cur = nxt;
-    if (nxt.valid) nxt = advance(nxt);
+    if (nxt.valid) nxt = FG_BWD_ADVANCE(nxt);
   }
+#undef FG_BWD_ADVANCE
 
   // ---- epilogue: dK = scale * dS^T Q, dV; zeros when no step saw these keys ---------------
   const float scale = static_cast<float>(p.softmax_scale);

@@ -34,6 +34,23 @@ __device__ __forceinline__ void mask_frag(float (&acc)[kMT][kNT][4], const TileM
       }
 }
 
+// The same with the visibility of (il, jl), offsets from the warp's corner, given by a functor
+// (a spec's mask_mod: mask_mod.cuh).
+template <int kMT, int kNT, class Visible>
+__device__ __forceinline__ void mask_frag_by(float (&acc)[kMT][kNT][4], int lane,
+                                             Visible&& visible) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int il = mt * 16 + g + (e >> 1) * 8, jl = nt * 8 + 2 * t + (e & 1);
+        if (!visible(il, jl)) acc[mt][nt][e] = -INFINITY;
+      }
+}
+
 // The same for fragments whose rows are not consecutive queries (decode packs the query heads
 // of a GQA group into the rows): row_of(r) gives the query row, relative to the TileMask's
 // corner, of fragment row r = mt*16 + g (+ 8).

@@ -20,10 +20,11 @@ typedef struct fg_score_params {
   /* sink (kSink): a per-head logit in the softmax denominator only */
   const float* sinks; /* fp32 (heads): natural-log sink logits */
   float* dsinks; /* backward: fp32 (heads) output, dL/dsink (written) */
-  /* score_mod (Spec::UserScore): the spec's params, 4 slots; param k (by
-     name) reads user_f<k> (scalar), user_i<k> (scalar_int), user_ptr<k> (fp32
-     per_head / per_batch vector, int32 per_batch_int vector, fp32 (heads, columns)
-     table with user_i<k> = columns); docs/usermod.md */
+  /* score_mod and mask_mod (Spec::UserScore, Spec::UserMask): the spec's params, 4
+     slots; param k (by name) reads user_f<k> (scalar), user_i<k> (scalar_int),
+     user_ptr<k> (fp32 per_head / per_batch vector, int32 per_batch_int vector, fp32
+     (heads, columns) table with user_i<k> = columns, int32 per-token vector of a
+     mask_mod, by packed position); docs/usermod.md */
   const void* user_ptr0; /* param 0: its device array */
   double user_f0; /* param 0: a scalar's value */
   int64_t user_i0; /* param 0: a scalar_int's value, or a table's columns */

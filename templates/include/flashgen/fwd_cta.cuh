@@ -15,6 +15,7 @@
 
 #include "frag.cuh"
 #include "mask.cuh"
+#include "mask_mod.cuh"
 #include "params.h"
 #include "philox.cuh"
 #include "schedule.cuh"
@@ -45,10 +46,12 @@ using FwdSchedule = TileSchedule<C::kSparse, /*descending=*/true>;
 // The K/V tiles of rows [r0, r1]: the mask policy's dense range, visited from the top (the
 // diagonal tile first), or the CTA's row of the block-sparse layout (full tiles, then partial
 // ones; its counts are META bytes, counted by the thread `count` names).
-template <class C, class Mask, class IoT>
+// A spec's mask_mod (`umask`, mask_mod.cuh) trims the EMPTY tiles at either end of the dense
+// range (it is refused with block sparsity).
+template <class C, class Mask, class IoT, class UMask>
 __device__ __forceinline__ FwdSchedule<C> fwd_schedule(const fg_fwd_params& p, const FwdTileId& id,
                                                        const Mask& mask, int64_t r0, int64_t r1,
-                                                       IoT& io, bool count) {
+                                                       IoT& io, bool count, const UMask& umask) {
   if constexpr (C::kSparse) {
     const int64_t row = (p.blk_layout_heads == 1 ? 0 : id.h) * id.num_qt + id.qt;
     return FwdSchedule<C>::sparse(p.blk_full_count, p.blk_full_idx, p.blk_part_count,
@@ -56,6 +59,7 @@ __device__ __forceinline__ FwdSchedule<C> fwd_schedule(const fg_fwd_params& p, c
   } else {
     int64_t n_lo, n_hi;
     mask.tile_range(r0, r1, C::kBlockN, n_lo, n_hi);
+    umask.trim(r0, r1, C::kBlockN, n_lo, n_hi);
     return FwdSchedule<C>::dense(n_lo, n_hi);
   }
 }

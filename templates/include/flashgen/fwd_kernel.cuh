@@ -25,6 +25,7 @@
 #include "frag.cuh"
 #include "fwd_cta.cuh"
 #include "mask.cuh"
+#include "mask_mod.cuh"
 #include "params.h"
 #include "philox.cuh"
 #include "schedule.cuh"
@@ -111,9 +112,12 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
   const MaskPolicy<C::kCausal, C::kWindow> mask(sq, sk, p.window_left, p.window_right);
   // The score stage of (b, h) (score_mod.cuh): modifiers, the softmax's scale, the sink.
   const ScoreModOf<C> mod(p.score, p.softmax_scale, b, h, io, tid == 0, FwdIo::kMeta);
+  // The mask stage of a spec's mask_mod (mask_mod.cuh; off and free without one).
+  const MaskModOf<C> umask(p.score, b, h, seq.q_off(p.seqlen_q, 1, 0), seq.k_off(p.seqlen_k, 1, 0),
+                           sq, sk);
 
   // ---- the tile schedule: a dense range visited from the top, or the sparse lists ----------
-  const FwdSchedule<C> sched = fwd_schedule<C>(p, id, mask, r0, r1, io, tid == 0);
+  const FwdSchedule<C> sched = fwd_schedule<C>(p, id, mask, r0, r1, io, tid == 0, umask);
   const int n_iter = sched.count;
 
   auto load_kv = [&](int it) {
@@ -195,6 +199,12 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
       const uint32_t v_slot = v_lane + slot * kSlotBytes;
       const int64_t n = C::kSparse ? s_tile[slot] : sched.tile(it, io, false);
       const bool masked = fwd_tile_masked<C>(sched, mask, it, n, r0, r1);
+      // the mask_mod's class of the tile (kMaskFull without one): EMPTY tiles are skipped
+      const int ucls = umask.kv_tile_class(r0, r1, n, C::kBlockN);
+      if (MaskModOf<C>::kOn && ucls == kMaskEmpty) {
+        if (C::kStages == 1) __syncthreads();  // the only slot is refilled next iteration
+        continue;
+      }
 
       // S = Q K^T
       float acc_s[C::kMT][C::kNT][4];
@@ -218,6 +228,8 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
 
       score_frag(acc_s, mod, tile_at(r0 + warp_row0, n * C::kBlockN, mask), lane);
       if (masked) mask_frag(acc_s, mask.tile(r0 + warp_row0, n * C::kBlockN), lane);
+      if (MaskModOf<C>::kOn && ucls != kMaskFull)
+        umask.mask_frag(acc_s, r0 + warp_row0, n * C::kBlockN, lane);
 
 #pragma unroll
       for (int mt = 0; mt < C::kMT; ++mt) {

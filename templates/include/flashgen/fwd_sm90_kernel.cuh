@@ -50,6 +50,7 @@
 #include "frag.cuh"
 #include "fwd_cta.cuh"
 #include "mask.cuh"
+#include "mask_mod.cuh"
 #include "params.h"
 #include "philox.cuh"
 #include "schedule.cuh"
@@ -167,7 +168,14 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
   float* gLse = p.lse + seq.lse_off(p.lse_batch_stride, p.lse_head_stride, h, r0);
 
   const MaskPolicy<C::kCausal, C::kWindow> mask(sq, sk, p.window_left, p.window_right);
-  const FwdSchedule<C> sched = fwd_schedule<C>(p, id, mask, r0, r1, io_setup, tid == 0);
+  // The mask stage of a spec's mask_mod (mask_mod.cuh; off and free without one): it trims
+  // the schedule's EMPTY ends; the producer and consumers walk the same tiles, so an EMPTY
+  // tile inside the range is masked whole rather than skipped. A mask reading per-token
+  // vectors masks every tile per element (its per-tile class, a loop over the tile's tokens,
+  // spilled beside the consumers' accumulators: 88 bytes at d 128, ptxas 13.0).
+  const MaskModOf<C> umask(p.score, b, h, seq.q_off(p.seqlen_q, 1, 0), seq.k_off(p.seqlen_k, 1, 0),
+                           sq, sk);
+  const FwdSchedule<C> sched = fwd_schedule<C>(p, id, mask, r0, r1, io_setup, tid == 0, umask);
   const int n_iter = sched.count;
 
   if (tid == 0) {
@@ -282,6 +290,9 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
     score_frag(acc_s, mod, tile_at(r0 + row0, n * C::kBlockN, mask), lane);
     if (fwd_tile_masked<C>(sched, mask, it, n, r0, r1))
       mask_frag(acc_s, mask.tile(r0 + row0, n * C::kBlockN), lane);
+    if (MaskModOf<C>::kOn &&
+        (MaskModOf<C>::kTokens || umask.kv_tile_class(r0, r1, n, C::kBlockN) != kMaskFull))
+      umask.mask_frag(acc_s, r0 + row0, n * C::kBlockN, lane);
     online_softmax_update(st, acc_s[0], mod.scale_log2, alpha);
     if (C::kDropout)
       fwd_dropout_frag<C>(acc_s, drop.rng, p, b, h, sq, sk, r0 + row0, n * C::kBlockN, lane, io);

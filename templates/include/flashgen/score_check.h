@@ -22,6 +22,13 @@ struct NoUserScore {
   }
 };
 
+// The mask stage of a kernel generated without mask_mod (the Spec's `UserMask`; with one,
+// spec_struct.j2 renders its own struct, generator/features/user_mask.py): off.
+struct NoUserMask {
+  static constexpr bool kOn = false, kTokens = false;
+  struct Vals {};
+};
+
 // The launch check of the score parameters: a feature the kernel was generated with needs
 // its field, and a field of a feature it was not generated with is refused (nothing would
 // read it); likewise the score_mod's slots. `backward` kernels also write dsinks.
@@ -49,7 +56,9 @@ inline const char* check_score_params(const fg_score_params& s, bool backward) {
   } else if (s.sinks || s.dsinks) {
     return "sinks is set but the kernel was generated with sink: false";
   }
-  return C::UserScore::check(s);  // the score_mod's parameter slots
+  // the parameter slots, which score_mod and mask_mod share (each struct checks them all)
+  if constexpr (C::UserMask::kOn) return C::UserMask::check(s);
+  return C::UserScore::check(s);
 }
 
 }  // namespace fg
