@@ -127,11 +127,12 @@ def _kernel_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 def _attention(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
     softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-    return_attn_probs, learnable_sink, user=ops.NO_USER,
+    return_attn_probs, learnable_sink, user=(),
 ) -> Result:  # fmt: skip
     """The shared body of flash_attn_func, flash_attn_varlen_func and compile_variant's
-    callables (`user`: the ops' nine user arguments, ops.NO_USER for none)."""
-    extra = user if user[0] else ()  # a call without a variant (key "") passes none
+    callables (`user`: a variant's nine user arguments, `ops.USER_ARGS`, which take the call
+    to the variant ops; () for the others, which call fwd and bwd)."""
+    variant = len(user) > 0  # (not `not user`: dynamo does not trace `not` on a tuple)
     head_dim = q.shape[-1]
     q_in, k_in = q, k  # the caller's, for return_attn_probs with dropout
     if softmax_scale is None:  # the caller's head dim, padded or not (0: refused below)
@@ -149,11 +150,11 @@ def _attention(
     )
     q, k, v, kernel_head_dim = _kernel_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backward,
-        not user[0],  # pad: never for a variant (positional, as the tests' stand-ins take it)
+        not variant,  # pad: never for a variant (positional, as the tests' stand-ins take it)
     )  # fmt: skip
-    if backward and ops.BINDING is None and not torch.compiler.is_compiling():
+    if backward and (ops.BINDING is None or variant) and not torch.compiler.is_compiling():
         # (the binding's autograd kernel makes the same check, once per key, before the
-        # forward runs)
+        # forward runs; the variant ops are Python custom ops on either path)
         # Refuse an unsupported backward before the forward runs (and perhaps compiles);
         # under torch.compile the op's autograd set-up does the same at trace time. A call
         # of a kind check_backward accepted before skips it: the forward then refuses
@@ -162,13 +163,14 @@ def _attention(
         rest = (dropout_p, causal, window_left, window_right, deterministic)
         score = (softcap, alibi_slopes, learnable_sink)
         if type(softmax_scale) is not float or not ops._backward_known(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, *rest, *score, *extra
+            q, k, v, cu_seqlens_q, cu_seqlens_k, *rest, *score, *user
         ):
             ops.check_backward(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *rest, *score,
-                *extra,
+                *user,
             )  # fmt: skip
-    out, lse, seed, offset = torch.ops.flashgen.fwd.default(
+    op = torch.ops.flashgen.fwd_variant.default if variant else torch.ops.flashgen.fwd.default
+    out, lse, seed, offset = op(
         q,
         k,
         v,
@@ -185,7 +187,7 @@ def _attention(
         softcap,
         alibi_slopes,
         learnable_sink,
-        *extra,
+        *user,
     )
     if kernel_head_dim != head_dim:  # zero-padded: the output's first head_dim columns
         out = out[..., :head_dim].contiguous()
@@ -193,7 +195,7 @@ def _attention(
         probs = None
         # flash-attn's S_dmask, recomputed (flashgen.torch.attn_probs); not for a variant,
         # whose score_mod the recomputation does not know (None, as without dropout)
-        if dropout_p > 0.0 and not user[0]:
+        if dropout_p > 0.0 and not variant:
             probs = attn_probs.dropout_probs(
                 q_in.detach(), k_in.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 max_seqlen_k, ops._u64(seed), ops._u64(offset), float(dropout_p),

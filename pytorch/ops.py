@@ -12,14 +12,14 @@ Schemas (all sizes in elements; see `flashgen.torch.flash_attn_func` for the lay
 
     fwd(q, k, v, cu_seqlens_q?, cu_seqlens_k?, max_seqlen_q, max_seqlen_k, dropout_p,
         softmax_scale, causal, window_left, window_right, deterministic, softcap=0.0,
-        alibi_slopes?=None, learnable_sink?=None, score_mod="", user_t0..3?=None,
-        user_s0..3=0.0)
+        alibi_slopes?=None, learnable_sink?=None)
         -> (out, softmax_lse, philox_seed, philox_offset)
     bwd(dout, q, k, v, out, softmax_lse, philox_seed, philox_offset, cu_seqlens_q?,
         cu_seqlens_k?, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
         window_left, window_right, deterministic, softcap=0.0, alibi_slopes?=None,
-        learnable_sink?=None, score_mod="", user_t0..3?=None, user_s0..3=0.0)
-        -> (dq, dk, dv, dsink)
+        learnable_sink?=None) -> (dq, dk, dv, dsink)
+    fwd_variant(<fwd's arguments>, score_mod="", user_t0..3?=None, user_s0..3=0.0)
+    bwd_variant(<bwd's arguments>, score_mod="", user_t0..3?=None, user_s0..3=0.0)
 
 `philox_seed` and `philox_offset` are 0-dim int64 CPU tensors (as torch's own fused attention
 returns them): the seed's 64 bits are stored two's-complement. Dense calls pass `None`
@@ -32,13 +32,18 @@ derives the spec's features. `dsink` is dL/dlearnable_sink, float32 `(heads,)`, 
 has a sink, else an empty float32 `(0,)` tensor (a custom op cannot return None). softcap and
 the slopes get no gradient (as in flash-attn).
 
-The last nine carry a user-defined score modifier (`flashgen.torch.compile_variant`) and
-default to none: `score_mod` is the variant's key (`variant_key`), `user_t<k>` / `user_s<k>`
-the tensor / number of the modifier's parameter slot k (`user_mod` checks them, `user_params`
-packs them as verify.runner does). The selected kernels are the spec's expression compiled
-into the family the call gets (`AttentionCall.score_mod`); nothing else changes.
+`fwd_variant` / `bwd_variant` are the ops of a user-defined score modifier
+(`flashgen.torch.compile_variant`): fwd's and bwd's arguments, then nine more: `score_mod` is
+the variant's key (`variant_key`), `user_t<k>` / `user_s<k>` the tensor / number of the
+modifier's parameter slot k (`user_mod` checks them, `user_params` packs them as verify.runner
+does). The selected kernels are the spec's expression compiled into the family the call gets
+(`AttentionCall.score_mod`); nothing else changes. They share fwd's and bwd's implementation,
+fake and autograd functions (`_fwd_impl`, `_bwd_impl`, `*user`); fwd and bwd themselves pass
+no user arguments and keep their schemas, so a plain call pays nothing for variants. The
+compiled binding defines fwd and bwd only: the variant ops take the ctypes path on both.
 """
 
+import inspect
 import json
 import math
 import os
@@ -69,7 +74,9 @@ __all__ = [
     "PHILOX_OFFSET_STEP",
     "USER_ARGS",
     "bwd",
+    "bwd_variant",
     "fwd",
+    "fwd_variant",
     "philox_state",
     "score_features",
     "user_mod",
@@ -215,15 +222,18 @@ def _call(
     sizes (torch.compile with dynamic shapes) are unhashable and take the uncached path."""
     if not (0.0 <= dropout_p < 1.0):  # also refuses NaN
         raise UnsupportedCall(f"dropout_p must be in [0, 1), got {dropout_p}")
-    args = (q, pb, dropout_p, causal, window_left, window_right, deterministic, features,
-            score_mod)  # fmt: skip
+    args = (q, pb, dropout_p, causal, window_left, window_right, deterministic, features)
+    if score_mod is not None:  # a variant call (the variant ops): the modifier joins the key
+        args += (score_mod,)
     index = q.device.index
     # Uncached: a device without an index (the capability would be the current device's,
     # which may change) or a symbolic dropout_p (hashing a SymFloat would specialise it).
     if index is None or type(dropout_p) is not float:
         return _make_call(*args)
     key = (pb.dtype, pb.head_dim, pb.heads, pb.kv_heads, pb.varlen, index, dropout_p, causal,
-           window_left, window_right, deterministic, features, score_mod)  # fmt: skip
+           window_left, window_right, deterministic, features)  # fmt: skip
+    if score_mod is not None:
+        key += (score_mod,)
     try:
         hit = _CALLS.get(key)
     except TypeError:  # a SymInt size or an unhashable argument
@@ -391,11 +401,11 @@ def score_params(features: frozenset, softcap, alibi_slopes, learnable_sink) -> 
 
 
 # --------------------------------------------------------------------------------------------
-# User-defined score modifiers (flashgen.torch.compile_variant): the ops' last nine arguments.
+# User-defined score modifiers (flashgen.torch.compile_variant): the variant ops' last nine.
 # --------------------------------------------------------------------------------------------
 
-# The ops' trailing arguments after the features': `score_mod`, the variant's key ("" for
-# none: every other call), then slot k's tensor `user_t<k>` (a per_head, per_batch,
+# The variant ops' trailing arguments after the features': `score_mod`, the variant's key
+# ("" for none), then slot k's tensor `user_t<k>` (a per_head, per_batch,
 # per_batch_int or table parameter) and slot k's number `user_s<k>` (a scalar or scalar_int
 # parameter); parameter k of the spec's params, sorted by name, owns slot k
 # (docs/usermod.md, "The parameters' C ABI"). Unused slots are None and 0.0.
@@ -690,10 +700,10 @@ def _fwd_select(
 ):  # fmt: skip
     """Every check of a forward call and its kernel: (problem, features, score_mod, runtime
     window, library). The Python implementation and the binding's planner both start here.
-    `user`: the nine user arguments (NO_USER when none)."""
+    `user`: a variant call's nine user arguments (none for a plain call)."""
     pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
-    mod = user_mod(q, pb.batch, pb.heads, *user) if user[0] or _any_user(user) else None
+    mod = user_mod(q, pb.batch, pb.heads, *user) if user else None
     call, window = _call(
         q, pb, dropout_p, causal, window_left, window_right, deterministic, feats, mod
     )
@@ -718,17 +728,10 @@ def _fwd_impl(
     softcap: float = 0.0,
     alibi_slopes: Optional[Tensor] = None,
     learnable_sink: Optional[Tensor] = None,
-    score_mod: str = "",
-    user_t0: Optional[Tensor] = None,
-    user_t1: Optional[Tensor] = None,
-    user_t2: Optional[Tensor] = None,
-    user_t3: Optional[Tensor] = None,
-    user_s0: float = 0.0,
-    user_s1: float = 0.0,
-    user_s2: float = 0.0,
-    user_s3: float = 0.0,
+    *user,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    user = (score_mod, user_t0, user_t1, user_t2, user_t3, user_s0, user_s1, user_s2, user_s3)
+    """flashgen::fwd (`_FWD_SCHEMA`) and, with `user` (the nine user arguments),
+    flashgen::fwd_variant: one launch path for both."""
     pb, feats, mod, (win_l, win_r), lib = _fwd_select(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
         softmax_scale, causal, window_left, window_right, deterministic, softcap, alibi_slopes,
@@ -799,7 +802,7 @@ def _fwd_fake(
 ):  # fmt: skip
     pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
-    mod = user_mod(q, pb.batch, pb.heads, *_user(user))
+    mod = user_mod(q, pb.batch, pb.heads, *_user(user)) if user else None
     call, _ = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic, feats,
                     mod)  # fmt: skip
     selection.forward_spec(call)  # refuse at trace time what the kernel cannot serve
@@ -847,7 +850,7 @@ def _bwd_select(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     )  # fmt: skip
     feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
-    mod = user_mod(q, pb.batch, pb.heads, *user) if user[0] or _any_user(user) else None
+    mod = user_mod(q, pb.batch, pb.heads, *user) if user else None
     call, window = _call(
         q, pb, dropout_p, causal, window_left, window_right, deterministic, feats, mod
     )
@@ -878,18 +881,10 @@ def _bwd_impl(
     softcap: float = 0.0,
     alibi_slopes: Optional[Tensor] = None,
     learnable_sink: Optional[Tensor] = None,
-    score_mod: str = "",
-    user_t0: Optional[Tensor] = None,
-    user_t1: Optional[Tensor] = None,
-    user_t2: Optional[Tensor] = None,
-    user_t3: Optional[Tensor] = None,
-    user_s0: float = 0.0,
-    user_s1: float = 0.0,
-    user_s2: float = 0.0,
-    user_s3: float = 0.0,
+    *user,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """flashgen::bwd (`_BWD_SCHEMA`) and, with `user`, flashgen::bwd_variant."""
     lse = softmax_lse
-    user = (score_mod, user_t0, user_t1, user_t2, user_t3, user_s0, user_s1, user_s2, user_s3)
     pb, feats, mod, (win_l, win_r), spec, lib = _bwd_select(
         dout, q, k, v, out, lse, philox_seed, philox_offset, cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
@@ -982,7 +977,7 @@ def _bwd_fake(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     )  # fmt: skip
     feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
-    mod = user_mod(q, pb.batch, pb.heads, *_user(user))
+    mod = user_mod(q, pb.batch, pb.heads, *_user(user)) if user else None
     call, _ = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic, feats,
                     mod)  # fmt: skip
     selection.backward_spec(call)
@@ -1069,7 +1064,7 @@ def check_backward(
     fails at its forward, not after it). `user`: the nine user arguments, if any."""
     pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     feats = score_features(q, pb.batch, pb.heads, softcap, alibi_slopes, learnable_sink)
-    mod = user_mod(q, pb.batch, pb.heads, *_user(user))
+    mod = user_mod(q, pb.batch, pb.heads, *_user(user)) if user else None
     call, _ = _call(q, pb, dropout_p, causal, window_left, window_right, deterministic, feats,
                     mod)  # fmt: skip
     selection.backward_spec(call)
@@ -1086,16 +1081,15 @@ def check_backward(
 
 
 # fwd's inputs: q, k, v, cu_seqlens_q/k, max_seqlen_q/k, dropout_p, softmax_scale, causal,
-# window_left/right, deterministic, softcap, alibi_slopes, learnable_sink, then the nine user
-# arguments (score_mod, user_t0..3, user_s0..3).
+# window_left/right, deterministic, softcap, alibi_slopes, learnable_sink.
 _SINK_INPUT = 15
-_FWD_INPUTS = 16 + len(USER_ARGS)
 
 
-def _setup_context(ctx, inputs, output) -> None:
+def _setup_context(ctx, inputs, output, user=()) -> None:
+    """fwd's autograd context; `user`: a fwd_variant call's nine user arguments
+    (`_setup_variant_context`), saved for bwd_variant."""
     (q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, win_l, win_r, det, softcap,
-     alibi, sink) = inputs[:16]  # fmt: skip
-    user = _user(inputs[16:])
+     alibi, sink) = inputs  # fmt: skip
     out, lse, seed, offset = output
     # The forward accepted these tensors (_problem), so a call known to check_backward
     # passes it: only the first call of its kind pays for the check.
@@ -1107,10 +1101,11 @@ def _setup_context(ctx, inputs, output) -> None:
             q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, win_l, win_r, det, *score,
             *user,
         )  # fmt: skip
-    tensors = user[1 : 1 + USER_SLOTS]
-    ctx.save_for_backward(q, k, v, out, lse, seed, offset, cu_q, cu_k, alibi, sink, *tensors)
+    # a variant's parameter tensors are saved with the others, its key and numbers as values
+    ctx.save_for_backward(q, k, v, out, lse, seed, offset, cu_q, cu_k, alibi, sink,
+                          *user[1 : 1 + USER_SLOTS])  # fmt: skip
     ctx.attrs = (max_q, max_k, dropout_p, scale, causal, win_l, win_r, det, softcap)
-    ctx.user = (user[0], user[1 + USER_SLOTS :])
+    ctx.user = (user[0], user[1 + USER_SLOTS :]) if user else None
     # The LSE is an output for inspection and merging, not a differentiable one (as in
     # flash-attn): the backward kernel has no term for a gradient flowing into it.
     ctx.mark_non_differentiable(lse, seed, offset)
@@ -1125,17 +1120,143 @@ def _usable(dout: Tensor) -> Tensor:
 
 
 def _backward(ctx, dout, _dlse, _dseed, _doffset):
+    """fwd's backward (bwd) and fwd_variant's (bwd_variant, with the saved user arguments)."""
     q, k, v, out, lse, seed, offset, cu_q, cu_k, alibi, sink, *tensors = ctx.saved_tensors
-    key, numbers = ctx.user
-    dq, dk, dv, dsink = torch.ops.flashgen.bwd.default(
-        _usable(dout), q, k, v, out, lse, seed, offset, cu_q, cu_k, *ctx.attrs, alibi, sink,
-        key, *tensors, *numbers,
-    )  # fmt: skip
-    # softcap, alibi_slopes and a score_mod's parameters get no gradient (as in flash-attn);
-    # the sink's is the kernel's
+    if ctx.user is None:
+        dq, dk, dv, dsink = torch.ops.flashgen.bwd.default(
+            _usable(dout), q, k, v, out, lse, seed, offset, cu_q, cu_k, *ctx.attrs, alibi, sink
+        )
+        rest = ()
+    else:
+        key, numbers = ctx.user
+        dq, dk, dv, dsink = torch.ops.flashgen.bwd_variant.default(
+            _usable(dout), q, k, v, out, lse, seed, offset, cu_q, cu_k, *ctx.attrs, alibi, sink,
+            key, *tensors, *numbers,
+        )  # fmt: skip
+        rest = (None,) * len(USER_ARGS)  # a score_mod's parameters get no gradient
+    # softcap and alibi_slopes get no gradient (as in flash-attn); the sink's is the kernel's
     want_sink = sink is not None and ctx.needs_input_grad[_SINK_INPUT]
-    rest = (None,) * (_FWD_INPUTS - _SINK_INPUT - 1)
     return (dq, dk, dv) + (None,) * 12 + (dsink if want_sink else None,) + rest
+
+
+# --------------------------------------------------------------------------------------------
+# The variant ops (flashgen.torch.compile_variant): fwd and bwd plus the nine user arguments.
+# --------------------------------------------------------------------------------------------
+
+# The plain ops' schemas, spelled out: `_fwd_impl` / `_bwd_impl` also take a variant's user
+# arguments (`*user`), which no schema can be inferred from. Every flash_attn_func call goes
+# through these two; the user arguments are the variant ops' alone, so a plain call's
+# arguments, autograd wrapper and binding fast path are those of a build without variants.
+_FWD_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+    "SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, float softmax_scale, "
+    "bool causal, SymInt window_left, SymInt window_right, bool deterministic, "
+    "float softcap=0.0, Tensor? alibi_slopes=None, "
+    "Tensor? learnable_sink=None) -> (Tensor, Tensor, Tensor, Tensor)"
+)
+_BWD_SCHEMA = (
+    "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
+    "Tensor philox_seed, Tensor philox_offset, Tensor? cu_seqlens_q, "
+    "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, "
+    "float softmax_scale, bool causal, SymInt window_left, SymInt window_right, "
+    "bool deterministic, float softcap=0.0, Tensor? alibi_slopes=None, "
+    "Tensor? learnable_sink=None) -> (Tensor, Tensor, Tensor, Tensor)"
+)
+
+
+def _fwd_variant_impl(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    deterministic: bool,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    learnable_sink: Optional[Tensor] = None,
+    score_mod: str = "",
+    user_t0: Optional[Tensor] = None,
+    user_t1: Optional[Tensor] = None,
+    user_t2: Optional[Tensor] = None,
+    user_t3: Optional[Tensor] = None,
+    user_s0: float = 0.0,
+    user_s1: float = 0.0,
+    user_s2: float = 0.0,
+    user_s3: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """flashgen::fwd_variant: fwd's arguments, then the user arguments (`USER_ARGS`)."""
+    return _fwd_impl(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+        softmax_scale, causal, window_left, window_right, deterministic, softcap, alibi_slopes,
+        learnable_sink, score_mod, user_t0, user_t1, user_t2, user_t3, user_s0, user_s1,
+        user_s2, user_s3,
+    )  # fmt: skip
+
+
+def _bwd_variant_impl(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    softmax_lse: Tensor,
+    philox_seed: Tensor,
+    philox_offset: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    deterministic: bool,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    learnable_sink: Optional[Tensor] = None,
+    score_mod: str = "",
+    user_t0: Optional[Tensor] = None,
+    user_t1: Optional[Tensor] = None,
+    user_t2: Optional[Tensor] = None,
+    user_t3: Optional[Tensor] = None,
+    user_s0: float = 0.0,
+    user_s1: float = 0.0,
+    user_s2: float = 0.0,
+    user_s3: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """flashgen::bwd_variant: bwd's arguments, then the user arguments (`USER_ARGS`)."""
+    return _bwd_impl(
+        dout, q, k, v, out, softmax_lse, philox_seed, philox_offset, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
+        deterministic, softcap, alibi_slopes, learnable_sink, score_mod, user_t0, user_t1,
+        user_t2, user_t3, user_s0, user_s1, user_s2, user_s3,
+    )  # fmt: skip
+
+
+def _variant_fake(signature_of, fake):
+    """A variant op's fake: its arguments bound to the op's signature (defaults filled), then
+    the plain op's fake with the user arguments appended."""
+    sig = inspect.signature(signature_of)
+
+    def variant_fake(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return fake(*bound.args)
+
+    return variant_fake
+
+
+def _setup_variant_context(ctx, inputs, output) -> None:
+    """fwd_variant's autograd context: fwd's, with the user arguments (defaults filled)."""
+    _setup_context(ctx, tuple(inputs[:16]), output, _user(inputs[16:]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1149,26 +1270,6 @@ _SLOT_CTYPE = {r.name: r.ctype for r in SCORE_PARAMS}
 _SLOT_ARG = {r.name: f.torch_arg for f in FEATURES for r in f.params}
 _SLOT_KINDS = {"alibi_slopes": 1, "learnable_sink": 2}  # binding.cpp's SlotKind; 3: dsinks
 _DSINKS_SLOT = "dsinks"
-# binding.cpp's SlotKind of the user slots: the data pointer of user_t<value>, user_s<value>
-# as a double, user_s<value> as an int64
-_USER_TENSOR, _USER_F64, _USER_I64 = 4, 5, 6
-
-
-def _user_slots(mod: Optional[UserMod], tensors: tuple) -> list[tuple]:
-    """The binding's slots of a variant's parameters (`user_params`' fields): pointers and
-    numbers read per call from the op's arguments, a table's columns a constant of the key
-    (the table's layout is in it)."""
-    slots = []
-    for k, (_, kind) in enumerate(mod.params if mod is not None else ()):
-        if kind is ParamKind.SCALAR:
-            slots.append((_SLOT_INDEX[f"user_f{k}"], _USER_F64, k))
-        elif kind is ParamKind.SCALAR_INT:
-            slots.append((_SLOT_INDEX[f"user_i{k}"], _USER_I64, k))
-        else:
-            slots.append((_SLOT_INDEX[f"user_ptr{k}"], _USER_TENSOR, k))
-            if kind is ParamKind.TABLE:
-                slots.append((_SLOT_INDEX[f"user_i{k}"], 0, int(tensors[k].shape[1])))
-    return slots
 
 
 def _score_slots(feats, softcap, alibi_slopes, learnable_sink, dsinks: bool) -> list[tuple]:
@@ -1203,38 +1304,35 @@ def _plan(lib, window, slots, spec=None) -> dict:
 def _fwd_plan(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
     causal, window_left, window_right, deterministic, softcap=0.0, alibi_slopes=None,
-    learnable_sink=None, *user,
+    learnable_sink=None,
 ):  # fmt: skip
     """The binding's plan for the key of this forward call, or None when the Python
     implementation serves the key (dropout: the CUDA generator's state is read per call).
     Raises what the Python path raises."""
-    user = _user(user)
-    _, feats, mod, window, lib = _fwd_select(
+    _, feats, _, window, lib = _fwd_select(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
         softmax_scale, causal, window_left, window_right, deterministic, softcap, alibi_slopes,
-        learnable_sink, *user,
+        learnable_sink,
     )  # fmt: skip
     if dropout_p > 0.0:
         return None
-    slots = _score_slots(feats, softcap, alibi_slopes, learnable_sink, False)
-    return _plan(lib, window, slots + _user_slots(mod, user[1 : 1 + USER_SLOTS]))
+    return _plan(lib, window, _score_slots(feats, softcap, alibi_slopes, learnable_sink, False))
 
 
 def _bwd_plan(
     dout, q, k, v, out, softmax_lse, philox_seed, philox_offset, cu_seqlens_q, cu_seqlens_k,
     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
-    deterministic, softcap=0.0, alibi_slopes=None, learnable_sink=None, *user,
+    deterministic, softcap=0.0, alibi_slopes=None, learnable_sink=None,
 ):  # fmt: skip
     """The binding's plan for the key of this backward call (see `_fwd_plan`); the seed and
     offset are read per call, so dropout is served."""
-    user = _user(user)
-    _, feats, mod, window, spec, lib = _bwd_select(
+    _, feats, _, window, spec, lib = _bwd_select(
         dout, q, k, v, out, softmax_lse, philox_seed, philox_offset, cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
-        deterministic, softcap, alibi_slopes, learnable_sink, *user,
+        deterministic, softcap, alibi_slopes, learnable_sink,
     )  # fmt: skip
     slots = _score_slots(feats, softcap, alibi_slopes, learnable_sink, learnable_sink is not None)
-    return _plan(lib, window, slots + _user_slots(mod, user[1 : 1 + USER_SLOTS]), spec)
+    return _plan(lib, window, slots, spec)
 
 
 def _launch_error(name: str, err: int, msg: Optional[str]) -> None:
@@ -1245,14 +1343,14 @@ def _launch_error(name: str, err: int, msg: Optional[str]) -> None:
 def _check_backward_args(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
     causal, window_left, window_right, deterministic, softcap=0.0, alibi_slopes=None,
-    learnable_sink=None, *user,
+    learnable_sink=None,
 ) -> None:  # fmt: skip
     """check_backward on fwd's arguments (the binding's autograd kernel calls it once per
     key, before the forward runs)."""
     del softmax_scale
     check_backward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal,
-        window_left, window_right, deterministic, softcap, alibi_slopes, learnable_sink, *user,
+        window_left, window_right, deterministic, softcap, alibi_slopes, learnable_sink,
     )  # fmt: skip
 
 
@@ -1277,7 +1375,6 @@ def _install_binding():
         print(f"flashgen: torch binding unavailable ({reason}); using the ctypes path",
               file=sys.stderr)  # fmt: skip
         return None
-    schema = torch.library.infer_schema
     module.install(
         {
             "fwd_plan": _fwd_plan,
@@ -1287,8 +1384,8 @@ def _install_binding():
             "check_backward": _check_backward_args,
             "launch_error": _launch_error,
         },
-        "fwd" + schema(_fwd_impl, mutates_args=()),
-        "bwd" + schema(_bwd_impl, mutates_args=()),
+        "fwd" + _FWD_SCHEMA,
+        "bwd" + _BWD_SCHEMA,
         os.environ.get(binding.CPU_TESTS_ENV) == "1",
     )
     return module
@@ -1301,8 +1398,14 @@ if BINDING is not None:
     torch.library.register_fake("flashgen::fwd")(_fwd_fake)
     torch.library.register_fake("flashgen::bwd")(_bwd_fake)
 else:
-    fwd = torch.library.custom_op("flashgen::fwd", mutates_args=())(_fwd_impl)
+    fwd = torch.library.custom_op("flashgen::fwd", _fwd_impl, mutates_args=(), schema=_FWD_SCHEMA)
     fwd.register_fake(_fwd_fake)
-    bwd = torch.library.custom_op("flashgen::bwd", mutates_args=())(_bwd_impl)
+    bwd = torch.library.custom_op("flashgen::bwd", _bwd_impl, mutates_args=(), schema=_BWD_SCHEMA)
     bwd.register_fake(_bwd_fake)
     fwd.register_autograd(_backward, setup_context=_setup_context)
+# The variant ops are Python custom ops on either path (the binding defines fwd and bwd only).
+fwd_variant = torch.library.custom_op("flashgen::fwd_variant", mutates_args=())(_fwd_variant_impl)
+fwd_variant.register_fake(_variant_fake(_fwd_variant_impl, _fwd_fake))
+bwd_variant = torch.library.custom_op("flashgen::bwd_variant", mutates_args=())(_bwd_variant_impl)
+bwd_variant.register_fake(_variant_fake(_bwd_variant_impl, _bwd_fake))
+fwd_variant.register_autograd(_backward, setup_context=_setup_variant_context)

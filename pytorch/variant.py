@@ -17,10 +17,12 @@ modifier (`score_mod`, `params`), the dtypes and head dims it is built for and t
 kinds (forward; backward for autograd). Everything else about a call (mask, window, varlen,
 GQA, dropout, deterministic, the family and tile for the GPU) is decided per call exactly as
 for `flash_attn_func`: the call goes through `interface._attention` and the ops
-`torch.ops.flashgen.fwd` / `bwd`, whose trailing arguments carry the variant
-(`ops.USER_ARGS`), so torch.compile, opcheck, CUDA graphs and the compiled binding serve it
-as they serve every other call. The kernels are generated and compiled on first use into the
-kernel cache (`flashgen.torch.cache`), like any other kernel of flashgen.torch.
+`torch.ops.flashgen.fwd_variant` / `bwd_variant` (fwd's and bwd's arguments, then the
+variant's, `ops.USER_ARGS`; the same implementation functions), so torch.compile, opcheck and
+CUDA graphs serve it as they serve every other call. The compiled binding does not intercept
+the variant ops: with it on, a variant call takes the ctypes path. The kernels are generated
+and compiled on first use into the kernel cache (`flashgen.torch.cache`), like any other
+kernel of flashgen.torch.
 
 Refused (ValueError: `UnsupportedCall` or the spec's `SpecError`, naming what is wrong and
 what is allowed): a spec that does not parse, one without `score_mod` (flash_attn_func serves
@@ -132,8 +134,9 @@ class Variant:
     # -- the op's user arguments ------------------------------------------------------------
 
     def user_args(self, params: Mapping[str, Any]) -> tuple:
-        """The ops' nine user arguments (`ops.USER_ARGS`) for these parameter values: slot k
-        (the k-th parameter by name) takes a tensor in user_t<k> or a number in user_s<k>.
+        """The variant ops' nine user arguments (`ops.USER_ARGS`) for these parameter values:
+        slot k (the k-th parameter by name) takes a tensor in user_t<k> or a number in
+        user_s<k>.
         Missing and undeclared names are refused here; values are checked by the op."""
         extra = sorted(set(params) - set(self.params))
         missing = [n for n in self.params if n not in params]

@@ -269,21 +269,66 @@ def test_dtypes_head_dims_and_kernels_the_spec_does_not_declare_are_refused():
         var(*_qkv(), alibi_slopes=slopes, slopes=slopes)
 
 
-def test_the_ops_refuse_user_arguments_without_a_variant_and_bad_keys():
+def test_the_variant_ops_refuse_user_arguments_without_a_variant_and_bad_keys():
     q, k, v = _qkv()
     base = (q, k, v, None, None, 0, 0, 0.0, 0.125, False, -1, -1, False, 0.0, None, None)
     with pytest.raises(UnsupportedCall, match="score_mod is ''"):
-        torch.ops.flashgen.fwd.default(*base, "", torch.rand(4))
+        torch.ops.flashgen.fwd_variant.default(*base, "", torch.rand(4))
     with pytest.raises(UnsupportedCall, match="score_mod is ''"):
-        torch.ops.flashgen.fwd.default(*base, "", None, None, None, None, 1.0)
+        torch.ops.flashgen.fwd_variant.default(*base, "", None, None, None, None, 1.0)
     with pytest.raises(UnsupportedCall, match="not a variant key"):
-        torch.ops.flashgen.fwd.default(*base, "s * 2")
+        torch.ops.flashgen.fwd_variant.default(*base, "s * 2")
     key = compile_variant(ALIBI).key
     with pytest.raises(UnsupportedCall, match="user slot 1 is set.*slopes \\(slot 0\\)"):
-        torch.ops.flashgen.fwd.default(*base, key, torch.rand(4), torch.rand(4))
+        torch.ops.flashgen.fwd_variant.default(*base, key, torch.rand(4), torch.rand(4))
     bad = key.replace("abs(", "abz(")
     with pytest.raises(UnsupportedCall, match="abz"):
-        torch.ops.flashgen.fwd.default(*base, bad, torch.rand(4))
+        torch.ops.flashgen.fwd_variant.default(*base, bad, torch.rand(4))
+
+
+def test_the_plain_ops_take_no_user_arguments():
+    """fwd and bwd keep their 16 and 21 arguments (every flash_attn_func call goes through
+    them, and the custom-op wrapper's cost grows with the argument count); the user
+    arguments are the variant ops' alone."""
+    for name, n in (("fwd", 16), ("bwd", 21)):
+        plain = getattr(torch.ops.flashgen, name).default._schema.arguments
+        variant = getattr(torch.ops.flashgen, f"{name}_variant").default._schema.arguments
+        assert len(plain) == n and [a.name for a in variant[n:]] == list(ops.USER_ARGS)
+
+        def sig(args):
+            return [(a.name, str(a.type), a.default_value) for a in args]
+
+        assert sig(variant[:n]) == sig(plain)
+    q, k, v = _qkv()
+    base = (q, k, v, None, None, 0, 0, 0.0, 0.125, False, -1, -1, False, 0.0, None, None)
+    with pytest.raises(RuntimeError, match="expected at most 16 argument"):
+        torch.ops.flashgen.fwd.default(*base, "")
+
+
+def test_a_variant_call_uses_the_variant_ops_and_a_plain_call_the_plain_ones(mock):
+    from flashgen.torch import flash_attn_func
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "flashgen":
+                self.seen.append((func.__name__, len(args)))
+            return func(*args, **(kwargs or {}))
+
+    var = compile_variant(ALIBI)
+    for call, want in (
+        (lambda q, k, v: var(q, k, v, causal=True, slopes=torch.rand(4)), "_variant"),
+        (lambda q, k, v: flash_attn_func(q, k, v, causal=True), ""),
+    ):
+        q, k, v = _qkv(grad=True)
+        with Ops() as mode:
+            call(q, k, v).float().sum().backward()
+        names = [n for n, _ in mode.seen]
+        assert names == [f"fwd{want}.default", f"bwd{want}.default"], mode.seen
 
 
 # -- the kernel cache -------------------------------------------------------------------------
@@ -376,11 +421,11 @@ def test_opcheck_passes_on_a_variant_call():
     q, k, v = _qkv(grad=True)
     user = var.user_args(_bias_params())
     args = (q, k, v, None, None, 0, 0, 0.0, 0.125, True, -1, -1, False, 0.0, None, None, *user)
-    torch.library.opcheck(torch.ops.flashgen.fwd.default, args)
-    out, lse, seed, offset = torch.ops.flashgen.fwd.default(*args)
+    torch.library.opcheck(torch.ops.flashgen.fwd_variant.default, args)
+    out, lse, seed, offset = torch.ops.flashgen.fwd_variant.default(*args)
     d = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
     bargs = (torch.randn_like(out), *d[:3], out.detach(), lse, seed, offset, *d[3:])
-    torch.library.opcheck(torch.ops.flashgen.bwd.default, bargs)
+    torch.library.opcheck(torch.ops.flashgen.bwd_variant.default, bargs)
 
 
 def test_the_example_spec_is_a_variant(mock):

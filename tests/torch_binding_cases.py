@@ -343,10 +343,21 @@ def test_flash_attn_func_goes_through_the_binding(mock):
 
 
 def test_the_schemas_are_the_python_implementations():
-    for name, impl in (("fwd", ops._fwd_impl), ("bwd", ops._bwd_impl)):
+    """The binding's fwd and bwd have the Python path's schemas, which are the variant ops'
+    (their signatures) without the user arguments."""
+    for name, schema, variant in (
+        ("fwd", ops._FWD_SCHEMA, ops._fwd_variant_impl),
+        ("bwd", ops._BWD_SCHEMA, ops._bwd_variant_impl),
+    ):
         op = getattr(torch.ops.flashgen, name).default
-        want = torch.library.infer_schema(impl, mutates_args=())
-        assert op._schema == torch._C.parse_schema(f"flashgen::{name}{want}")
+        assert op._schema == torch._C.parse_schema(f"flashgen::{name}{schema}")
+        full = torch.library.infer_schema(variant, mutates_args=())
+        full_args = torch._C.parse_schema(f"flashgen::{name}_variant{full}").arguments
+        n = len(op._schema.arguments)
+        assert [str(a.name) + str(a.type) for a in op._schema.arguments] == [
+            str(a.name) + str(a.type) for a in full_args[:n]
+        ]
+        assert [a.name for a in full_args[n:]] == list(ops.USER_ARGS)
 
 
 def test_the_extension_is_cached_by_its_sources():
@@ -583,76 +594,79 @@ def _bwd_variant_args(args, out, lse, seed, offset):
     return (torch.randn_like(out), *args[:3], out, lse, seed, offset, *args[3:])
 
 
+def _no_binding_traffic(s0: dict) -> bool:
+    """Whether the binding served nothing since `s0` (no hit, miss or fallback)."""
+    s1 = ops.BINDING.stats()
+    return all(s1[n] == s0[n] for n in ("hits", "misses", "fallbacks"))
+
+
 @pytest.mark.parametrize("cu", [False, True])
-def test_variant_structs_equal_the_python_paths(mock, cu):
+def test_variant_ops_take_the_python_path_with_the_user_fields(mock, cu):
+    """The variant ops are Python custom ops beside the binding's fwd and bwd: the binding
+    sees none of their calls, and their structs carry the user fields as the ctypes path
+    packs them (ops.user_params)."""
     from flashgen.torch import compile_variant
 
     var = compile_variant(_VARIANT)
     args = _variant_args(var, cu=cu)
     s0 = ops.BINDING.stats()
-    out, lse, seed, offset = torch.ops.flashgen.fwd.default(*args)
-    fast = taken(mock, "fwd")
+    n0 = calls(mock, "fwd")
+    out, lse, seed, offset = torch.ops.flashgen.fwd_variant.default(*args)
+    assert calls(mock, "fwd") == n0 + 1
+    via_op = taken(mock, "fwd")
     py_out, py_lse, *_ = ops._fwd_impl(*args)
-    slow = taken(mock, "fwd")
-    assert _normalised(fast, {"o": out, "lse": lse}) == _normalised(
-        slow, {"o": py_out, "lse": py_lse}
+    direct = taken(mock, "fwd")
+    assert _normalised(via_op, {"o": out, "lse": lse}) == _normalised(
+        direct, {"o": py_out, "lse": py_lse}
     )
-    assert fast["user_ptr3"] == args[16 + 4].data_ptr()  # slopes: slot 3 (bias, n, offset, ...)
-    assert (fast["user_i0"], fast["user_i1"], fast["user_f2"]) == (32, 3, 0.25)
+    assert via_op["user_ptr3"] == args[16 + 4].data_ptr()  # slopes: slot 3 (bias, n, offset, ..)
+    assert (via_op["user_i0"], via_op["user_i1"], via_op["user_f2"]) == (32, 3, 0.25)
     bargs = _bwd_variant_args(args, out, lse, seed, offset)
-    dq, dk, dv, _ = torch.ops.flashgen.bwd.default(*bargs)
-    fast = taken(mock, "bwd")
-    py = ops._bwd_impl(*bargs)
-    slow = taken(mock, "bwd")
-    fast_n = _normalised(fast, dict(zip(("dq", "dk", "dv"), (dq, dk, dv))))
-    slow_n = _normalised(slow, dict(zip(("dq", "dk", "dv"), py[:3])))
-    for rec in (fast_n, slow_n):
-        base = rec["dq_accum"]
-        rec["dq_accum"], rec["dsum"] = 0, rec["dsum"] - base
-    assert fast_n == slow_n and fast["user_ptr3"] == args[20].data_ptr()
-    assert ops.BINDING.stats()["fallbacks"] == s0["fallbacks"]  # both served by the fast path
+    dq, dk, dv, _ = torch.ops.flashgen.bwd_variant.default(*bargs)
+    rec = taken(mock, "bwd")
+    assert rec["dq"] == dq.data_ptr() and rec["user_ptr3"] == args[20].data_ptr()
+    assert (rec["user_i0"], rec["user_i1"], rec["user_f2"]) == (32, 3, 0.25)
+    assert _no_binding_traffic(s0)
 
 
-def test_variant_values_are_per_call_and_other_keys_unchanged(mock):
+def test_variant_calls_leave_the_plain_keys_and_structs_alone(mock):
     from flashgen.torch import compile_variant
 
     var = compile_variant(_VARIANT)
     args = _variant_args(var)
     plain = args[:16]
-    torch.ops.flashgen.fwd.default(*plain)
+    torch.ops.flashgen.fwd.default(*plain)  # a miss: the key's plan
     s0 = ops.BINDING.stats()
-    torch.ops.flashgen.fwd.default(*args)  # a variant of the same layouts: its own key
-    s1 = ops.BINDING.stats()
-    assert (s1["misses"] - s0["misses"], s1["hits"] - s0["hits"]) == (1, 0)
+    torch.ops.flashgen.fwd_variant.default(*args)  # the same layouts, through Python
+    assert _no_binding_traffic(s0)
     again = _variant_args(var, offset=-1.5, n=7)  # other values and tensors, same layouts
-    torch.ops.flashgen.fwd.default(*again)
-    torch.ops.flashgen.fwd.default(*plain)
-    s2 = ops.BINDING.stats()
-    assert (s2["misses"] - s1["misses"], s2["hits"] - s1["hits"]) == (0, 2)
-    rec = taken(mock, "fwd")
-    assert not any(v for n, v in rec.items() if n.startswith("user_"))  # the plain call's
-    torch.ops.flashgen.fwd.default(*again)
+    torch.ops.flashgen.fwd_variant.default(*again)
     rec = taken(mock, "fwd")
     assert (rec["user_i1"], rec["user_f2"], rec["user_ptr0"]) == (7, -1.5, again[17].data_ptr())
+    torch.ops.flashgen.fwd.default(*plain)
+    s1 = ops.BINDING.stats()
+    assert (s1["misses"] - s0["misses"], s1["hits"] - s0["hits"]) == (0, 1)
+    rec = taken(mock, "fwd")
+    assert not any(v for n, v in rec.items() if n.startswith("user_"))  # the plain call's
 
 
-def test_variant_values_the_planner_refuses_are_refused_on_a_hit(mock):
+def test_variant_values_the_python_path_refuses_are_refused(mock):
     from flashgen.torch import compile_variant
 
     var = compile_variant(_VARIANT)
-    torch.ops.flashgen.fwd.default(*_variant_args(var))
+    torch.ops.flashgen.fwd_variant.default(*_variant_args(var))
     args = list(_variant_args(var))
     args[16 + 5 + 2] = float("nan")  # offset (slot 2)
     with pytest.raises(UnsupportedCall, match=r"'offset' \(scalar, slot 2\) must be finite"):
-        torch.ops.flashgen.fwd.default(*args)
+        torch.ops.flashgen.fwd_variant.default(*args)
     args = list(_variant_args(var))
     args[16 + 5 + 1] = 2.5  # n (scalar_int, slot 1)
     with pytest.raises(UnsupportedCall, match=r"'n' \(scalar_int, slot 1\) must be an integer"):
-        torch.ops.flashgen.fwd.default(*args)
+        torch.ops.flashgen.fwd_variant.default(*args)
     args = list(_variant_args(var))
     args[16 + 5 + 3] = 1.0  # slot 3 is slopes, a tensor: its number must stay 0
     with pytest.raises(UnsupportedCall, match="user_s3 must be 0.0"):
-        torch.ops.flashgen.fwd.default(*args)
+        torch.ops.flashgen.fwd_variant.default(*args)
 
 
 def test_opcheck_and_autograd_pass_on_a_variant_call(mock):
@@ -660,11 +674,29 @@ def test_opcheck_and_autograd_pass_on_a_variant_call(mock):
 
     var = compile_variant(_VARIANT)
     args = _variant_args(var, grad=True)
-    torch.library.opcheck(torch.ops.flashgen.fwd.default, args)
+    torch.library.opcheck(torch.ops.flashgen.fwd_variant.default, args)
     q, k, v = args[:3]
-    out, *_ = torch.ops.flashgen.fwd.default(*args)
+    s0 = ops.BINDING.stats()
+    out, *_ = torch.ops.flashgen.fwd_variant.default(*args)
     out.float().sum().backward()
     assert all(t.grad is not None for t in (q, k, v))
     rec = taken(mock, "bwd")
     assert (rec["user_i0"], rec["user_i1"], rec["user_f2"]) == (32, 3, 0.25)
     assert rec["user_ptr3"] == args[20].data_ptr()
+    assert _no_binding_traffic(s0)
+
+
+def test_a_compile_variant_call_with_grad_uses_the_variant_ops(mock):
+    """Through compile_variant with the binding on: forward and backward via the Python
+    variant ops, the backward checked before the forward (the binding's autograd kernel,
+    which does that for fwd, does not see the call)."""
+    from flashgen.torch import compile_variant
+
+    var = compile_variant(_VARIANT)
+    q, k, v = (torch.randn(2, 24, 4, 64, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))  # fmt: skip
+    params = {"slopes": torch.rand(4), "offset": 0.5, "bias": torch.randn(4, 32), "n": 2}
+    s0 = ops.BINDING.stats()
+    var(q, k, v, causal=True, **params).float().sum().backward()
+    assert _no_binding_traffic(s0) and all(t.grad is not None for t in (q, k, v))
+    assert taken(mock, "bwd")["user_f2"] == 0.5

@@ -11,10 +11,7 @@
 //   key       what the Python path's verdict and kernel choice depend on: the layouts
 //             (dtype, device, sizes, strides) of every tensor argument, packed lengths
 //             excepted, and every scalar argument but the per-call values (softmax_scale,
-//             varlen max_seqlen). Equal keys give equal plans. A compile_variant call's
-//             user arguments (score_mod, user_t0..3, user_s0..3) join the key only when one
-//             is set (`push_user`): the variant's id, the tensors' layouts and which numbers
-//             are 0; the numbers themselves are per-call values.
+//             varlen max_seqlen). Equal keys give equal plans.
 //   fallback  a call the fast path does not serve (dropout, empty or misaligned tensors,
 //             values the planner must check): it runs the Python implementation, which
 //             launches through ctypes or raises the Python path's error.
@@ -32,7 +29,6 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <array>
-#include <cmath>
 #include <limits>
 #include <atomic>
 #include <cstring>
@@ -117,17 +113,7 @@ using CheckFn = const char* (*)(const void* params);
 using WorkspaceFn = size_t (*)(const void* params);
 
 // A score-stage slot: one 8-byte field of fg_score_params and where its value comes from.
-// The user kinds (a compile_variant call's parameters, ops._user_slots) read the op's user
-// argument `value`: user_t<value>'s data pointer, user_s<value> as a double or as an int64.
-enum SlotKind : int64_t {
-  kConst = 0,
-  kAlibiPtr = 1,
-  kSinkPtr = 2,
-  kDsinkPtr = 3,
-  kUserTensor = 4,
-  kUserF64 = 5,
-  kUserI64 = 6,
-};
+enum SlotKind : int64_t { kConst = 0, kAlibiPtr = 1, kSinkPtr = 2, kDsinkPtr = 3 };
 struct Slot {
   int64_t index, kind, value;
 };
@@ -142,7 +128,6 @@ struct Plan {
   std::vector<Slot> slots;
   int64_t block_m = 1;
   bool deterministic = false;
-  bool user = false;  // some slot reads a user argument (a compile_variant call)
 };
 
 constexpr size_t kPlanLimit = 1024;  // bounded like the Python memos: cleared when full
@@ -221,7 +206,6 @@ std::shared_ptr<const Plan> plan_from_py(const py::object& obj) {
   for (auto item : d["score_slots"]) {
     py::tuple s = item.cast<py::tuple>();
     plan->slots.push_back({as_int(s[0]), as_int(s[1]), as_int(s[2])});
-    if (plan->slots.back().kind >= kUserTensor) plan->user = true;
   }
   TORCH_CHECK(plan->launch != nullptr && plan->check != nullptr,
               "flashgen binding: the planner returned no entry points for ", plan->name);
@@ -289,26 +273,8 @@ Strides strides_of(const Tensor& t, bool varlen) {
   return {t.stride(0), t.stride(1), t.stride(2)};
 }
 
-// The user arguments of fwd and bwd: score_mod (a variant key, "" for none), then
-// user_t0..3 (tensors or None) and user_s0..3 (doubles); `u` points at score_mod.
-constexpr int kUserSlots = 4, kUserArgs = 1 + 2 * kUserSlots;
-
-// Whether the user numbers of a variant call are ones the planner accepted for its key
-// (finite; integers for the int64 slots): else the Python implementation refuses the call.
-bool user_numbers_ok(const Plan& plan, const IValue* u) {
-  for (const Slot& s : plan.slots) {
-    if (s.kind != kUserF64 && s.kind != kUserI64) continue;
-    const double x = u[1 + kUserSlots + s.value].toDouble();
-    if (!std::isfinite(x)) return false;
-    if (s.kind == kUserI64 && (x != std::trunc(x) || std::fabs(x) >= 9007199254740992.0))
-      return false;
-  }
-  return true;
-}
-
 void set_score_slots(fg_score_params& sp, const Plan& plan, const c10::optional<Tensor>& alibi,
-                     const c10::optional<Tensor>& sink, const Tensor* dsink,
-                     const IValue* user) {
+                     const c10::optional<Tensor>& sink, const Tensor* dsink) {
   auto* words = reinterpret_cast<uint64_t*>(&sp);
   constexpr int64_t kWords = sizeof(fg_score_params) / sizeof(uint64_t);
   for (const Slot& s : plan.slots) {
@@ -317,52 +283,8 @@ void set_score_slots(fg_score_params& sp, const Plan& plan, const c10::optional<
     if (s.kind == kAlibiPtr) value = reinterpret_cast<uintptr_t>(alibi->data_ptr());
     if (s.kind == kSinkPtr) value = reinterpret_cast<uintptr_t>(sink->data_ptr());
     if (s.kind == kDsinkPtr) value = reinterpret_cast<uintptr_t>(dsink->data_ptr());
-    if (s.kind >= kUserTensor) {
-      TORCH_CHECK(s.value >= 0 && s.value < kUserSlots, "flashgen binding: bad user slot");
-      if (s.kind == kUserTensor) {
-        value = reinterpret_cast<uintptr_t>(user[1 + s.value].toTensor().data_ptr());
-      } else {
-        const double x = user[1 + kUserSlots + s.value].toDouble();
-        if (s.kind == kUserF64) {
-          std::memcpy(&value, &x, sizeof value);
-        } else {
-          value = static_cast<uint64_t>(static_cast<int64_t>(x));
-        }
-      }
-    }
     words[s.index] = value;
   }
-}
-
-// Variant keys (score_mod strings) as small ints for the plan keys: one id per distinct text
-// (ids are never reused, so a cleared table only costs new plans).
-std::mutex g_variant_mu;
-std::unordered_map<std::string, int64_t> g_variant_ids;
-int64_t g_next_variant = 1;
-
-int64_t variant_id(const std::string& text) {
-  std::lock_guard<std::mutex> lock(g_variant_mu);
-  auto it = g_variant_ids.find(text);
-  if (it != g_variant_ids.end()) return it->second;
-  if (g_variant_ids.size() >= kPlanLimit) g_variant_ids.clear();
-  return g_variant_ids[text] = g_next_variant++;
-}
-
-// The user arguments' part of a key: nothing when they are all unset (every call without a
-// variant, whose keys stay as they were), else the variant's id, the user tensors' layouts
-// and which numbers are 0 (the numbers' values are per-call, like softmax_scale; whether an
-// unused slot is 0 decides the planner's verdict).
-void push_user(Key& key, const IValue* u) {
-  const bool named = u[0].isString() && !u[0].toStringRef().empty();
-  bool set = named;
-  for (int i = 1; i < kUserArgs && !set; ++i)
-    set = i <= kUserSlots ? !u[i].isNone() : u[i].toDouble() != 0.0;
-  if (!set) return;
-  key.push(0x5553);  // "US": a user part follows
-  key.push(named ? variant_id(u[0].toStringRef()) : 0);
-  for (int i = 1; i <= kUserSlots; ++i)
-    key.push_tensor(u[i].isNone() ? Tensor() : u[i].toTensor(), false);
-  for (int i = 1 + kUserSlots; i < kUserArgs; ++i) key.push(u[i].toDouble() != 0.0);
 }
 
 bool finite_positive(double x) { return x > 0.0 && x < std::numeric_limits<double>::infinity(); }
@@ -373,10 +295,8 @@ Tensor scalar_i64(uint64_t value) {
 
 // ---- flashgen::fwd --------------------------------------------------------------------------
 // q k v cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k dropout_p softmax_scale causal
-// window_left window_right deterministic softcap alibi_slopes learnable_sink score_mod
-// user_t0..3 user_s0..3
-constexpr size_t kFwdUser = 16;
-constexpr size_t kFwdArgs = kFwdUser + kUserArgs;
+// window_left window_right deterministic softcap alibi_slopes learnable_sink
+constexpr size_t kFwdArgs = 16;
 
 Key fwd_key(c10::ArrayRef<IValue> a, bool varlen) {
   Key key;
@@ -391,7 +311,6 @@ Key fwd_key(c10::ArrayRef<IValue> a, bool varlen) {
   key.push_f64(a[13].toDouble());  // softcap
   for (int i = 14; i < 16; ++i)
     key.push_tensor(a[i].isNone() ? Tensor() : a[i].toTensor(), false);
-  push_user(key, &a[kFwdUser]);
   return key;
 }
 
@@ -407,8 +326,7 @@ void fwd_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   const bool serve = !plan->python && q.numel() > 0 && k.numel() > 0 && aligned(q) &&
                      aligned(k) && aligned(v) && finite_positive(scale) &&
                      (!varlen || (cu_q && cu_k && max_q >= 0 && max_k >= 0 &&
-                                  k.size(0) == v.size(0))) &&
-                     (!plan->user || user_numbers_ok(*plan, &a[kFwdUser]));
+                                  k.size(0) == v.size(0)));
   if (!serve) {
     g_fallbacks.fetch_add(1, std::memory_order_relaxed);
     run_python(g_py->fwd_py, stack, kFwdArgs);
@@ -449,7 +367,7 @@ void fwd_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   p.dropout_p = a[7].toDouble();  // 0: dropout takes the Python path (the generator's state)
   p.seed = 0, p.offset = 0;
   p.blk_layout_heads = 1;
-  set_score_slots(p.score, *plan, alibi, sink, nullptr, &a[kFwdUser]);
+  set_score_slots(p.score, *plan, alibi, sink, nullptr);
 
   {
     c10::DeviceGuard guard(q.device());
@@ -463,9 +381,8 @@ void fwd_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
 // ---- flashgen::bwd --------------------------------------------------------------------------
 // dout q k v out softmax_lse philox_seed philox_offset cu_seqlens_q cu_seqlens_k max_seqlen_q
 // max_seqlen_k dropout_p softmax_scale causal window_left window_right deterministic softcap
-// alibi_slopes learnable_sink score_mod user_t0..3 user_s0..3
-constexpr size_t kBwdUser = 21;
-constexpr size_t kBwdArgs = kBwdUser + kUserArgs;
+// alibi_slopes learnable_sink
+constexpr size_t kBwdArgs = 21;
 
 Key bwd_key(c10::ArrayRef<IValue> a, bool varlen) {
   Key key;
@@ -486,7 +403,6 @@ Key bwd_key(c10::ArrayRef<IValue> a, bool varlen) {
   key.push_f64(a[18].toDouble());
   for (int i = 19; i < 21; ++i)
     key.push_tensor(a[i].isNone() ? Tensor() : a[i].toTensor(), false);
-  push_user(key, &a[kBwdUser]);
   return key;
 }
 
@@ -522,8 +438,7 @@ void bwd_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
       aligned(v) && aligned(out) && aligned(dout) && finite_positive(scale) &&
       (!varlen || (cu_q && cu_k && max_q >= 0 && max_k >= 0 && k.size(0) == v.size(0) &&
                    out.size(0) == q.size(0) && dout.size(0) == q.size(0) &&
-                   lse.size(1) == q.size(0))) &&
-      (!plan->user || user_numbers_ok(*plan, &a[kBwdUser]));
+                   lse.size(1) == q.size(0)));
   if (!serve) {
     g_fallbacks.fetch_add(1, std::memory_order_relaxed);
     run_python(g_py->bwd_py, stack, kBwdArgs);
@@ -567,7 +482,7 @@ void bwd_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   p.seed = static_cast<uint64_t>(*seed.data_ptr<int64_t>());
   p.offset = static_cast<uint64_t>(*offset.data_ptr<int64_t>());
   p.blk_layout_heads = 1;
-  set_score_slots(p.score, *plan, alibi, sink, &dsink, &a[kBwdUser]);
+  set_score_slots(p.score, *plan, alibi, sink, &dsink);
 
   const Carve carve =
       carve_workspace(batch, seqlen_q, heads, q.size(-1), plan->block_m, plan->deterministic);
@@ -761,8 +676,6 @@ constexpr int kFirstAttr = 5, kEndAttr = 14;
 const char* const kAttrNames[] = {"max_seqlen_q", "max_seqlen_k", "dropout_p",
                                   "softmax_scale", "causal", "window_left",
                                   "window_right", "deterministic", "softcap"};
-const char* const kUserNames[] = {"score_mod", "user_t0", "user_t1", "user_t2", "user_t3",
-                                  "user_s0",   "user_s1", "user_s2", "user_s3"};
 
 // The forward's other outputs (lse, seed, offset), handed out of FwdFunction::forward beside
 // the one differentiable output: returned from the Function they would need
@@ -796,9 +709,6 @@ struct FwdFunction : public torch::autograd::Function<FwdFunction> {
                             alibi ? *alibi : Tensor(), sink ? *sink : Tensor()});
     // max_q, max_k, dropout_p, scale, causal, window_left, window_right, deterministic, softcap
     for (int i = kFirstAttr; i < kEndAttr; ++i) ctx->saved_data[kAttrNames[i - kFirstAttr]] = a[i];
-    // the user arguments (score_mod, user_t0..3, user_s0..3), which bwd takes last as well;
-    // the tensors get no gradient, as the slopes
-    for (int i = 0; i < kUserArgs; ++i) ctx->saved_data[kUserNames[i]] = a[kFwdUser + i];
     return {out};
   }
 
@@ -812,7 +722,6 @@ struct FwdFunction : public torch::autograd::Function<FwdFunction> {
       args.push_back(ctx->saved_data[kAttrNames[i - kFirstAttr]]);
     args.push_back(opt_iv(s[9]));
     args.push_back(opt_iv(s[10]));
-    for (int i = 0; i < kUserArgs; ++i) args.push_back(ctx->saved_data[kUserNames[i]]);
     torch::jit::Stack stack(std::move(args));
     bwd.callBoxed(&stack);
     // one gradient per forward argument: (args, extras, q, k, v, slopes, sink); the sink's
