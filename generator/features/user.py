@@ -71,7 +71,7 @@ TOKEN_KINDS = {
 
 # how the expression reads a parameter from `Vals` (the index is fixed by the grammar: h for
 # per_head and tables, b for per_batch, so the value is loaded once per (b, h))
-_ACCESS = {
+VALS_ACCESS = {
     ParamKind.SCALAR: "{p}.v_{name}",
     ParamKind.SCALAR_INT: "{p}.v_{name}",
     ParamKind.PER_HEAD: "{p}.v_{name}",
@@ -185,7 +185,7 @@ def slot_checks(mod: UserMod) -> list[str]:
 
 def user_score_cpp(mod: UserMod, indent: str = "  ") -> str:
     """The C++ of `struct UserScore` for `mod` (module doc), indented by `indent`."""
-    value = emit_cpp(mod.tree, _NAMES, access=_ACCESS)
+    value = emit_cpp(mod.tree, _NAMES, access=VALS_ACCESS)
     grad_tree = mod.derivative
     has_grad = not (isinstance(grad_tree, Const) and grad_tree.value == 1.0)
     lines = [
@@ -212,7 +212,7 @@ def user_score_cpp(mod: UserMod, indent: str = "  ") -> str:
             "  static __device__ __forceinline__ float grad(float s, const Vals& p,",
             "                                               const fg::ScorePos& q) {",
             "    (void)s, (void)p, (void)q;",
-            f"    return static_cast<float>({emit_cpp(grad_tree, _NAMES, access=_ACCESS)});",
+            f"    return static_cast<float>({emit_cpp(grad_tree, _NAMES, access=VALS_ACCESS)});",
             "  }",
         ]
     lines += [

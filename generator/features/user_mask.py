@@ -26,7 +26,13 @@ are checked identifiers).
 
 from __future__ import annotations
 
-from flashgen.generator.features.user import TOKEN_KINDS, slot_checks, slot_loads, slot_vals
+from flashgen.generator.features.user import (
+    TOKEN_KINDS,
+    VALS_ACCESS,
+    slot_checks,
+    slot_loads,
+    slot_vals,
+)
 from flashgen.generator.usermod import (
     Binary,
     Call,
@@ -45,11 +51,7 @@ __all__ = ["classify_cpp", "user_mask_cpp", "visible_cpp"]
 
 # how `visible` reads a parameter from `Vals` (per-token vectors: the side's base pointer)
 _ACCESS = {
-    ParamKind.SCALAR: "{p}.v_{name}",
-    ParamKind.SCALAR_INT: "{p}.v_{name}",
-    ParamKind.PER_HEAD: "{p}.v_{name}",
-    ParamKind.PER_BATCH: "{p}.v_{name}",
-    ParamKind.PER_BATCH_INT: "{p}.v_{name}",
+    **VALS_ACCESS,  # the per-(b, h) values: as a score_mod reads them
     ParamKind.PER_TOKEN_Q: "{p}.{var}tok_{name}[{index}]",
     ParamKind.PER_TOKEN_K: "{p}.{var}tok_{name}[{index}]",
     ParamKind.PER_TOKEN: "{p}.{var}tok_{name}[{index}]",
