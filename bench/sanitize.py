@@ -27,6 +27,16 @@ from flashgen.generator.paths import PACKAGE_ROOT, records_dir
 REPO = PACKAGE_ROOT
 
 
+def _same_tokens(spec) -> bool:
+    """Whether the spec reads a `per_token` parameter, one id per token read at queries and
+    keys alike: its calls need the same tokens on both sides (seqlen_q == seqlen_k, equal
+    cu_seqlens)."""
+    from flashgen.generator.usermod import ParamKind
+
+    mods = (getattr(spec, "score_mod", None), getattr(spec, "mask_mod", None))
+    return any(k is ParamKind.PER_TOKEN for m in mods if m is not None for _, k in m.params)
+
+
 def sample_specs():
     """One spec per family key below; with FLASHGEN_SANITIZE_FEATURES=1 only those with a score
     modifier (a session that changed the score stage alone)."""
@@ -55,6 +65,9 @@ def sample_specs():
             s.mask.causal.yaml != "none",
             s.head_dim > 128,
             s.features,  # each combination of score modifiers (the dsink kernel with sinks)
+            getattr(s, "score_mod", None) is not None,  # a spec's own expressions
+            getattr(s, "mask_mod", None) is not None,
+            _same_tokens(s),  # a mask_mod's per_token vectors (document ids)
         )
         if family not in seen:
             seen.add(family)
@@ -62,50 +75,61 @@ def sample_specs():
     return picked
 
 
-def run(shard: str = "0/1") -> None:
+def inputs(spec, rng) -> tuple[tuple, dict]:
+    """The arguments of the sanitized call of `spec`: (q, k, v[, o, lse, dout]) and the
+    runner's keywords. Small odd-length problems whose sk spans at least 3 K/V tiles past the
+    pipeline depth, so the shared-memory ring wraps."""
     from flashgen.verify.blocksparse import compact_layout_for_spec
+    from flashgen.verify.strategies import fixed_score_args
+
+    d, sq, sk = spec.head_dim, 257, (spec.tile.stages + 3) * spec.tile.block_n + 13
+    same = _same_tokens(spec)
+    if same:  # per_token ids are read at queries and keys: the same tokens on both sides
+        sq = sk = max(sq, sk)
+    kw = {}
+    if spec.mask.varlen:
+        q = rng.standard_normal((sq, 2, d)).astype(np.float32)
+        k, v = (rng.standard_normal((sk, 2, d)).astype(np.float32) for _ in range(2))
+        kw.update(
+            cu_seqlens_q=np.array([0, 31, sq], np.int32),
+            cu_seqlens_k=np.array([0, 31 if same else sk - 7, sk], np.int32),
+        )
+        tokens = (sq, sk)
+    else:
+        q = rng.standard_normal((2, sq, 2, d)).astype(np.float32)
+        k, v = (rng.standard_normal((2, sk, 2, d)).astype(np.float32) for _ in range(2))
+        tokens = (2 * sq, 2 * sk)
+    if spec.mask.window:
+        kw["window"] = (20, 3)
+    if spec.dropout:
+        kw.update(dropout_p=0.3, seed=5, offset=6)
+    if spec.sparse:
+        tr, tc = -(-sq // spec.tile.block_m), -(-sk // spec.tile.block_n)
+        mask = rng.random((1, tr, tc)) < 0.6
+        kw["layout"] = compact_layout_for_spec(
+            mask, spec, seqlen_q=sq, seqlen_k=sk, window=kw.get("window", (-1, -1))
+        )
+    kw.update(fixed_score_args(spec, 2, q.shape[-2], tokens).kwargs())
+    if spec.kernel.yaml != "backward":
+        return (q, k, v), kw
+    # O and LSE need not be a forward's for memory and race checking: any finite values
+    # exercise every load, atomic and store of the three kernels.
+    lse = rng.standard_normal(q.shape[:-1]).astype(np.float32)
+    lse = lse.transpose(1, 0) if spec.mask.varlen else lse.transpose(0, 2, 1)
+    return (q, k, v, q, np.ascontiguousarray(lse), q), kw
+
+
+def run(shard: str = "0/1") -> None:
     from flashgen.verify.runner import load_kernel
     from flashgen.verify.runner_bwd import load_bwd_kernel
-    from flashgen.verify.strategies import fixed_score_args
 
     i, n = (int(x) for x in shard.split("/"))
     rng = np.random.default_rng(i)
     for spec in sample_specs()[i::n]:
         backward = spec.kernel.yaml == "backward"
         kernel = load_bwd_kernel(spec) if backward else load_kernel(spec)
-        # sk spans at least 3 K/V tiles past the pipeline depth, so the smem ring wraps
-        d, sq, sk = spec.head_dim, 257, (spec.tile.stages + 3) * spec.tile.block_n + 13
-        kw = {}
-        if spec.mask.varlen:
-            q = rng.standard_normal((sq, 2, d)).astype(np.float32)
-            k, v = (rng.standard_normal((sk, 2, d)).astype(np.float32) for _ in range(2))
-            kw.update(
-                cu_seqlens_q=np.array([0, 31, sq], np.int32),
-                cu_seqlens_k=np.array([0, sk - 7, sk], np.int32),
-            )
-        else:
-            q = rng.standard_normal((2, sq, 2, d)).astype(np.float32)
-            k, v = (rng.standard_normal((2, sk, 2, d)).astype(np.float32) for _ in range(2))
-        if spec.mask.window:
-            kw["window"] = (20, 3)
-        if spec.dropout:
-            kw.update(dropout_p=0.3, seed=5, offset=6)
-        if spec.sparse:
-            tr, tc = -(-sq // spec.tile.block_m), -(-sk // spec.tile.block_n)
-            mask = rng.random((1, tr, tc)) < 0.6
-            kw["layout"] = compact_layout_for_spec(
-                mask, spec, seqlen_q=sq, seqlen_k=sk, window=kw.get("window", (-1, -1))
-            )
-        heads = q.shape[-2]
-        kw.update(fixed_score_args(spec, 2, heads).kwargs())
-        if backward:
-            # O and LSE need not be a forward's for memory and race checking: any finite
-            # values exercise every load, atomic and store of the three kernels.
-            lse = rng.standard_normal(q.shape[:-1]).astype(np.float32)
-            lse = lse.transpose(1, 0) if spec.mask.varlen else lse.transpose(0, 2, 1)
-            kernel.run(q, k, v, q, np.ascontiguousarray(lse), q, **kw)
-        else:
-            kernel.run(q, k, v, **kw)
+        args, kw = inputs(spec, rng)
+        kernel.run(*args, **kw)
         print("ran", kernel_name(spec), flush=True)
 
 

@@ -51,6 +51,27 @@ def test_sanitizer_samples_one_kernel_per_family_including_the_hopper_forward():
     assert ("forward", "sm_90a") in kinds and ("backward", "sm_90") in kinds
     assert all(s.kernel.yaml != "decode" for s in specs)
     assert len({kernel_name(s) for s in specs}) == len(specs)
+    assert any(s.mask_mod is not None for s in specs)  # the user modifiers have families too
+    assert any(s.score_mod is not None for s in specs)
+    assert any(sanitize._same_tokens(s) for s in specs)
+
+
+def test_every_sanitized_call_passes_the_runners_validation():
+    """What `sanitize run` hands each sampled kernel is accepted by the runners' validation
+    (no GPU needed): on an H200 three of four sanitizer processes once stopped at the first
+    mask_mod kernel, whose keyword the runners did not take."""
+    import numpy as np
+    from flashgen.verify import runner, runner_bwd
+
+    rng = np.random.default_rng(0)
+    for spec in sanitize.sample_specs():
+        args, kw = sanitize.inputs(spec, rng)
+        seed, offset = kw.pop("seed", 0), kw.pop("offset", 0)  # checked by run() itself
+        assert 0 <= seed < 2**64 and 0 <= offset < 2**32
+        if spec.kernel.yaml == "backward":
+            runner_bwd.validate_bwd(spec, *args, **kw)
+        else:
+            runner.validate(spec, *args, **kw)
 
 
 HEAD = (
