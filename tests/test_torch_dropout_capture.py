@@ -64,9 +64,7 @@ def _bwd_args(fwd_args, out, lse, seed, offset):
             *rest)  # fmt: skip
 
 
-def test_a_captured_dropout_forward_passes_pointers_and_returns_device_outputs(
-    monkeypatch, mock
-):
+def test_a_captured_dropout_forward_passes_pointers_and_returns_device_outputs(monkeypatch, mock):
     capturing(monkeypatch, True)
     monkeypatch.setattr(ops, "philox_state", lambda device, p: pytest.fail("host state read"))
     args = _fwd_args()

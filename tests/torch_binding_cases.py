@@ -306,8 +306,10 @@ def test_a_captured_dropout_forward_without_the_cuda_generator_is_the_python_pat
     )
     rec = taken(mock, "fwd")
     assert rec["philox_seed_ptr"] != 0 and rec["philox_offset_ptr"] == rec["philox_seed_ptr"] + 8
-    assert (rec["philox_seed_out"], rec["philox_offset_out"]) == (seed.data_ptr(),
-                                                                  offset.data_ptr())
+    assert (rec["philox_seed_out"], rec["philox_offset_out"]) == (
+        seed.data_ptr(),
+        offset.data_ptr(),
+    )
     assert ops.BINDING.stats()["fallbacks"] - s0["fallbacks"] == 1
 
 
