@@ -340,6 +340,7 @@ PhiloxOut take_philox(fg_fwd_params& p, const Tensor& q, int64_t step) {
 #else
   (void)p, (void)q, (void)step;
   TORCH_CHECK(false, "flashgen binding: built without torch's CUDA generator");
+  return {};
 #endif
 }
 
