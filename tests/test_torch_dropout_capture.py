@@ -14,6 +14,8 @@ draw new masks, each verify.dropout's) is tests/gpu/test_torch.py.
 from __future__ import annotations
 
 import ctypes
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -24,7 +26,7 @@ from flashgen.bench import mock_kernels  # noqa: E402
 from flashgen.generator.families import family  # noqa: E402
 from flashgen.generator.spec import KernelKind  # noqa: E402
 from flashgen.runtime.library import params_struct  # noqa: E402
-from flashgen.torch import binding, interface, ops  # noqa: E402
+from flashgen.torch import interface, ops  # noqa: E402
 from flashgen.torch.selection import UnsupportedCall  # noqa: E402
 
 PHILOX_FIELDS = ("philox_seed_ptr", "philox_offset_ptr", "philox_offset_add")
@@ -170,13 +172,28 @@ def test_return_attn_probs_with_dropout_under_capture_names_the_reason(monkeypat
         interface.flash_attn_func(q, k, v, dropout_p=0.1, return_attn_probs=True)
 
 
-@pytest.mark.parametrize("cuda", [True, False])
-def test_the_binding_links_the_cuda_generator_only_with_a_cuda_torch(monkeypatch, tmp_path, cuda):
-    from torch.utils import cpp_extension
+# torch.utils.cpp_extension imports setuptools, whose distutils shim cannot load in a process
+# that imported the standard library's distutils first: the flags are read in a subprocess,
+# as tests/test_torch_binding.py builds the binding in one.
+_FLAGS = """
+import sys, torch
+from pathlib import Path
+from torch.utils import cpp_extension
+from flashgen.torch import binding
+lib = Path(sys.argv[1])
+(lib / "libtorch_cuda.so").write_bytes(b"")
+cpp_extension.library_paths = lambda *a, **k: [str(lib)]
+torch.version.cuda = "13.0" if sys.argv[2] == "1" else None
+flags, libs = binding._torch_flags()
+print("-DFLASHGEN_CUDA_GENERATOR" in flags, "-ltorch_cuda" in libs)
+"""
 
-    (tmp_path / "libtorch_cuda.so").write_bytes(b"")
-    monkeypatch.setattr(cpp_extension, "library_paths", lambda *a, **k: [str(tmp_path)])
-    monkeypatch.setattr(torch.version, "cuda", "13.0" if cuda else None)
-    flags, libs = binding._torch_flags()
-    assert ("-DFLASHGEN_CUDA_GENERATOR" in flags) is cuda
-    assert ("-ltorch_cuda" in libs) is cuda
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_the_binding_links_the_cuda_generator_only_with_a_cuda_torch(tmp_path, cuda):
+    res = subprocess.run(
+        [sys.executable, "-c", _FLAGS, str(tmp_path), "1" if cuda else "0"],
+        capture_output=True, text=True, check=False, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == [str(cuda), str(cuda)]
