@@ -1208,94 +1208,36 @@ _BWD_SCHEMA = (
 )
 
 
-def _fwd_variant_impl(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Optional[Tensor],
-    cu_seqlens_k: Optional[Tensor],
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    dropout_p: float,
-    softmax_scale: float,
-    causal: bool,
-    window_left: int,
-    window_right: int,
-    deterministic: bool,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[Tensor] = None,
-    learnable_sink: Optional[Tensor] = None,
-    score_mod: str = "",
-    user_t0: Optional[Tensor] = None,
-    user_t1: Optional[Tensor] = None,
-    user_t2: Optional[Tensor] = None,
-    user_t3: Optional[Tensor] = None,
-    user_s0: float = 0.0,
-    user_s1: float = 0.0,
-    user_s2: float = 0.0,
-    user_s3: float = 0.0,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """flashgen::fwd_variant: fwd's arguments, then the user arguments (`USER_ARGS`)."""
-    return _fwd_impl(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-        softmax_scale, causal, window_left, window_right, deterministic, softcap, alibi_slopes,
-        learnable_sink, score_mod, user_t0, user_t1, user_t2, user_t3, user_s0, user_s1,
-        user_s2, user_s3,
-    )  # fmt: skip
+def _with_user(schema: str) -> str:
+    """A plain op's schema with the user arguments (`USER_ARGS`) appended: the variant op's."""
+    head, tail = schema.split(") -> ")
+    user = (
+        ['str score_mod=""']
+        + [f"Tensor? user_t{k}=None" for k in range(USER_SLOTS)]
+        + [f"float user_s{k}=0.0" for k in range(USER_SLOTS)]
+    )
+    return f"{head}, {', '.join(user)}) -> {tail}"
 
 
-def _bwd_variant_impl(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    softmax_lse: Tensor,
-    philox_seed: Tensor,
-    philox_offset: Tensor,
-    cu_seqlens_q: Optional[Tensor],
-    cu_seqlens_k: Optional[Tensor],
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    dropout_p: float,
-    softmax_scale: float,
-    causal: bool,
-    window_left: int,
-    window_right: int,
-    deterministic: bool,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[Tensor] = None,
-    learnable_sink: Optional[Tensor] = None,
-    score_mod: str = "",
-    user_t0: Optional[Tensor] = None,
-    user_t1: Optional[Tensor] = None,
-    user_t2: Optional[Tensor] = None,
-    user_t3: Optional[Tensor] = None,
-    user_s0: float = 0.0,
-    user_s1: float = 0.0,
-    user_s2: float = 0.0,
-    user_s3: float = 0.0,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """flashgen::bwd_variant: bwd's arguments, then the user arguments (`USER_ARGS`)."""
-    return _bwd_impl(
-        dout, q, k, v, out, softmax_lse, philox_seed, philox_offset, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
-        deterministic, softcap, alibi_slopes, learnable_sink, score_mod, user_t0, user_t1,
-        user_t2, user_t3, user_s0, user_s1, user_s2, user_s3,
-    )  # fmt: skip
+def _variant(fn):
+    """`fn` (`_fwd_impl`, `_bwd_fake`...: the plain arguments, then `*user`) as a variant op's
+    function: the user arguments by name too, and their defaults (`NO_USER`) filled, so that
+    `fn` always gets all nine."""
+    plain = [p for p in inspect.signature(fn).parameters.values() if p.kind is not p.VAR_POSITIONAL]
+    user = [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
+        for name, default in zip(USER_ARGS, NO_USER)
+    ]
+    sig = inspect.Signature(plain + user)
 
-
-def _variant_fake(signature_of, fake):
-    """A variant op's fake: its arguments bound to the op's signature (defaults filled), then
-    the plain op's fake with the user arguments appended."""
-    sig = inspect.signature(signature_of)
-
-    def variant_fake(*args, **kwargs):
+    def variant(*args, **kwargs):
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
-        return fake(*bound.args)
+        return fn(*bound.args)
 
-    return variant_fake
+    variant.__signature__ = sig
+    variant.__name__ = variant.__qualname__ = f"{fn.__name__}_variant"
+    return variant
 
 
 def _setup_variant_context(ctx, inputs, output) -> None:
@@ -1448,8 +1390,12 @@ else:
     bwd.register_fake(_bwd_fake)
     fwd.register_autograd(_backward, setup_context=_setup_context)
 # The variant ops are Python custom ops on either path (the binding defines fwd and bwd only).
-fwd_variant = torch.library.custom_op("flashgen::fwd_variant", mutates_args=())(_fwd_variant_impl)
-fwd_variant.register_fake(_variant_fake(_fwd_variant_impl, _fwd_fake))
-bwd_variant = torch.library.custom_op("flashgen::bwd_variant", mutates_args=())(_bwd_variant_impl)
-bwd_variant.register_fake(_variant_fake(_bwd_variant_impl, _bwd_fake))
+fwd_variant = torch.library.custom_op(
+    "flashgen::fwd_variant", _variant(_fwd_impl), mutates_args=(), schema=_with_user(_FWD_SCHEMA)
+)
+fwd_variant.register_fake(_variant(_fwd_fake))
+bwd_variant = torch.library.custom_op(
+    "flashgen::bwd_variant", _variant(_bwd_impl), mutates_args=(), schema=_with_user(_BWD_SCHEMA)
+)
+bwd_variant.register_fake(_variant(_bwd_fake))
 fwd_variant.register_autograd(_backward, setup_context=_setup_variant_context)

@@ -389,21 +389,20 @@ def test_flash_attn_func_goes_through_the_binding(mock):
 
 
 def test_the_schemas_are_the_python_implementations():
-    """The binding's fwd and bwd have the Python path's schemas, which are the variant ops'
-    (their signatures) without the user arguments."""
-    for name, schema, variant in (
-        ("fwd", ops._FWD_SCHEMA, ops._fwd_variant_impl),
-        ("bwd", ops._BWD_SCHEMA, ops._bwd_variant_impl),
-    ):
+    """The binding's fwd and bwd have the Python path's schemas, and the variant ops' are
+    those with the user arguments appended, in `USER_ARGS` order, with their defaults."""
+    for name in ("fwd", "bwd"):
         op = getattr(torch.ops.flashgen, name).default
+        schema = {"fwd": ops._FWD_SCHEMA, "bwd": ops._BWD_SCHEMA}[name]
         assert op._schema == torch._C.parse_schema(f"flashgen::{name}{schema}")
-        full = torch.library.infer_schema(variant, mutates_args=())
-        full_args = torch._C.parse_schema(f"flashgen::{name}_variant{full}").arguments
+        full = getattr(torch.ops.flashgen, f"{name}_variant").default._schema
         n = len(op._schema.arguments)
         assert [str(a.name) + str(a.type) for a in op._schema.arguments] == [
-            str(a.name) + str(a.type) for a in full_args[:n]
+            str(a.name) + str(a.type) for a in full.arguments[:n]
         ]
-        assert [a.name for a in full_args[n:]] == list(ops.USER_ARGS)
+        assert [a.name for a in full.arguments[n:]] == list(ops.USER_ARGS)
+        assert [a.default_value for a in full.arguments[n:]] == list(ops.NO_USER)
+        assert [str(r.type) for r in full.returns] == [str(r.type) for r in op._schema.returns]
 
 
 def test_the_extension_is_cached_by_its_sources():
