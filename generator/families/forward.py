@@ -93,6 +93,7 @@ class Forward(Family):
     params = PARAMS
     io_keys = IO_KEYS
     io_model = "flashgen.verify.io_model:forward_bytes"
+    serves_head_dim_v = True
 
     def head_dim_ok(self, head_dim: Any) -> bool:
         return head_dim in HEAD_DIMS
@@ -120,14 +121,15 @@ class Forward(Family):
             out.extend(
                 self.smem_problem(
                     spec,
-                    f"(block_m + 2*stages*block_n) * (ceil(head_dim/16)*16 + {SMEM_ROW_PAD}) * "
+                    f"((block_m + stages*block_n) * (ceil(head_dim/16)*16 + {SMEM_ROW_PAD}) + "
+                    f"stages*block_n * (ceil(head_dim_v/16)*16 + {SMEM_ROW_PAD})) * "
                     f"{spec.dtype.nbytes}",
                 )
             )
         return out
 
     def smem_bytes(self, spec: KernelSpec) -> int:
-        return smem_bytes(spec.tile, spec.head_dim, spec.dtype)
+        return smem_bytes(spec.tile, spec.head_dim, spec.dtype, spec.head_dim_vo)
 
     def auto_tile(self, target: Target, dtype: Dtype, head_dim: int, values: dict) -> Tile:
         return auto_tile(target, dtype, head_dim, features=values)
