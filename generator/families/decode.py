@@ -253,6 +253,9 @@ def workspace_bytes(batch: int, heads: int, seqlen_q: int, head_dim: int, splits
 class Decode(Family):
     kind = KernelKind.DECODE
     templates = "decode"
+    # Not built: a warp holds its rows' whole O accumulator and the split-KV combine, the
+    # paged cache and flashgen.torch's KV-cache path all take one head dim (docs/decode.md).
+    head_dim_v_refusal = "head_dim_v = head_dim only; decode has one head dim for K, V and O"
     params_struct = "fg_decode_params"
     params_header = "decode_params.h"
     params = PARAMS
