@@ -542,9 +542,7 @@ def _build(values: dict[str, Any], source: str) -> KernelSpec:
         d, d_v = values["head_dim"], values.get("head_dim_v")
         d_v = d if d_v is None else d_v
         if fam.head_dim_ok(d) and fam.head_dim_ok(d_v):
-            values["tile"] = fam.auto_tile(
-                values["target"], values["dtype"], max(d, d_v), values
-            )
+            values["tile"] = fam.auto_tile(values["target"], values["dtype"], max(d, d_v), values)
         else:
             values["tile"] = Tile(64, 64, 4, 2)
     return build_spec(values, tile_auto=tile_auto, source=source)

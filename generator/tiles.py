@@ -83,7 +83,8 @@ def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype, head_dim_v: int | None =
     qk_rows = tile.block_m + tile.stages * tile.block_n
     v_rows = tile.stages * tile.block_n
     return (
-        qk_rows * (mma_head_dim(head_dim) + SMEM_ROW_PAD) + v_rows * (mma_head_dim(d_v) + SMEM_ROW_PAD)
+        qk_rows * (mma_head_dim(head_dim) + SMEM_ROW_PAD)
+        + v_rows * (mma_head_dim(d_v) + SMEM_ROW_PAD)
     ) * dtype.nbytes
 
 

@@ -794,9 +794,9 @@ def attention_forward(
     per sequence); `sinks` float `(heads,)` adds `exp(sink_h)` to every row's softmax
     denominator (and LSE).
 
-    Returns o float64 with q's shape but v's head dim d_v, and the natural-log LSE float64 `(batch, heads, Sq)`
-    (varlen `(heads, total_q)`); rows with no visible key give o = 0 and LSE = -inf (LSE =
-    sink_h with sinks).
+    Returns o float64 with q's shape but v's head dim d_v, and the natural-log LSE float64
+    `(batch, heads, Sq)` (varlen `(heads, total_q)`); rows with no visible key give o = 0 and
+    LSE = -inf (LSE = sink_h with sinks).
     """
     return run_forward(
         _forward64,

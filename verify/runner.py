@@ -8,9 +8,10 @@ The public API:
 
 Inputs are NumPy float arrays of layout `(batch, seqlen, heads, head_dim)` (varlen: packed
 `(total, heads, head_dim)` with int32 `cu_seqlens_q/k`); v's last dim is the spec's
-`head_dim_v` (d_v, = head_dim without the field), and so is O's. They are rounded to the kernel's dtype
-(fp16 or bf16, round to nearest even) on upload; `res.inputs` holds the rounded values, which
-are what a reference must be fed. Outputs come back as float32: O in Q's layout, LSE as
+`head_dim_v` (d_v, = head_dim without the field), and so is O's. They are rounded to the
+kernel's dtype (fp16 or bf16, round to nearest even) on upload; `res.inputs` holds the
+rounded values, which are what a reference must be fed. Outputs come back as float32: O in
+Q's layout (with d_v columns), LSE as
 `(batch, heads, seqlen_q)` (varlen: `(heads, total_q)`), natural log, `-inf` on empty rows.
 
 Score-stage features (`verify.score_mods`): `softcap` (> 0), `alibi_slopes` (float `(heads,)`

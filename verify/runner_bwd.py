@@ -119,8 +119,8 @@ def validate_bwd(
     mask_mod=None,
 ) -> Problem:
     """`verify.runner.validate` (q, k, v, masks, layout, score-stage features) plus the
-    backward's own inputs: o and dout shaped like q, lse like the forward's LSE. Raises
-    RunnerError naming the problem."""
+    backward's own inputs: o and dout shaped like q with v's head dim (d_v), lse like the
+    forward's LSE. Raises RunnerError naming the problem."""
     if getattr(spec.kernel, "yaml", spec.kernel) != "backward":
         raise RunnerError(
             f"{kernel_name(spec)} is a {spec.kernel.yaml} kernel; BwdKernel runs kernel: backward"

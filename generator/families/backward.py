@@ -16,6 +16,7 @@ Shared memory: K and V tiles, `stages` Q and dO tiles, P and dS tiles, LSE and D
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from flashgen.generator.families import (
@@ -173,8 +174,8 @@ def warp_layouts(
     accumulators (measured on sm_90): there every stage keeps v1's layout, as many warps along
     rows as the rows allow (16-row warp tiles). With d_v != d (`head_dim_v`), dK has d
     columns and dV d_v in one (keys, head dim) layout: the threshold is the larger dim's, and
-    the dK/dV split is that of the smaller (its columns divide both when the dims are multiples
-    of each other's split, which tile_problems checks).
+    the dK/dV split is that of their greatest common divisor, whose warp columns divide both
+    (tile_problems checks each).
     """
     d_v = head_dim if head_dim_v is None else head_dim_v
     w, d_qk, d_vo = tile.warps, chip_head_dim(head_dim), chip_head_dim(d_v)
@@ -183,12 +184,14 @@ def warp_layouts(
         return {k: (r, w // r) for k, r in ((k, max(1, min(w, v // 16))) for k, v in rows.items())}
     return {
         "s": _split(w, tile.block_m, tile.block_n),
-        "kv": _split(w, tile.block_n, min(d_qk, d_vo)),
+        "kv": _split(w, tile.block_n, math.gcd(d_qk, d_vo)),
         "q": _split(w, tile.block_m, d_qk),
     }
 
 
-def tile_problems(tile: Tile, head_dim: int, head_dim_v: int | None = None) -> list[tuple[str, str]]:
+def tile_problems(
+    tile: Tile, head_dim: int, head_dim_v: int | None = None
+) -> list[tuple[str, str]]:
     out = tile.type_problems()
     if out:
         return out

@@ -35,8 +35,9 @@ from flashgen.generator.tiles import (  # noqa: F401 - re-exported, part of this
 HEAD_DIMS = tuple(range(8, 257, 8))
 
 # fg_fwd_params (include/flashgen/params.h), in declaration order.
-PARAMS = params_table(
-    """
+PARAMS = (
+    params_table(
+        """
     ptr q
     ptr k
     ptr v
@@ -80,7 +81,10 @@ PARAMS = params_table(
     i64 blk_max_blocks
     ptr io_counters
     """
-) + SCORE_PARAM_FIELDS + SHAPE_PARAM_FIELDS
+    )
+    + SCORE_PARAM_FIELDS
+    + SHAPE_PARAM_FIELDS
+)
 IO_KEYS = ("Q", "K", "V", "O", "LSE", "META", "KEEP_MASK")
 GRID_FORMULA = "ceil(max_seqlen_q/block_m) * heads * batch"
 
