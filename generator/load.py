@@ -538,11 +538,8 @@ def _build(values: dict[str, Any], source: str) -> KernelSpec:
         except SpecError as e:
             raise SpecError(e.message, field="kernel") from None
         # An invalid head_dim is reported by the family; a legal tile stands in meanwhile.
-        # The tile rules size a kernel for max(d, d_v) (KernelSpec.head_dim_max).
-        d, d_v = values["head_dim"], values.get("head_dim_v")
-        d_v = d if d_v is None else d_v
-        if fam.head_dim_ok(d) and fam.head_dim_ok(d_v):
-            values["tile"] = fam.auto_tile(values["target"], values["dtype"], max(d, d_v), values)
+        if fam.head_dims_ok(values):  # (sized for max(d, d_v): Family.auto_tile_of)
+            values["tile"] = fam.auto_tile_of(values)
         else:
             values["tile"] = Tile(64, 64, 4, 2)
     return build_spec(values, tile_auto=tile_auto, source=source)

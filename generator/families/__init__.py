@@ -114,6 +114,19 @@ class Family:
     def head_dim_ok(self, head_dim: Any) -> bool:
         raise NotImplementedError
 
+    def head_dims_ok(self, values: dict) -> bool:
+        """Whether the parsed fields' head dims (`head_dim`, and `head_dim_v` when given) are
+        ones this family's `head_dim_ok` accepts."""
+        d_v = values.get("head_dim_v")
+        return self.head_dim_ok(values["head_dim"]) and (d_v is None or self.head_dim_ok(d_v))
+
+    def auto_tile_of(self, values: dict) -> Tile:
+        """`auto_tile` for parsed fields keyed by path: the tile rules size a kernel for
+        max(d, d_v) (`KernelSpec.head_dim_max`); `values` tell them both dims."""
+        d, d_v = values["head_dim"], values.get("head_dim_v")
+        d_max = d if d_v is None else max(d, d_v)
+        return self.auto_tile(values["target"], values["dtype"], d_max, values)
+
     # Whether the family's kernels take a V/O head dim d_v other than the Q/K one (override):
     # those that do accept every d_v their `head_dim_ok` accepts.
     serves_head_dim_v: ClassVar[bool] = False
