@@ -168,8 +168,10 @@ def test_the_gpu_tests_and_example_kernels_are_listed_for_building_ahead():
         for d in (64, 128)
         for c in (Causal.NONE, Causal.BOTTOM_RIGHT)
     ]
-    calls += [  # d_qk 192 with d_v 128 (test_head_dim_v_192_128_matches_float64)
-        call(head_dim=192, head_dim_v=128, causal=c) for c in (Causal.NONE, Causal.BOTTOM_RIGHT)
+    calls += [  # d_qk 192 with d_v 128 (test_head_dim_v_192_128_matches_the_float64_reference)
+        call(dtype=dt, head_dim=192, head_dim_v=128, causal=c)
+        for dt in Dtype
+        for c in (Causal.NONE, Causal.BOTTOM_RIGHT)
     ]
     calls += [
         call(causal=Causal.BOTTOM_RIGHT, gqa=True),
