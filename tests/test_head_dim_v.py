@@ -272,3 +272,33 @@ def test_backward_runner_wants_o_and_dout_of_d_v():
     assert pb.head_dim_v == 128
     with pytest.raises(RunnerError, match=r"o must have q's shape with v's head dim"):
         validate_bwd(spec, q, k, v, np.zeros(q.shape, np.float32), lse, o)
+
+
+# -- the benchmark's FLOP counts -----------------------------------------------------------------
+
+
+def test_bench_flops_count_each_product_at_its_head_dim():
+    from flashgen.bench.bwd_bench import bwd_flops
+    from flashgen.bench.fwd_bench import flops
+
+    b, h, n = 2, 3, 1000
+    assert flops(b, h, n, 128, False) == 4 * b * h * n * n * 128  # d_v = d: the usual count
+    assert bwd_flops(b, h, n, 128, True) == 2.5 * flops(b, h, n, 128, True)
+    assert flops(b, h, n, 192, False, 128) == 2 * b * h * n * n * (192 + 128)
+    assert bwd_flops(b, h, n, 192, False, 128) == 2 * b * h * n * n * (3 * 192 + 2 * 128)
+    assert bwd_flops(b, h, n, 192, True, 128) == bwd_flops(b, h, n, 192, False, 128) / 2
+
+
+def test_the_shapes_bench_finds_every_d_v_kernel_it_times():
+    from pathlib import Path
+
+    from flashgen.bench import shapes_bench
+    from flashgen.generator.load import load_paths
+
+    specs = list(load_paths([Path(__file__).parents[1] / "specs"]))
+    for kind, target, d, d_v in shapes_bench.DV_CASES:
+        for causal in (False, True):
+            kind_yaml = {"fwd": "forward", "bwd": "backward"}[kind]
+            spec = shapes_bench.find_spec(specs, kind_yaml, target, d, causal, d_v)
+            assert (spec.head_dim, spec.head_dim_vo, spec.target.yaml) == (d, d_v, target)
+            shapes_bench.find_spec(specs, "forward", target, d, causal, d_v)  # bwd's O, LSE
