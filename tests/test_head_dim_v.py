@@ -4,12 +4,16 @@ checked by tests/gpu (specs/dv.yaml) and compiled by `flashgen compile specs/dv.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 from flashgen.generator.families import backward as bwd
 from flashgen.generator.families import family
 from flashgen.generator.families import forward_sm90 as fwd90
-from flashgen.generator.load import load_spec_text
+from flashgen.generator.load import load_spec_file, load_spec_text
 from flashgen.generator.naming import kernel_name
 from flashgen.generator.spec import SpecError, Tile
 from flashgen.generator.tiles import smem_bytes as fwd_smem_bytes
@@ -95,10 +99,6 @@ def test_head_dims_no_family_builds_are_refused_when_the_spec_loads(text, messag
 
 
 def test_the_shipped_specs_cover_both_families_both_dtypes_and_both_masks():
-    from pathlib import Path
-
-    from flashgen.generator.load import load_spec_file
-
     specs = load_spec_file(Path(__file__).parents[1] / "specs" / "dv.yaml")
     seen = {(s.kernel.yaml, s.target.yaml, s.dtype.yaml, s.mask.causal.yaml) for s in specs}
     assert all((s.head_dim, s.head_dim_vo) == (192, 128) for s in specs)
@@ -290,8 +290,6 @@ def test_bench_flops_count_each_product_at_its_head_dim():
 
 
 def test_the_shapes_bench_finds_every_d_v_kernel_it_times():
-    from pathlib import Path
-
     from flashgen.bench import shapes_bench
     from flashgen.generator.load import load_paths
 
@@ -302,3 +300,59 @@ def test_the_shapes_bench_finds_every_d_v_kernel_it_times():
             spec = shapes_bench.find_spec(specs, kind_yaml, target, d, causal, d_v)
             assert (spec.head_dim, spec.head_dim_vo, spec.target.yaml) == (d, d_v, target)
             shapes_bench.find_spec(specs, "forward", target, d, causal, d_v)  # bwd's O, LSE
+
+
+# -- the C ABI: <name>_check compares the caller's head dims with the kernel's ----------------
+
+CHECK_MAIN = r"""
+#include <cstdio>
+#include "NAME.h"
+
+alignas(16) static unsigned char buf[1 << 12];
+
+static void show(const char* what, const fg_fwd_params& p) {
+  const char* m = NAME_check(&p);
+  std::printf("%s: %s\n", what, m ? m : "OK");
+}
+
+int main() {
+  fg_fwd_params p = fg_fwd_params_default();
+  p.q = buf; p.k = buf; p.v = buf; p.o = buf; p.lse = reinterpret_cast<float*>(buf);
+  p.batch = 1; p.heads = 2; p.kv_heads = 2; p.seqlen_q = 5; p.seqlen_k = 7;
+  p.softmax_scale = 0.125;
+  p.q_row_stride = p.k_row_stride = 384; p.v_row_stride = p.o_row_stride = 256;
+  p.q_head_stride = p.k_head_stride = 192; p.v_head_stride = p.o_head_stride = 128;
+  p.head_dim = 192; p.head_dim_v = 128; show("192/128", p);
+  fg_fwd_params bad = p; bad.head_dim_v = 192; show("192/192", bad);
+  bad = p; bad.head_dim = 128; show("128/128", bad);
+  bad = p; bad.head_dim = 128; bad.head_dim_v = 192; show("swapped", bad);
+  return 0;
+}
+"""
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_a_d_v_kernels_check_refuses_head_dims_it_was_not_built_for(tmp_path):
+    """The shipped 192/128 forward (generated/, as vendored) built with nvcc; its
+    `<name>_check` runs on the host, so no GPU is needed."""
+    repo = Path(__file__).resolve().parents[1]
+    spec = next(
+        s
+        for s in load_spec_file(repo / "specs" / "dv.yaml")
+        if s.kernel.yaml == "forward" and s.target.yaml == "sm_90" and s.dtype.yaml == "bf16"
+        and s.mask.causal.yaml == "none"
+    )  # fmt: skip
+    name = kernel_name(spec)
+    src = tmp_path / "main.cu"
+    src.write_text(CHECK_MAIN.replace("NAME", name))
+    exe = tmp_path / "main"
+    gen = repo / "generated"
+    cmd = ["nvcc", "-std=c++17", "-O1", "-arch=sm_90", f"-I{gen}", str(src),
+           str(gen / f"{name}.cu"), "-o", str(exe)]  # fmt: skip
+    built = subprocess.run(cmd, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
+    got = dict(line.split(": ", 1) for line in out.strip().splitlines())
+    want = "head_dim must be 192 and head_dim_v 128: the head dims this kernel was generated for"
+    assert got == {"192/128": "OK", "192/192": want, "128/128": want, "swapped": want}
