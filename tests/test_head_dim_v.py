@@ -356,3 +356,30 @@ def test_a_d_v_kernels_check_refuses_head_dims_it_was_not_built_for(tmp_path):
     got = dict(line.split(": ", 1) for line in out.strip().splitlines())
     want = "head_dim must be 192 and head_dim_v 128: the head dims this kernel was generated for"
     assert got == {"192/128": "OK", "192/192": want, "128/128": want, "swapped": want}
+
+
+def test_decode_in_flashgen_torch_refuses_caches_of_two_head_dims():
+    from flashgen.torch.kvcache_select import _cache_shapes
+    from flashgen.torch.selection import TensorMeta, UnsupportedCall
+
+    def meta(shape):
+        stride, acc = [], 1
+        for n in reversed(shape):
+            stride.insert(0, acc)
+            acc *= n
+        return TensorMeta(tuple(shape), tuple(stride), "bfloat16", "cuda")
+
+    q, k_cache, v_cache = meta((2, 1, 8, 192)), meta((2, 64, 8, 192)), meta((2, 64, 8, 128))
+    with pytest.raises(UnsupportedCall, match="one head dim for k and v: no head_dim_v"):
+        _cache_shapes(q, k_cache, v_cache)
+
+
+def test_show_and_the_kernel_table_name_both_head_dims():
+    from flashgen.generator.writer import readme_table
+
+    spec = one(FWD)
+    table = readme_table([{"name": "k", "spec": spec.to_canonical(), "status": "unverified"}])
+    assert "| 192 / 128 |" in table
+    plain = one("kernel: forward\ndtype: bf16\nhead_dim: 128\n")
+    table = readme_table([{"name": "k", "spec": plain.to_canonical(), "status": "unverified"}])
+    assert "| 128 |" in table
