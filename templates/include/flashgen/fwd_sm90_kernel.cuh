@@ -219,14 +219,16 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
     if constexpr (C::kSparse) s_tile[slot] = static_cast<int32_t>(n);  // before the arrive
     const int64_t row = seq.k0 + n * C::kBlockN;
     mbar_arrive_expect_tx(&full[slot], C::kKvBytes + C::kVBytes);
+    // box j of K, then of V (d_v != d: one of them has fewer boxes)
 #pragma unroll
-    for (int j = 0; j < C::kBoxes; ++j)
-      tma(sK + slot * C::kBlockN * C::kHeadDimPad + j * C::kKvBox, maps.k, maps.kv_heads_inner,
-          &full[slot], j * 64, row, hk);
-#pragma unroll
-    for (int j = 0; j < C::kBoxesV; ++j)
-      tma(sV + slot * C::kBlockN * C::kHeadDimVPad + j * C::kKvBox, maps.v, maps.kv_heads_inner,
-          &full[slot], j * 64, row, hk);
+    for (int j = 0; j < (C::kBoxes > C::kBoxesV ? C::kBoxes : C::kBoxesV); ++j) {
+      if (j < C::kBoxes)
+        tma(sK + slot * C::kBlockN * C::kHeadDimPad + j * C::kKvBox, maps.k, maps.kv_heads_inner,
+            &full[slot], j * 64, row, hk);
+      if (j < C::kBoxesV)
+        tma(sV + slot * C::kBlockN * C::kHeadDimVPad + j * C::kKvBox, maps.v,
+            maps.kv_heads_inner, &full[slot], j * 64, row, hk);
+    }
     // (a sparse layout may name a tile past a shorter sequence: none of its rows count)
     return static_cast<uint32_t>(
         max(int64_t{0}, min(static_cast<int64_t>(C::kBlockN), sk - n * C::kBlockN)));
