@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         if s.kernel.yaml == "backward" and dense(s) and s.deterministic == args.deterministic
     ]
     fwd = {
-        (s.head_dim, s.mask.causal): s
+        (s.head_dim, s.head_dim_vo, s.mask.causal): s
         for s in load_paths(args.fwd_specs) if s.kernel.yaml == "forward" and dense(s)
     } if args.fwd_specs else {}  # fmt: skip
     if not specs:
@@ -216,13 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for spec in specs:
         kernel = load_kernel(spec, args.libs)
-        fspec = fwd.get((spec.head_dim, spec.mask.causal))
+        fspec = fwd.get((spec.head_dim, spec.head_dim_vo, spec.mask.causal))
         fkernel = load_kernel(fspec, args.libs) if fspec is not None else None
         causal = spec.mask.causal.yaml != "none"
         for n in args.seqlens:
             row = bench_case(
                 kernel, fkernel, spec.head_dim, causal, n, args.tokens, args.hidden,
-                args.backends, args.check,
+                args.backends, args.check, d_v=spec.head_dim_vo,
             )  # fmt: skip
             rows.append(row)
             cells = "  ".join(f"{be}={t:6.1f}" for be, t in row["tflops"].items() if t)

@@ -239,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.backends,
                 not args.no_flex and n >= args.flex_min_seqlen,
                 args.check,
+                d_v=spec.head_dim_vo,
             )
             rows.append(row)
             cells = "  ".join(f"{be}={t:6.1f}" for be, t in row["tflops"].items() if t)
