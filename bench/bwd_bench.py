@@ -4,9 +4,10 @@ For each (head_dim, causal, seqlen) the same bf16 inputs, output, LSE and dO go 
 flashgen backward of the spec and to the backward of SDPA with each backend forced (FLASH =
 FlashAttention-2, CUDNN, EFFICIENT); times are medians of `triton.testing.do_bench`.
 TFLOP/s count 2.5 x the forward's 4*b*h*n^2*d (halved when causal), the FlashAttention
-papers' convention. batch * seqlen = 16k tokens, hidden = heads * head_dim = 2048. Also
-reported: forward + backward (flashgen forward + backward against each backend's pair), and
-with --check the largest difference of dQ, dK, dV from the FLASH backend's.
+papers' convention (with d_v != d: `bwd_flops`, 2*b*h*n^2*(3 d + 2 d_v)). batch * seqlen =
+16k tokens, hidden = heads * head_dim = 2048. Also reported: forward + backward (flashgen
+forward + backward against each backend's pair), and with --check the largest difference of
+dQ, dK, dV from the FLASH backend's.
 
     python -m flashgen.bench.bwd_bench --specs specs/bwd_dense.yaml --fwd-specs \
         specs/fwd_dense.yaml --out bench/results/bwd_h200.json
@@ -67,26 +68,46 @@ def flashgen_backward(kernel, q, k, v, o, lse, do, scale, extra: dict | None = N
     return launch, dq, dk, dv
 
 
-def bench_case(kernel, fwd_kernel, d, causal, n, tokens, hidden, backends, check) -> dict:
+def bwd_flops(batch: int, heads: int, n: int, d: int, causal: bool, d_v: int | None = None):
+    """Backward FLOPs: S = Q K^T again, dQ and dK (2 n^2 d each), dP = dO V^T and dV
+    (2 n^2 d_v each) per (batch, head), halved when causal; with d_v = d, 2.5 x the forward's
+    4 b h n^2 d (the FlashAttention papers' convention)."""
+    d_v = d if d_v is None else d_v
+    f = 2.0 * batch * heads * n * n * (3 * d + 2 * d_v)
+    return f / 2 if causal else f
+
+
+def bench_case(kernel, fwd_kernel, d, causal, n, tokens, hidden, backends, check, d_v=None) -> dict:
+    """One row: the flashgen backward and each backend's on the same bf16 inputs, q and k of
+    head dim d, v, out and dO of d_v (default d). O and LSE come from SDPA FLASH's forward,
+    or with d_v != d (which FLASH refuses) from the flashgen forward `fwd_kernel`."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
 
     batch, heads = max(1, tokens // n), hidden // d
+    d_v = d if d_v is None else d_v
     scale = 1.0 / math.sqrt(d)
     torch.manual_seed(0)
-    q, k, v, do = (
-        torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+    q, k = (torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v, do = (
+        torch.randn(batch, n, heads, d_v, device="cuda", dtype=torch.bfloat16) for _ in range(2)
     )
-    # O and LSE from SDPA FLASH's forward (the backward takes the caller's O and LSE).
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    out = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False)
-    o = out[0].transpose(1, 2).contiguous()
-    lse = out[1].contiguous()  # (b, h, n) natural log, fp32
-    fl_bwd = 2.5 * flops(batch, heads, n, d, causal)
-    fl_fwd = flops(batch, heads, n, d, causal)
-    row = {"d": d, "causal": causal, "seqlen": n, "batch": batch, "heads": heads,
+    if d_v == d:  # O and LSE from SDPA FLASH's forward (the backward takes the caller's)
+        out = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False)
+        o = out[0].transpose(1, 2).contiguous()
+        lse = out[1].contiguous()  # (b, h, n) natural log, fp32
+    else:
+        if fwd_kernel is None:
+            raise ValueError("d_v != d: give the flashgen forward kernel for O and LSE")
+        o = torch.empty(batch, n, heads, d_v, device="cuda", dtype=torch.bfloat16)
+        lse = torch.empty(batch, heads, n, device="cuda", dtype=torch.float32)
+        fwd_kernel.library.launcher(torch_params(fwd_kernel, q, k, v, o, lse, scale))()
+    fl_bwd = bwd_flops(batch, heads, n, d, causal, d_v)
+    fl_fwd = flops(batch, heads, n, d, causal, d_v)
+    row = {"d": d, "d_v": d_v, "causal": causal, "seqlen": n, "batch": batch, "heads": heads,
            "kernel": kernel.name, "ms": {}, "tflops": {}, "fwd_bwd_ms": {}}  # fmt: skip
 
     def timed(fn):
@@ -101,7 +122,7 @@ def bench_case(kernel, fwd_kernel, d, causal, n, tokens, hidden, backends, check
     row["ms"]["flashgen"] = ms
     row["tflops"]["flashgen"] = fl_bwd / (ms * 1e-3) / 1e12 if ms else None
     if fwd_kernel is not None:
-        o2, lse2 = torch.empty_like(q), torch.empty(batch, heads, n, device="cuda")
+        o2, lse2 = torch.empty_like(o), torch.empty(batch, heads, n, device="cuda")
         fwd = fwd_kernel.library.launcher(torch_params(fwd_kernel, q, k, v, o2, lse2, scale))
         launch2, *_ = flashgen_backward(kernel, q, k, v, o2, lse2, do, scale)
 
@@ -186,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         if s.kernel.yaml == "backward" and dense(s) and s.deterministic == args.deterministic
     ]
     fwd = {
-        (s.head_dim, s.mask.causal): s
+        (s.head_dim, s.head_dim_vo, s.mask.causal): s
         for s in load_paths(args.fwd_specs) if s.kernel.yaml == "forward" and dense(s)
     } if args.fwd_specs else {}  # fmt: skip
     if not specs:
@@ -195,13 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for spec in specs:
         kernel = load_kernel(spec, args.libs)
-        fspec = fwd.get((spec.head_dim, spec.mask.causal))
+        fspec = fwd.get((spec.head_dim, spec.head_dim_vo, spec.mask.causal))
         fkernel = load_kernel(fspec, args.libs) if fspec is not None else None
         causal = spec.mask.causal.yaml != "none"
         for n in args.seqlens:
             row = bench_case(
                 kernel, fkernel, spec.head_dim, causal, n, args.tokens, args.hidden,
-                args.backends, args.check,
+                args.backends, args.check, d_v=spec.head_dim_vo,
             )  # fmt: skip
             rows.append(row)
             cells = "  ".join(f"{be}={t:6.1f}" for be, t in row["tflops"].items() if t)
@@ -209,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"d={spec.head_dim:3d} causal={int(causal)} n={n:5d}  {cells}{extra}", flush=True)
     result = {
         "environment": environment(),
-        "convention": "TFLOP/s = 2.5 * 4*b*h*n^2*d (/2 causal) / time (backward only)",
+        "convention": "TFLOP/s = 2.5 * 4*b*h*n^2*d (/2 causal) / time (backward only); "
+        "with d_v != d, 2*b*h*n^2*(3d + 2d_v)",
         "rows": rows,
     }
     if args.out:

@@ -24,8 +24,11 @@ from pathlib import Path
 BACKENDS = ("FLASH", "CUDNN", "EFFICIENT", "MATH")
 
 
-def flops(batch: int, heads: int, n: int, d: int, causal: bool) -> float:
-    f = 4.0 * batch * heads * n * n * d
+def flops(batch: int, heads: int, n: int, d: int, causal: bool, d_v: int | None = None) -> float:
+    """Forward FLOPs: Q K^T (2 n^2 d) and P V (2 n^2 d_v) per (batch, head), halved when
+    causal; d_v (v's head dim) defaults to d, which gives the usual 4 b h n^2 d."""
+    d_v = d if d_v is None else d_v
+    f = 2.0 * batch * heads * n * n * (d + d_v)
     return f / 2 if causal else f
 
 
@@ -74,7 +77,11 @@ def bench_case(
     backends,
     flex: bool,
     check: bool,
+    d_v: int | None = None,
 ) -> dict:
+    """One row: flashgen and each backend on the same bf16 inputs of head dim d (q, k) and
+    d_v (v and out; default d). SDPA's backends that refuse d_v != d (FLASH) get an error
+    entry, CUDNN serves it."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -84,15 +91,16 @@ def bench_case(
     heads = hidden // d
     scale = 1.0 / math.sqrt(d)
     torch.manual_seed(0)
-    q, k, v = (
-        torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)
-    )
-    o = torch.empty_like(q)
+    d_v = d if d_v is None else d_v
+    q, k = (torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(batch, n, heads, d_v, device="cuda", dtype=torch.bfloat16)
+    o = torch.empty(batch, n, heads, d_v, device="cuda", dtype=torch.bfloat16)
     lse = torch.empty(batch, heads, n, device="cuda", dtype=torch.float32)
     launch = make_launcher(kernel, torch_params(kernel, q, k, v, o, lse, scale))
-    fl = flops(batch, heads, n, d, causal)
+    fl = flops(batch, heads, n, d, causal, d_v)
     row = {
         "d": d,
+        "d_v": d_v,
         "causal": causal,
         "seqlen": n,
         "batch": batch,
@@ -115,7 +123,7 @@ def bench_case(
         row["tflops"][label] = fl / (ms * 1e-3) / 1e12
 
     record("flashgen", launch)
-    if check:
+    if check and d_v == d:  # (SDPA FLASH refuses d_v != d)
         launch()
         torch.cuda.synchronize()
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -231,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.backends,
                 not args.no_flex and n >= args.flex_min_seqlen,
                 args.check,
+                d_v=spec.head_dim_vo,
             )
             rows.append(row)
             cells = "  ".join(f"{be}={t:6.1f}" for be, t in row["tflops"].items() if t)

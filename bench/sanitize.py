@@ -82,14 +82,16 @@ def inputs(spec, rng) -> tuple[tuple, dict]:
     from flashgen.verify.blocksparse import compact_layout_for_spec
     from flashgen.verify.strategies import fixed_score_args
 
-    d, sq, sk = spec.head_dim, 257, (spec.tile.stages + 3) * spec.tile.block_n + 13
+    d, d_v = spec.head_dim, spec.head_dim_vo  # q, k; v, o and dO
+    sq, sk = 257, (spec.tile.stages + 3) * spec.tile.block_n + 13
     same = _same_tokens(spec)
     if same:  # per_token ids are read at queries and keys: the same tokens on both sides
         sq = sk = max(sq, sk)
     kw = {}
     if spec.mask.varlen:
         q = rng.standard_normal((sq, 2, d)).astype(np.float32)
-        k, v = (rng.standard_normal((sk, 2, d)).astype(np.float32) for _ in range(2))
+        k = rng.standard_normal((sk, 2, d)).astype(np.float32)
+        v = rng.standard_normal((sk, 2, d_v)).astype(np.float32)
         kw.update(
             cu_seqlens_q=np.array([0, 31, sq], np.int32),
             cu_seqlens_k=np.array([0, 31 if same else sk - 7, sk], np.int32),
@@ -97,7 +99,8 @@ def inputs(spec, rng) -> tuple[tuple, dict]:
         tokens = (sq, sk)
     else:
         q = rng.standard_normal((2, sq, 2, d)).astype(np.float32)
-        k, v = (rng.standard_normal((2, sk, 2, d)).astype(np.float32) for _ in range(2))
+        k = rng.standard_normal((2, sk, 2, d)).astype(np.float32)
+        v = rng.standard_normal((2, sk, 2, d_v)).astype(np.float32)
         tokens = (2 * sq, 2 * sk)
     if spec.mask.window:
         kw["window"] = (20, 3)
@@ -116,7 +119,8 @@ def inputs(spec, rng) -> tuple[tuple, dict]:
     # exercise every load, atomic and store of the three kernels.
     lse = rng.standard_normal(q.shape[:-1]).astype(np.float32)
     lse = lse.transpose(1, 0) if spec.mask.varlen else lse.transpose(0, 2, 1)
-    return (q, k, v, q, np.ascontiguousarray(lse), q), kw
+    o = rng.standard_normal(q.shape[:-1] + (d_v,)).astype(np.float32)  # also dO
+    return (q, k, v, o, np.ascontiguousarray(lse), o), kw
 
 
 def run(shard: str = "0/1") -> None:

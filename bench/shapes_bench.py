@@ -7,6 +7,12 @@ multiples of 64) in the same run, TFLOP/s counted on the real d. Each row is the
 benchmark's (bench/fwd_bench.py) or the backward's (bench/bwd_bench.py), with SDPA's backends
 and FlexAttention (forward) beside flashgen, plus `pass`, `d_v` and `vs_next64`.
 
+d_qk != d_v: rows of d 192 with d_v 128 (DeepSeek-style prefill, specs/dv.yaml), forward on
+both targets and backward on sm_90 (the sm_90a backward takes one head dim), seqlen 4k-16k,
+against SDPA's CUDNN backend (which serves d_qk != d_v; FLASH refuses it): the bar is
+flashgen >= 1.0x CUDNN (`vs_cudnn`). `--only-dv` times those rows alone and, with `--out`,
+replaces the d_v != d rows of an existing file, keeping its others.
+
     python -m flashgen.bench.shapes_bench --out bench/results/shapes_h200.json
 
 Needs a GPU, PyTorch, Triton and PyCUDA; the kernels come from `flashgen compile specs/`.
@@ -29,13 +35,20 @@ PAIRS = (
     ("bwd", "sm_90a", 72, 128),
     ("bwd", "sm_90", 200, 256),
 )
+# (pass, target, d, d_v): d_qk != d_v, against SDPA CUDNN
+DV_CASES = (
+    ("fwd", "sm_90a", 192, 128),
+    ("fwd", "sm_90", 192, 128),
+    ("bwd", "sm_90", 192, 128),
+)
 
 
-def _plain(spec, kind: str, target: str, d: int, causal: bool) -> bool:
+def _plain(spec, kind: str, target: str, d: int, causal: bool, d_v: int | None = None) -> bool:
     return (
         spec.kernel.yaml == kind
         and spec.target.yaml == target
         and spec.head_dim == d
+        and spec.head_dim_vo == (d if d_v is None else d_v)
         and spec.dtype.yaml == "bf16"
         and spec.plain
         and not spec.deterministic
@@ -44,13 +57,51 @@ def _plain(spec, kind: str, target: str, d: int, causal: bool) -> bool:
     )
 
 
-def find_spec(specs, kind: str, target: str, d: int, causal: bool):
+def find_spec(specs, kind: str, target: str, d: int, causal: bool, d_v: int | None = None):
     for s in specs:
-        if _plain(s, kind, target, d, causal):
+        if _plain(s, kind, target, d, causal, d_v):
             return s
     raise SystemExit(
-        f"shapes_bench: no plain bf16 {kind} spec for {target} d={d} causal={causal} in specs/"
+        f"shapes_bench: no plain bf16 {kind} spec for {target} d={d} d_v={d_v or d} "
+        f"causal={causal} in specs/"
     )
+
+
+def dv_rows(specs, args, load_kernel) -> list[dict]:
+    """The d_qk != d_v rows (DV_CASES) at `args.dv_seqlens`, each with `vs_cudnn`."""
+    from flashgen.bench import bwd_bench, fwd_bench
+
+    rows = []
+    for kind, target, d, d_v in DV_CASES:
+        for causal in (False, True):
+            kind_yaml = {"fwd": "forward", "bwd": "backward"}[kind]
+            kernel = load_kernel(find_spec(specs, kind_yaml, target, d, causal, d_v), args.libs)
+            fkernel = None
+            if kind == "bwd":  # its O and LSE come from the flashgen forward (FLASH refuses d_v)
+                fspec = find_spec(specs, "forward", target, d, causal, d_v)
+                fkernel = load_kernel(fspec, args.libs)
+            for n in args.dv_seqlens:
+                if kind == "fwd":
+                    row = fwd_bench.bench_case(
+                        kernel, d, causal, n, args.tokens, args.hidden, ("CUDNN", "FLASH"),
+                        False, False, d_v=d_v,
+                    )  # fmt: skip
+                else:
+                    row = bwd_bench.bench_case(
+                        kernel, fkernel, d, causal, n, args.tokens, args.hidden,
+                        ("CUDNN", "FLASH"), False, d_v=d_v,
+                    )  # fmt: skip
+                row.update({"pass": kind, "target": target})
+                row["vs_cudnn"] = row["ratio"].get("CUDNN")
+                rows.append(row)
+                ours, cudnn = row["tflops"].get("flashgen"), row["tflops"].get("CUDNN")
+                print(
+                    f"{kind} {target} d={d} d_v={d_v} causal={int(causal)} n={n:5d}: "
+                    f"{ours or 0:6.1f} TFLOP/s vs SDPA CUDNN {cudnn or 0:6.1f} -> "
+                    f"{row['vs_cudnn'] or 0:.3f}",
+                    flush=True,
+                )
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--dv-seqlens", type=int, nargs="+", default=[4096, 8192, 16384])
+    ap.add_argument("--only-dv", action="store_true", help="the d_qk != d_v rows alone")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -70,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
     specs = list(load_paths(args.specs))
     rows = []
-    for kind, target, d, d64 in PAIRS:
+    for kind, target, d, d64 in () if args.only_dv else PAIRS:
         for causal in (False, True):
             by_d = {}
             for dd in (d, d64):
@@ -102,15 +155,24 @@ def main(argv: list[str] | None = None) -> int:
                     f"   SDPA CUDNN d={d}: {lo['tflops'].get('CUDNN') or 0:6.1f}",
                     flush=True,
                 )
+    rows += dv_rows(specs, args, load_kernel)
     result = {
         "environment": fwd_bench.environment(),
         "convention": "TFLOP/s on the real d: forward 4*b*h*n^2*d, backward 2.5x that "
-        "(/2 causal); vs_next64 = flashgen TFLOP/s at d / at the next multiple of 64, one run",
+        "(/2 causal); vs_next64 = flashgen TFLOP/s at d / at the next multiple of 64, one run; "
+        "d_v != d rows: forward 2*b*h*n^2*(d + d_v), backward 2*b*h*n^2*(3d + 2d_v), "
+        "vs_cudnn = flashgen / SDPA CUDNN TFLOP/s",
         "rows": rows,
     }
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        out = Path(args.out)
+        if args.only_dv and out.exists():  # keep the file's d_v = d rows, replace the others
+            kept = [
+                r for r in json.loads(out.read_text())["rows"] if r.get("d_v", r["d"]) == r["d"]
+            ]
+            result["rows"] = kept + rows
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 

@@ -260,7 +260,8 @@ def _describe(spec: KernelSpec) -> list[str]:
     core = ", ".join(
         f"{f.path} {f.yaml_value(f.get(spec))}"
         for f in FIELDS
-        if f.path in ("kernel", "dtype", "head_dim", "target")
+        if f.path in ("kernel", "dtype", "head_dim", "head_dim_v", "target")
+        and f.get(spec) is not None  # head_dim_v only when the spec has one
     )
     entries = ", ".join(family(spec).entry_points(name).values())
     return [

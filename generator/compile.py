@@ -258,8 +258,8 @@ def retarget(specs: Sequence[KernelSpec], arch: Target) -> list[KernelSpec]:
         try:
             tile = s.tile
             if s.tile_auto:
-                values = {f.path: f.get(s) for f in FIELDS}
-                tile = family(s.kernel, arch).auto_tile(arch, s.dtype, s.head_dim, values)
+                values = {f.path: f.get(s) for f in FIELDS} | {"target": arch}
+                tile = family(s.kernel, arch).auto_tile_of(values)
             out.append(s.replace(target=arch, tile=tile))
         except SpecError as e:
             raise SpecError(

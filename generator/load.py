@@ -538,10 +538,8 @@ def _build(values: dict[str, Any], source: str) -> KernelSpec:
         except SpecError as e:
             raise SpecError(e.message, field="kernel") from None
         # An invalid head_dim is reported by the family; a legal tile stands in meanwhile.
-        if fam.head_dim_ok(values["head_dim"]):
-            values["tile"] = fam.auto_tile(
-                values["target"], values["dtype"], values["head_dim"], values
-            )
+        if fam.head_dims_ok(values):  # (sized for max(d, d_v): Family.auto_tile_of)
+            values["tile"] = fam.auto_tile_of(values)
         else:
             values["tile"] = Tile(64, 64, 4, 2)
     return build_spec(values, tile_auto=tile_auto, source=source)
@@ -605,10 +603,12 @@ def _parse_scalar(fld: str, v: Any, line: int, idx: str, err: Any) -> Any:
             )
         return v
     if f.kind is FieldKind.INT:
+        if v is None and f.optional:
+            return None
         if isinstance(v, bool) or not isinstance(v, int):
             raise err(
-                f"{_show(v)} is {_kind(v)}, expected an integer (allowed: multiples of 16 "
-                f"in 16..256)",
+                f"{_show(v)} is {_kind(v)}, expected an integer (allowed: multiples of 8 "
+                f"in 8..256)",
                 shown,
                 line,
             )

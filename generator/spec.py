@@ -414,6 +414,16 @@ def _flag(part: str) -> Callable[[Any], str]:
 FIELDS: tuple[Field, ...] = (
     Field("kernel", FieldKind.ENUM, KernelKind.FORWARD, KernelKind, lambda k: k.short),
     Field("head_dim", FieldKind.INT, None, part=lambda d: f"d{d}", doc="d"),
+    # d_v, the head dim of V and O when it is not d (absent: d_v = d, and the canonical form,
+    # name and hash of every kernel without it are what they were before the field existed)
+    Field(
+        "head_dim_v",
+        FieldKind.INT,
+        None,
+        part=lambda v: f"v{v}" if v is not None else "",
+        doc="d_v",
+        optional=True,
+    ),
     Field("dtype", FieldKind.ENUM, None, Dtype, lambda d: d.short),
     Field("mask.causal", FieldKind.ENUM, Causal.NONE, Causal, lambda c: c.short),
     Field("mask.window", FieldKind.BOOL, False, part=_flag("win"), feature="window"),
@@ -543,6 +553,8 @@ class KernelSpec:
     head_dim: int
     tile: Tile
     tile_auto: bool = False
+    # the head dim of V and O (d_v); None when it equals head_dim (see `head_dim_vo`)
+    head_dim_v: int | None = None
     mask: Mask = Mask()
     dropout: bool = False
     debug_keep_mask: bool = False
@@ -563,6 +575,9 @@ class KernelSpec:
     source: str = field(default="", compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.head_dim_v is not None and self.head_dim_v == self.head_dim:
+            # `head_dim_v: 128` beside `head_dim: 128` is the kernel without the field
+            object.__setattr__(self, "head_dim_v", None)
         for fld, problem in self.problems():
             raise SpecError(problem, field=fld)
 
@@ -579,7 +594,7 @@ class KernelSpec:
                 _check_enum(value, f.enum, f.path)
             elif f.kind is FieldKind.BOOL:
                 _check_bool(value, f.path)
-            elif f.kind is FieldKind.INT:
+            elif f.kind is FieldKind.INT and not (f.optional and value is None):
                 _check_int(value, f.path)
         if self.score_mod is not None and not (
             isinstance(self.score_mod, UserMod) and self.score_mod.kind == "score_mod"
@@ -650,6 +665,17 @@ class KernelSpec:
         (their slots of `fg_score_params`, in this order), or None without one."""
         mod = self.score_mod if self.score_mod is not None else self.mask_mod
         return None if mod is None else dict(mod.params)
+
+    @property
+    def head_dim_vo(self) -> int:
+        """d_v: the head dim of V and O (and dV), `head_dim_v` when given, else `head_dim`;
+        `head_dim` is that of Q and K (and dQ, dK)."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def head_dim_max(self) -> int:
+        """max(d, d_v): the head dim the `tile: auto` rules size a kernel for."""
+        return max(self.head_dim, self.head_dim_vo)
 
     @property
     def sparse(self) -> bool:

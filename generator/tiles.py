@@ -76,10 +76,16 @@ def mma_head_dim(head_dim: int) -> int:
     return -(-head_dim // 16) * 16
 
 
-def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype) -> int:
-    """Dynamic shared memory in bytes: Q tile plus `stages` K and V tiles, padded rows."""
-    rows = tile.block_m + 2 * tile.stages * tile.block_n
-    return rows * (mma_head_dim(head_dim) + SMEM_ROW_PAD) * dtype.nbytes
+def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype, head_dim_v: int | None = None) -> int:
+    """Dynamic shared memory in bytes: Q tile and `stages` K tiles of `head_dim` (d) columns,
+    `stages` V tiles of `head_dim_v` (d_v, default d) columns, padded rows."""
+    d_v = head_dim if head_dim_v is None else head_dim_v
+    qk_rows = tile.block_m + tile.stages * tile.block_n
+    v_rows = tile.stages * tile.block_n
+    return (
+        qk_rows * (mma_head_dim(head_dim) + SMEM_ROW_PAD)
+        + v_rows * (mma_head_dim(d_v) + SMEM_ROW_PAD)
+    ) * dtype.nbytes
 
 
 __all__ = [

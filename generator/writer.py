@@ -142,6 +142,12 @@ def spec_summary(canonical: dict[str, Any]) -> dict[str, str]:
     }
 
 
+def _dims(canonical: dict[str, Any]) -> str:
+    """The table's d column: `d`, or `d / d_v` for a spec with head_dim_v."""
+    d_v = canonical.get("head_dim_v")
+    return f"{canonical['head_dim']}" if d_v is None else f"{canonical['head_dim']} / {d_v}"
+
+
 def readme_table(entries: Sequence[dict[str, Any]]) -> str:
     """Markdown table of shipped kernels (name, kind, dtype, d, mask, features, tile,
     target, status)."""
@@ -153,7 +159,7 @@ def readme_table(entries: Sequence[dict[str, Any]]) -> str:
         s = e["spec"]
         summary = spec_summary(s)
         lines.append(
-            f"| `{e['name']}` | {s.get('kernel', 'forward')} | {s['dtype']} | {s['head_dim']} "
+            f"| `{e['name']}` | {s.get('kernel', 'forward')} | {s['dtype']} | {_dims(s)} "
             f"| {summary['mask']} | {summary['features']} | {summary['tile']} "
             f"| {s['target']} | {e['status']} |"
         )

@@ -8,7 +8,8 @@ kernel reads as it is) see the tensors, as flash-attn does them in its Python la
 - a head dim d in 1..256 that the kernels of the call do not serve is zero-padded: q, k and
   v get `F.pad` to the smallest served d' > d (`selection.padded_head_dim`, which asks the
   families), the kernels run at d' and the output is sliced back to d; autograd slices the
-  gradients through the pad. The softmax scale stays 1 / sqrt(d) of the caller's d;
+  gradients through the pad. v's head dim d_v, when it differs from q's, is padded on its
+  own. The softmax scale stays 1 / sqrt(d) of the caller's d;
 - a tensor whose layout the kernels cannot read (a last stride other than 1, another stride
   not a multiple of 8 elements, a first element off a 16-byte boundary) is copied once into
   the contiguous layout (`_readable`); aligned views (e.g. `qkv.unbind(2)`) are read in
@@ -99,29 +100,33 @@ def _check_unpadded(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 def _kernel_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    backward: bool,
                    pad: bool = True) -> tuple[Tensor, Tensor, Tensor, int]:  # fmt: skip
-    """(q, k, v) as the kernels read them, and the head dim they run at: zero-padded to
-    `_kernel_head_dim` when the kernels do not serve q's head dim, then copied where their
-    layout is one the kernels cannot read. Tensors the op refuses anyway (not CUDA, not
-    float16/bfloat16, head dims that differ) are passed on as they are, to its message.
+    """(q, k, v) as the kernels read them, and the head dim of v (and out) they run at:
+    zero-padded to `_kernel_head_dim` when the kernels do not serve q's head dim (q and k),
+    or v's (v, whose head dim d_v may differ from q's), then copied where their layout is one
+    the kernels cannot read. Tensors the op refuses anyway (not CUDA, not float16/bfloat16,
+    q and k head dims that differ) are passed on as they are, to its message.
     `pad=False` (a compile_variant call, whose spec names its head dims) never pads."""
     d = q.shape[-1]
+    d_v = v.shape[-1] if v.dim() > 0 else d
     if not (_on_cuda(q) and q.dtype in _HALF):
-        return q, k, v, d
+        return q, k, v, d_v
     compiling = torch.compiler.is_compiling()
-    if k.dim() == 0 or v.dim() == 0 or k.shape[-1] != d or v.shape[-1] != d:
+    if k.dim() == 0 or v.dim() == 0 or k.shape[-1] != d:
         if not compiling:  # refused: say the head dims differ (not that a stride is odd)
             _check_unpadded(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        return q, k, v, d
+        return q, k, v, d_v
     padded = _kernel_head_dim(operator.index(d), q.device.index, backward) if pad else d
-    if padded != d:
+    padded_v = padded if d_v == d else d_v
+    if pad and d_v != d:
+        padded_v = _kernel_head_dim(operator.index(d_v), q.device.index, backward)
+    if padded != d or padded_v != d_v:
         if not compiling:
             _check_unpadded(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        pad = (0, padded - d)
-        qp = F.pad(q, pad)
-        kp = qp if k is q else F.pad(k, pad)
-        vp = qp if v is q else kp if v is k else F.pad(v, pad)
+        qp = F.pad(q, (0, padded - d))
+        kp = qp if k is q else F.pad(k, (0, padded - d))
+        vp = qp if v is q else kp if v is k else F.pad(v, (0, padded_v - d_v))
         q, k, v = qp, kp, vp
-    return _readable(q), _readable(k), _readable(v), padded
+    return _readable(q), _readable(k), _readable(v), padded_v
 
 
 def _attention(
@@ -134,6 +139,7 @@ def _attention(
     to the variant ops; () for the others, which call fwd and bwd)."""
     variant = len(user) > 0  # (not `not user`: dynamo does not trace `not` on a tuple)
     head_dim = q.shape[-1]
+    head_dim_v = v.shape[-1] if v.dim() > 0 else head_dim  # out's (d_v; q's and k's: d)
     q_in, k_in = q, k  # the caller's, for return_attn_probs with dropout
     if softmax_scale is None:  # the caller's head dim, padded or not (0: refused below)
         softmax_scale = head_dim**-0.5 if head_dim > 0 else 1.0
@@ -195,8 +201,8 @@ def _attention(
         learnable_sink,
         *user,
     )
-    if kernel_head_dim != head_dim:  # zero-padded: the output's first head_dim columns
-        out = out[..., :head_dim].contiguous()
+    if kernel_head_dim != head_dim_v:  # zero-padded: the output's first d_v columns
+        out = out[..., :head_dim_v].contiguous()
     if return_attn_probs:
         probs = None
         # flash-attn's S_dmask, recomputed (flashgen.torch.attn_probs); not for a variant,
@@ -235,9 +241,10 @@ def flash_attn_func(
             next one they serve (a copy of q, k and v; the output and the gradients are
             sliced back), as flash-attn does; docs/torch.md, "Head dims and layouts".
         k, v: `(batch, seqlen_k, kv_heads, head_dim)`; `kv_heads` divides `heads` (GQA/MQA:
-            query head h reads k/v head `h // (heads // kv_heads)`). Views whose last
-            dimension is contiguous and whose other strides are multiples of 8 elements,
-            such as `qkv[:, :, 0]` of a packed projection, are read in place; any other
+            query head h reads k/v head `h // (heads // kv_heads)`). v's head dim d_v may
+            differ from q's and k's (e.g. 192 / 128, DeepSeek-style; docs/torch.md). Views
+            whose last dimension is contiguous and whose other strides are multiples of 8
+            elements, such as `qkv[:, :, 0]` of a packed projection, are read in place; any other
             layout (e.g. `x[..., :d]` of a wider tensor with d not a multiple of 8) is
             copied once into a contiguous buffer (differentiable, like the padding).
         dropout_p: dropout probability on the attention weights (0.0 at evaluation). Seed and
@@ -271,7 +278,7 @@ def flash_attn_func(
             `dsink_h = -sum_{b,i} exp(sink_h - LSE_bhi) * rowsum(dO * O)_bhi`, float32.
 
     Returns:
-        `out` `(batch, seqlen_q, heads, head_dim)` in q's dtype (contiguous); with
+        `out` `(batch, seqlen_q, heads, d_v)` (d_v = v's head dim) in q's dtype (contiguous); with
         `return_attn_probs=True`, `(out, softmax_lse, S_dmask)` (S_dmask None without
         dropout). `softmax_lse` is float32
         `(batch, heads, seqlen_q)`, the natural-log log-sum-exp of each row's scores

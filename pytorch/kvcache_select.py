@@ -259,7 +259,7 @@ def _cache_shapes(q: TensorMeta, k_cache: TensorMeta, v_cache: TensorMeta) -> tu
     if k_cache.shape != v_cache.shape:
         raise UnsupportedCall(
             f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the "
-            "same shape"
+            "same shape (the decode kernels take one head dim for k and v: no head_dim_v)"
         )
     batch, sq, heads, d = q.shape
     if k_cache.shape[-1] != d:

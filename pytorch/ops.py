@@ -234,7 +234,7 @@ def _call(
     if index is None or type(dropout_p) is not float:
         return _make_call(*args)
     key = (pb.dtype, pb.head_dim, pb.heads, pb.kv_heads, pb.varlen, index, dropout_p, causal,
-           window_left, window_right, deterministic, features)  # fmt: skip
+           window_left, window_right, deterministic, features, pb.head_dim_v)  # fmt: skip
     if score_mod is not None:
         key += (score_mod,)
     try:
@@ -275,6 +275,7 @@ def _make_call(
         deterministic=bool(deterministic),
         features=features,
         score_mod=score_mod,
+        head_dim_v=None if pb.head_dim_v is None else int(pb.head_dim_v),
     )
     return call, runtime_window
 
@@ -599,6 +600,11 @@ def _strides(prefix: str, t: Tensor, varlen: bool) -> dict[str, int]:
     return {batch: s[0], row: s[1], head: s[2]}
 
 
+def _out_shape(q: Tensor, pb: Problem) -> tuple[int, ...]:
+    """The forward's out: q's shape with v's head dim (d_v, `Problem.d_v`)."""
+    return (*q.shape[:-1], pb.d_v)
+
+
 def _lse_shape(q: Tensor, pb: Problem) -> tuple[int, ...]:
     """`(batch, heads, seqlen_q)`, varlen `(heads, total_q)`: docs/conventions.md."""
     return (pb.heads, q.shape[0]) if pb.varlen else (pb.batch, pb.heads, pb.seqlen_q)
@@ -711,7 +717,7 @@ class _OnDevice:
 
 def _fwd_outputs(q: Tensor, pb: Problem) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The fake implementation's outputs: the metadata of what `fwd` returns."""
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(_out_shape(q, pb), dtype=q.dtype, device=q.device)
     lse = torch.empty(_lse_shape(q, pb), dtype=torch.float32, device=q.device)
     seed = torch.empty((), dtype=torch.int64, device="cpu")
     return out, lse, seed, torch.empty((), dtype=torch.int64, device="cpu")
@@ -776,7 +782,7 @@ def _fwd_impl(
         philox = {}
         seed, offset = philox_state(device, dropout_p)
         seed_t, offset_t = _scalar(seed), _scalar(offset)
-    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    out = torch.empty(_out_shape(q, pb), dtype=q.dtype, device=device)
     lse = torch.empty(_lse_shape(q, pb), dtype=torch.float32, device=device)
     if q.numel() == 0 or k.numel() == 0:  # no kernel: a captured (seed, offset) reads 0, 0
         if philox:
@@ -855,7 +861,7 @@ def _fwd_fake(
 
 
 def _bwd_problem(dout, q, k, v, out, lse, seed, offset, cu_q, cu_k, max_q, max_k) -> Problem:
-    pb = _problem(q, k, v, cu_q, cu_k, max_q, max_k, extra=(("out", out, "q"), ("dout", dout, "q")))
+    pb = _problem(q, k, v, cu_q, cu_k, max_q, max_k, extra=(("out", out, "o"), ("dout", dout, "o")))
     want = _lse_shape(q, pb)
     if lse.dtype != torch.float32 or tuple(lse.shape) != tuple(want) or lse.stride(-1) != 1:
         raise UnsupportedCall(

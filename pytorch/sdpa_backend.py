@@ -339,6 +339,17 @@ def _flashgen_bwd(dout, q, k, v, out, lse, seed, offset, cu_q, cu_k, max_q, max_
     return dq, dk, dv
 
 
+def _one_head_dim(q: Tensor, v: Tensor) -> None:
+    """aten's flash-attention operators take one head dim for q, k and v (SDPA sends a call
+    with v's own head dim to another backend); say so rather than pad v to q's."""
+    if v.dim() > 0 and q.dim() > 0 and v.shape[-1] != q.shape[-1]:
+        raise _refuse(
+            f"value's head dim {v.shape[-1]} differs from query's {q.shape[-1]}: aten's "
+            "flash-attention operator takes one head dim (flashgen.torch.flash_attn_func "
+            "takes v of its own)"
+        )
+
+
 def _forward(q, k, v, cu_q, cu_k, max_q, max_k, args: FlashgenArgs):
     """(out, lse, rng_state, unused) of flash-attn-layout q, k, v (dense or packed)."""
     if (
@@ -352,6 +363,7 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, args: FlashgenArgs):
             "flashgen.torch.flash_attn_func serves dropout under capture)"
         )
     d = int(q.shape[-1])
+    _one_head_dim(q, v)
     try:
         padded = _kernel_head_dim(q, KernelKind.FORWARD)
         qk, kk, vk = (_ready(t, padded) for t in (q, k, v))
@@ -373,6 +385,7 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, args: FlashgenArgs):
 def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, args: FlashgenArgs, rng_state):
     """(dq, dk, dv) in the caller's head dim."""
     d = int(q.shape[-1])
+    _one_head_dim(q, v)
     seed, offset = unpack_philox(rng_state) if args.dropout_p > 0.0 else (0, 0)
     try:
         padded = _kernel_head_dim(q, KernelKind.BACKWARD)

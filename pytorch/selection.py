@@ -115,10 +115,16 @@ class Problem(NamedTuple):
     head_dim: int
     varlen: bool
     dtype: Dtype
+    head_dim_v: int | None = None  # v's (and out's) head dim when it is not q's and k's
 
     @property
     def gqa(self) -> bool:
         return self.heads != self.kv_heads
+
+    @property
+    def d_v(self) -> int:
+        """v's head dim (`head_dim_v`, else `head_dim`)."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
 
 def _dtype(name: str, what: str) -> Dtype:
@@ -144,12 +150,14 @@ def check_problem(
 ) -> Problem:
     """Validate the tensors of one call and return its sizes.
 
-    Dense: q `(batch, seqlen_q, heads, d)`, k and v `(batch, seqlen_k, kv_heads, d)`.
-    Varlen (cu_seqlens given): q `(total_q, heads, d)`, k and v `(total_k, kv_heads, d)`,
+    Dense: q `(batch, seqlen_q, heads, d)`, k `(batch, seqlen_k, kv_heads, d)`, v the same
+    with its own head dim d_v (`Problem.head_dim_v`; d_v = d in most calls).
+    Varlen (cu_seqlens given): q `(total_q, heads, d)`, k `(total_k, kv_heads, d)`, v likewise,
     int32 `cu_seqlens_q/k` of `batch + 1` entries on the same device. The last dimension must
     have stride 1 and every other stride must be a multiple of 8 elements (16 bytes: the
     kernels load 8-element vectors). `extra` adds `(name, meta, like)` tensors that must
-    have the shape of `like` ('q' or 'k') under the same rules (the backward's out, dout).
+    have the shape of `like` ('q', 'k', or 'o': q's with v's head dim, the backward's out
+    and dout) under the same rules.
     """
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     if varlen and (cu_seqlens_q is None or cu_seqlens_k is None):
@@ -184,11 +192,12 @@ def check_problem(
                 "multiple of 8 elements (16 bytes): pass .contiguous()"
             )
     d = q.shape[-1]
-    if k.shape != v.shape:
+    if k.shape[:-1] != v.shape[:-1]:
         raise UnsupportedCall(
-            f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape "
-            "(flashgen kernels take one head_dim for q, k and v)"
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape but for the "
+            "last dimension (v's head_dim may differ from q's and k's)"
         )
+    d_v = v.shape[-1]
     if k.shape[-1] != d:
         raise UnsupportedCall(f"q's head_dim {d} differs from k's {k.shape[-1]}; they must match")
     heads, kv_heads = q.shape[-2], k.shape[-2]
@@ -197,12 +206,13 @@ def check_problem(
             f"q has {heads} heads and k, v have {kv_heads}: the number of k/v heads must "
             "divide the number of query heads (GQA/MQA)"
         )
+    o_shape = tuple(q.shape[:-1]) + (d_v,)
     for name, t, like in extra:
-        want = q.shape if like == "q" else k.shape
-        if t.shape != want:
-            raise UnsupportedCall(
-                f"{name} has shape {tuple(t.shape)}; it must have {like}'s {want}"
-            )
+        want = {"q": tuple(q.shape), "k": tuple(k.shape), "o": o_shape}[like]
+        if tuple(t.shape) != want:
+            what = "q's shape with v's head_dim" if like == "o" else f"{like}'s shape"
+            raise UnsupportedCall(f"{name} has shape {tuple(t.shape)}; it must have {what} {want}")
+    dv = None if d_v == d else d_v
     if varlen:
         for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             if t.device != "cuda" or t.dtype != "int32" or len(t.shape) != 1 or t.stride != (1,):
@@ -219,11 +229,11 @@ def check_problem(
             if m is None or m < 0:
                 raise UnsupportedCall(f"{name} must be an int >= 0 (the longest sequence), got {m}")
         return Problem(
-            cu_seqlens_q.shape[0] - 1, heads, kv_heads, max_seqlen_q, max_seqlen_k, d, True, dt
+            cu_seqlens_q.shape[0] - 1, heads, kv_heads, max_seqlen_q, max_seqlen_k, d, True, dt, dv
         )
     if k.shape[0] != q.shape[0]:
         raise UnsupportedCall(f"q has batch {q.shape[0]} but k, v have {k.shape[0]}")
-    return Problem(q.shape[0], heads, kv_heads, q.shape[1], k.shape[1], d, False, dt)
+    return Problem(q.shape[0], heads, kv_heads, q.shape[1], k.shape[1], d, False, dt, dv)
 
 
 # --------------------------------------------------------------------------------------------
@@ -401,6 +411,8 @@ class AttentionCall:
     features: frozenset[str] = NO_FEATURES
     # a user-defined score modifier (generator.usermod.UserMod; `compile_variant`), or None
     score_mod: Any = None
+    # v's head dim when it is not `head_dim` (the spec's head_dim_v), else None
+    head_dim_v: int | None = None
 
 
 def _head_dims(dims: Sequence[int]) -> str:
@@ -421,6 +433,11 @@ def _spec(kind: KernelKind, call: AttentionCall) -> KernelSpec:
 
 def _spec_for(kind: KernelKind, call: AttentionCall, target: Target) -> KernelSpec:
     fam = family(kind, target)
+    if call.head_dim_v is not None and not fam.head_dim_ok(call.head_dim_v):
+        raise UnsupportedCall(
+            f"v's head_dim {call.head_dim_v} has no {kind.yaml} kernel (allowed: multiples of "
+            f"8 in 8..256 for v's head_dim when it differs from q's {call.head_dim})"
+        )
     if not fam.head_dim_ok(call.head_dim):
         dims = FWD_HEAD_DIMS if kind is KernelKind.FORWARD else BWD_HEAD_DIMS
         hint = ""
@@ -439,6 +456,7 @@ def _spec_for(kind: KernelKind, call: AttentionCall, target: Target) -> KernelSp
         target,
         {
             "head_dim": call.head_dim,
+            **({"head_dim_v": call.head_dim_v} if call.head_dim_v is not None else {}),
             "dtype": call.dtype,
             "mask.causal": call.causal,
             "mask.window": call.window,
@@ -461,7 +479,7 @@ def auto_spec(kind: KernelKind, target: Target, fields: dict[str, Any]) -> Kerne
     values.update(fields)
     values.update({"kernel": kind, "target": target})
     try:
-        values["tile"] = fam.auto_tile(target, values["dtype"], values["head_dim"], values)
+        values["tile"] = fam.auto_tile_of(values)
         return build_spec(values, tile_auto=True, source=SOURCE)
     except SpecError as e:
         raise UnsupportedCall(f"no {kind.yaml} kernel can be built for this call: {e}") from None

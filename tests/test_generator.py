@@ -136,9 +136,10 @@ def test_golden_name_with_fixed_templates(templates):
     assert spec_hash(spec, templates) == GOLDEN_HASH
 
 
-GOLDEN_HASH = "f793ee71"  # generator 0.1.0, the tiny templates above, hash over included files
+GOLDEN_HASH = "cde09ef5"  # generator 0.1.0, the tiny templates above, hash over included files
 # (changed with the score-stage feature fields of the canonical spec, then with head_dim_pad,
-# then with the render context's `user_score`, then with its `user_mask`)
+# then with the render context's `user_score`, then with its `user_mask`, then with its
+# `head_dim_v` and `head_dim_v_pad`)
 
 
 def test_editing_an_included_header_renames_the_kernel(templates):
@@ -200,8 +201,8 @@ def test_context_has_exactly_the_documented_keys():
     assert set(ctx) == {"spec", "name", "header_name", "banner", "cfg"}
     assert ctx["header_name"] == "k.h"
     assert ctx["cfg"] == {
-        "dtype_cpp": "__nv_bfloat16", "head_dim": 128, "head_dim_pad": 128, "block_m": 128,
-        "block_n": 64,
+        "dtype_cpp": "__nv_bfloat16", "head_dim": 128, "head_dim_pad": 128,
+        "head_dim_v": 128, "head_dim_v_pad": 128, "block_m": 128, "block_n": 64,
         "warps": 4, "threads": 128, "stages": 2, "smem_bytes": (128 + 4 * 64) * 136 * 2,
         "causal_cpp": "fg::Causal::kBottomRight", "window": False, "varlen": False,
         "gqa": False, "dropout": False, "debug_keep_mask": False, "sparse": False,

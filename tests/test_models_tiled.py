@@ -335,7 +335,7 @@ def test_real_specs_run_through_the_models(data):
     case = data.draw(cases_for_spec(spec, max_seqlen=40))
     inputs = ModelCase(
         spec,
-        *_inputs_for(data, case, spec.head_dim),
+        *_inputs_for(data, case, spec.head_dim, spec.head_dim_vo),
         case.batch,
         case.heads,
         case.kv_heads,
@@ -353,7 +353,7 @@ def test_real_specs_run_through_the_models(data):
     assert inputs.predicted_bytes() == result.io
 
 
-def _inputs_for(data, case, d):
+def _inputs_for(data, case, d, d_v=None):
     if case.cu_seqlens_q is not None:
         shapes_ = (
             (int(case.cu_seqlens_q[-1]), case.heads, d),
@@ -364,7 +364,8 @@ def _inputs_for(data, case, d):
             (case.batch, case.seqlen_q, case.heads, d),
             (case.batch, case.seqlen_k, case.kv_heads, d),
         )
-    return data.draw(attention_inputs(*shapes_, kind="normal"))
+    v_shape = shapes_[1][:-1] + (d if d_v is None else d_v,)
+    return data.draw(attention_inputs(*shapes_, kind="normal", v_shape=v_shape))
 
 
 def _keep_for(case):

@@ -607,6 +607,18 @@ def test_registry_arguments_flashgen_cannot_serve_are_refused(kwargs, match):
     assert "restore_flash_attention_impl" in str(err.value)
 
 
+def test_the_flash_operators_refuse_a_value_of_another_head_dim():
+    """aten's flash-attention operators take one head dim; a v of its own is refused (not
+    padded to q's), naming flash_attn_func, which takes it."""
+    q, k = torch.zeros(1, 4, 2, 192), torch.zeros(1, 4, 2, 192)
+    v = torch.zeros(1, 4, 2, 128)
+    args = sb.forward_arguments(192)
+    with pytest.raises(UnsupportedCall, match="value's head dim 128 differs from query's 192"):
+        sb._forward(q, k, v, None, None, 4, 4, args)
+    with pytest.raises(UnsupportedCall, match="flash_attn_func"):
+        sb._backward(q[..., :128], q, k, v, q[..., :128], None, None, None, 4, 4, args, None)
+
+
 def test_philox_state_round_trips_through_the_rng_state_tensor():
     for seed, offset in ((0, 0), (123, 8), (2**64 - 1, 2**63 + 4)):
         t = sb.pack_philox(seed, offset)

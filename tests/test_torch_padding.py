@@ -375,8 +375,8 @@ def gradients(q, k, v, dout, *, scale, causal=False):
     ds = pr * (dp - rows)
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, ke) * scale
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, q) * scale
-    fold = (k.shape[0], sk, hk, group, k.shape[3])
-    return dq, dk.reshape(fold).sum(3), dv.reshape(fold).sum(3)
+    fold, fold_v = (k.shape[0], sk, hk, group, k.shape[3]), (v.shape[0], sk, hk, group, v.shape[3])
+    return dq, dk.reshape(fold).sum(3), dv.reshape(fold_v).sum(3)
 
 
 class Emulator:
@@ -399,10 +399,12 @@ class Emulator:
         return torch.float16 if self.spec.dtype is Dtype.FP16 else torch.bfloat16
 
     def _qkv(self, p, lens, names=("q", "k", "v", "o")):
-        """The (b, s, h, d) views (varlen: (1, total, h, d)) of the named tensors."""
-        d, dt = self.spec.head_dim, self._dtype()
+        """The (b, s, h, d) views (varlen: (1, total, h, d)) of the named tensors (v, o, dout
+        and dv of the spec's d_v)."""
+        dt = self._dtype()
         out = {}
         for name in names:
+            d = self.spec.head_dim_vo if name in ("v", "o", "dout", "dv") else self.spec.head_dim
             kv = name in ("k", "v", "dk", "dv")
             heads = p["kv_heads"] if kv else p["heads"]
             pre = "do" if name == "dout" else name
@@ -580,7 +582,7 @@ def _check(q, k, v, out, dout, *, causal, scale=None, lens=None, grads=True):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
     want, _ = reference(qd, kd, vd, scale=scale, causal=causal, lens=lens)
-    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.shape == q.shape[:-1] + v.shape[-1:] and out.dtype == q.dtype
     _close(out, want.detach(), TOL["o"], "o")
     if grads:
         got = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
@@ -618,6 +620,41 @@ def test_an_unserved_head_dim_runs_padded_and_matches_the_reference(gpu, d, caus
     (fs, fp), (bs, bp) = gpu.launches
     assert (fs.kernel, bs.kernel) == (F, B) and fs.head_dim == bs.head_dim == padded
     assert fp["softmax_scale"] == bp["softmax_scale"] == d**-0.5  # the caller's head dim
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_v_of_its_own_head_dim_runs_the_d_v_kernels_unpadded(gpu, causal):
+    q = _randn(2, 37, 4, 192, grad=True, seed=1)
+    k = _randn(2, 53, 2, 192, grad=True, seed=2)
+    v = _randn(2, 53, 2, 128, grad=True, seed=3)
+    dout = _randn(2, 37, 4, 128, seed=4)
+    out = flash_attn(q, k, v, causal=causal)
+    assert out.shape == (2, 37, 4, 128)
+    ((fs, fp),) = gpu.launches
+    assert (fs.head_dim, fs.head_dim_vo, fs.target) == (192, 128, Target.SM90A)
+    assert (fp["q"], fp["v"]) == (q.data_ptr(), v.data_ptr())  # read in place
+    assert (fp["head_dim"], fp["head_dim_v"]) == (192, 128)  # what <name>_check compares
+    _check(q, k, v, out, dout, causal=causal)
+    _, (bs, bp) = gpu.launches
+    assert (bs.kernel, bs.head_dim, bs.head_dim_vo, bs.target) == (B, 192, 128, Target.SM90)
+    assert (bp["head_dim"], bp["head_dim_v"]) == (192, 128)
+
+
+def test_unserved_q_and_v_head_dims_are_padded_each_to_its_own(gpu):
+    d, d_v = 59, 20
+    padded, padded_v = (padded_head_dim(x, H200, (F, B)) for x in (d, d_v))
+    assert padded != d and padded_v != d_v
+    q = _randn(1, 9, 2, d, grad=True, seed=1)
+    k = _randn(1, 11, 2, d, grad=True, seed=2)
+    v = _randn(1, 11, 2, d_v, grad=True, seed=3)
+    out = flash_attn(q, k, v, causal=True)
+    ((fs, fp),) = gpu.launches
+    assert (fs.head_dim, fs.head_dim_vo) == (padded, padded_v)
+    assert (fp["q_head_stride"], fp["v_head_stride"], fp["o_head_stride"]) == (
+        padded, padded_v, padded_v,
+    )  # fmt: skip
+    assert fp["softmax_scale"] == d**-0.5
+    _check(q, k, v, out, _randn(1, 9, 2, d_v, seed=4), causal=True)
 
 
 def flash_attn(*args, **kw):

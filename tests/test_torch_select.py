@@ -168,6 +168,11 @@ def test_the_gpu_tests_and_example_kernels_are_listed_for_building_ahead():
         for d in (64, 128)
         for c in (Causal.NONE, Causal.BOTTOM_RIGHT)
     ]
+    calls += [  # d_qk 192 with d_v 128 (test_head_dim_v_192_128_matches_the_float64_reference)
+        call(dtype=dt, head_dim=192, head_dim_v=128, causal=c)
+        for dt in Dtype
+        for c in (Causal.NONE, Causal.BOTTOM_RIGHT)
+    ]
     calls += [
         call(causal=Causal.BOTTOM_RIGHT, gqa=True),
         call(causal=Causal.BOTTOM_RIGHT, varlen=True),
@@ -221,7 +226,7 @@ DENSE = (2, 16, 4, 64)
         (meta((16, 4, 64)), meta((16, 4, 64)), meta((16, 4, 64)), "3 dimensions"),
         (meta(DENSE, stride=(8192, 512, 64, 2)), meta(DENSE), meta(DENSE), "stride 1"),
         (meta(DENSE, stride=(4100, 260, 65, 1)), meta(DENSE), meta(DENSE), "multiple of 8"),
-        (meta(DENSE), meta((2, 16, 4, 128)), meta(DENSE), "same shape"),
+        (meta(DENSE), meta(DENSE), meta((2, 17, 4, 64)), "same shape but for the last"),
         (meta(DENSE), meta((2, 16, 4, 128)), meta((2, 16, 4, 128)), "head_dim 64 differs"),
         (meta((2, 16, 6, 64)), meta(DENSE), meta(DENSE), "must divide"),
         (meta((3, 16, 4, 64)), meta(DENSE), meta(DENSE), "batch 3"),
@@ -257,6 +262,31 @@ def test_varlen_needs_both_int32_cu_seqlens_and_max_seqlens():
     with pytest.raises(UnsupportedCall, match="max_seqlen_k"):
         cu = meta((3,), "int32")
         check_problem(t, t, t, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=10)
+
+
+def test_v_may_have_its_own_head_dim_and_out_then_has_it():
+    q, k, v = meta((2, 16, 4, 192)), meta((2, 20, 2, 192)), meta((2, 20, 2, 128))
+    out = meta((2, 16, 4, 128))
+    pb = check_problem(q, k, v, extra=[("out", out, "o"), ("dout", out, "o")])
+    assert (pb.head_dim, pb.head_dim_v, pb.d_v) == (192, 128, 128)
+    assert check_problem(q, k, k).head_dim_v is None
+    with pytest.raises(UnsupportedCall, match=r"out has shape .* q's shape with v's head_dim"):
+        check_problem(q, k, v, extra=[("out", q, "o")])
+
+
+def test_a_d_v_call_derives_specs_with_head_dim_v():
+    c = call(head_dim=192, head_dim_v=128, causal=Causal.BOTTOM_RIGHT)
+    f, b = forward_spec(c), backward_spec(c)
+    assert (f.head_dim, f.head_dim_vo, f.target) == (192, 128, Target.SM90A)
+    # the sm_90a backward refuses d_v != d: the portable family serves it
+    assert (b.head_dim, b.head_dim_vo, b.target) == (192, 128, Target.SM90)
+    shipped = {kernel_name(s) for s in load_paths([REPO / "specs"])}
+    assert kernel_name(f) in shipped and kernel_name(b) in shipped
+
+
+def test_a_v_head_dim_no_kernel_takes_is_refused_naming_it():
+    with pytest.raises(UnsupportedCall, match="v's head_dim 100 has no forward kernel"):
+        forward_spec(call(head_dim=128, head_dim_v=100))
 
 
 def test_the_backwards_extra_tensors_must_match_q():

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 from flashgen.generator.families.forward import IO_KEYS as FWD_IO_KEYS
 from flashgen.verify.blocksparse import CompactLayout
-from flashgen.verify.reference import causal_name, shift_for, spec_window
+from flashgen.verify.reference import causal_name, shift_for, spec_head_dims, spec_window
 from flashgen.verify.score_mods import spec_has
 
 __all__ = [
@@ -107,7 +107,8 @@ def forward_bytes(
 ) -> dict[str, int]:
     """Exact bytes per counter ('Q', 'K', 'V', 'O', 'LSE', 'META', 'KEEP_MASK', 'total').
 
-    Reads `spec.tile.block_m`, `spec.tile.block_n`, `spec.head_dim`, `spec.dtype.nbytes`,
+    Reads `spec.tile.block_m`, `spec.tile.block_n`, `spec.head_dim` (Q, K: d) and
+    `spec.head_dim_vo` (V, O: d_v, when present), `spec.dtype.nbytes`,
     `spec.mask.{causal, window}`, `spec.sparsity`, `spec.debug_keep_mask`. Varlen: give
     `cu_seqlens_q`, `cu_seqlens_k` (`batch + 1` entries); `seqlen_q`, `seqlen_k` are then
     ignored (the grid uses the longest sequence). `debug_keep_mask` overrides the spec's flag
@@ -116,7 +117,7 @@ def forward_bytes(
     """
     del kv_heads  # each (qt, h, b) CTA reads K/V itself; GQA shares no loads across CTAs
     bm, bn = int(spec.tile.block_m), int(spec.tile.block_n)
-    d, elt = int(spec.head_dim), int(spec.dtype.nbytes)
+    (d, d_v), elt = spec_head_dims(spec), int(spec.dtype.nbytes)
     causal = causal_name(spec.mask.causal)
     win = spec_window(spec, window)
     sparse = getattr(spec.sparsity, "yaml", spec.sparsity) == "block"
@@ -169,8 +170,8 @@ def forward_bytes(
         rows_l = np.broadcast_to(rows, covered.shape)
         out["Q"] += n * int((rows_l * (covered > 0)).sum()) * d * elt
         out["K"] += n * int(covered.sum()) * d * elt
-        out["V"] += n * int(covered.sum()) * d * elt
-        out["O"] += n * int(rows_l.sum()) * d * elt
+        out["V"] += n * int(covered.sum()) * d_v * elt
+        out["O"] += n * int(rows_l.sum()) * d_v * elt
         out["LSE"] += n * int(rows_l.sum()) * 4
         if debug:
             out["KEEP_MASK"] += n * int((rows_l * covered).sum())

@@ -49,7 +49,7 @@ import numpy as np
 from flashgen.generator.families.backward import IO_KEYS as BWD_IO_KEYS
 from flashgen.verify.blocksparse import CompactLayout
 from flashgen.verify.blocksparse_bwd import BwdLayout, transpose_layout
-from flashgen.verify.reference import causal_name, shift_for, spec_window
+from flashgen.verify.reference import causal_name, shift_for, spec_head_dims, spec_window
 from flashgen.verify.score_mods import spec_has
 
 __all__ = ["IO_KEYS", "backward_bytes", "q_tile_range", "standard_attention_bytes"]
@@ -139,7 +139,8 @@ def backward_bytes(
 ) -> dict[str, int]:
     """Exact bytes per counter (IO_KEYS, plus 'total') of one backward launch.
 
-    Reads `spec.tile.block_m`, `spec.tile.block_n`, `spec.head_dim`, `spec.dtype.nbytes`,
+    Reads `spec.tile.block_m`, `spec.tile.block_n`, `spec.head_dim` (Q, K, dQ, dK: d) and
+    `spec.head_dim_vo` (V, O, dO, dV: d_v, when present), `spec.dtype.nbytes`,
     `spec.mask.{causal, window}`, `spec.sparsity`, `spec.debug_keep_mask` (and `spec.gqa`
     when present). Varlen: give `cu_seqlens_q`, `cu_seqlens_k` (`batch + 1` entries);
     `seqlen_q`, `seqlen_k` are then ignored (the grid uses the longest key sequence).
@@ -148,7 +149,7 @@ def backward_bytes(
     Score-stage features count by the spec (`spec.has('alibi')`, `spec.has('sink')`).
     """
     bm, bn = int(spec.tile.block_m), int(spec.tile.block_n)
-    d, elt = int(spec.head_dim), int(spec.dtype.nbytes)
+    (d, d_v), elt = spec_head_dims(spec), int(spec.dtype.nbytes)
     causal = causal_name(spec.mask.causal)
     win = spec_window(spec, window)
     heads, kv_heads, batch = int(heads), int(kv_heads), int(batch)
@@ -186,13 +187,13 @@ def backward_bytes(
     alibi, sink = spec_has(spec, "alibi"), spec_has(spec, "sink")
     if sink:  # the dsink kernel: sinks[h] read, dsinks[h] written, per query head
         out["META"] += 8 * heads
-    row_bytes = d * elt
+    row_bytes, row_bytes_v = d * elt, d_v * elt  # a row of Q, K, dQ, dK; of V, O, dO, dV
     for sq, sk in sorted(set(lens)):
         mult = lens.count((sq, sk))  # sequences of equal lengths cost the same
         # preprocess and convert: every valid query row of every head
         rows_all = mult * heads * sq
-        out["O"] += rows_all * row_bytes
-        out["DO"] += rows_all * row_bytes
+        out["O"] += rows_all * row_bytes_v
+        out["DO"] += rows_all * row_bytes_v
         out["DSUM"] += rows_all * 4
         out["DQ_ACCUM"] += rows_all * 4 * d
         out["DQ"] += rows_all * row_bytes
@@ -230,7 +231,7 @@ def backward_bytes(
             out["META"] += mult * 4 * int(visits.sum())
         total_rows = int(rows.sum())
         out["Q"] += mult * total_rows * row_bytes
-        out["DO"] += mult * total_rows * row_bytes
+        out["DO"] += mult * total_rows * row_bytes_v
         out["LSE"] += mult * total_rows * 4
         out["DSUM"] += mult * total_rows * 4
         out["DQ_ACCUM"] += mult * total_rows * 8 * d
@@ -240,9 +241,9 @@ def backward_bytes(
         cta_visits = visits.reshape(kv_heads, group, grid_tc).sum(axis=1)
         kv_read = int(((cta_visits > 0) * kr).sum())
         out["K"] += mult * kv_read * row_bytes
-        out["V"] += mult * kv_read * row_bytes
+        out["V"] += mult * kv_read * row_bytes_v
         out["DK"] += mult * kv_heads * int(kr.sum()) * row_bytes
-        out["DV"] += mult * kv_heads * int(kr.sum()) * row_bytes
+        out["DV"] += mult * kv_heads * int(kr.sum()) * row_bytes_v
     out["total"] = sum(out[key] for key in IO_KEYS)
     return out
 

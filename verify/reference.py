@@ -6,8 +6,9 @@ key column, `shift` the causal alignment offset (0 for `top_left`, `Sk - Sq` for
 `bottom_right`).
 
 Layouts:
-- dense: q, o `(batch, Sq, heads, d)`; k, v `(batch, Sk, kv_heads, d)`; LSE `(batch, heads, Sq)`.
-- varlen: q, o packed `(total_q, heads, d)`; k, v `(total_k, kv_heads, d)`; LSE
+- dense: q `(batch, Sq, heads, d)`, o `(batch, Sq, heads, d_v)`; k `(batch, Sk, kv_heads, d)`,
+  v `(batch, Sk, kv_heads, d_v)`; LSE `(batch, heads, Sq)`. d_v (V and O) may differ from d.
+- varlen: q, o packed `(total_q, heads, d | d_v)`; k, v `(total_k, kv_heads, d | d_v)`; LSE
   `(heads, total_q)`; `cu_seqlens_q`, `cu_seqlens_k` cumulative lengths of `batch + 1` entries
   starting at 0. Positions are local to each sequence (masks, dropout keep-mask, block layout).
 
@@ -94,6 +95,13 @@ def spec_window(spec: Any, window: Sequence[int] = (-1, -1)) -> Window:
     if not spec.mask.window and (left, right) != (-1, -1):
         raise ValueError(f"window={tuple(window)} given, but the spec has mask.window: false")
     return left, right
+
+
+def spec_head_dims(spec: Any) -> tuple[int, int]:
+    """(d, d_v) of a kernel spec: the head dim of Q and K, and that of V and O
+    (`spec.head_dim_vo`; a spec-like object without it has d_v = d)."""
+    d = int(spec.head_dim)
+    return d, int(getattr(spec, "head_dim_vo", d))
 
 
 def shift_for(causal: Any, seqlen_q: int, seqlen_k: int) -> int:
@@ -268,8 +276,11 @@ def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_q: Any, cu_k: Any) 
         if x.ndim != want:
             layout = "(total, heads, d)" if varlen else "(batch, seqlen, heads, d)"
             raise ValueError(f"{name} must be {layout}, got shape {x.shape}")
-    if k.shape != v.shape:
-        raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(
+            f"k {k.shape} and v {v.shape} must have the same shape but for the last dim "
+            "(v's head dim d_v may differ from q's and k's d)"
+        )
     heads, d = q.shape[-2], q.shape[-1]
     kv_heads = k.shape[-2]
     if k.shape[-1] != d:
@@ -525,7 +536,7 @@ def run_forward(
     pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k)
     p = _check_p(dropout_p, keep_mask)
     score = _score_args(pb, softcap, alibi_slopes, sinks, score_mod, score_params, mask_mod)
-    o = np.zeros(q.shape, dtype=work_dtype)
+    o = np.zeros(q.shape[:-1] + v.shape[-1:], dtype=work_dtype)  # (..., heads, d_v)
     lse = np.full(pb.lse_shape, -np.inf, dtype=work_dtype)
     for blk, inp in _iter_blocks(
         q,
@@ -581,8 +592,11 @@ def run_backward(
     sequences; without, `(dq, dk, dv)`."""
     q, k, v, o, lse, do = (np.asarray(x, dtype=work_dtype) for x in (q, k, v, o, lse, do))
     pb = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    if o.shape != q.shape or do.shape != q.shape:
-        raise ValueError(f"o {o.shape} and do {do.shape} must have q's shape {q.shape}")
+    o_shape = q.shape[:-1] + v.shape[-1:]
+    if o.shape != o_shape or do.shape != o_shape:
+        raise ValueError(
+            f"o {o.shape} and do {do.shape} must have q's shape with v's head dim: {o_shape}"
+        )
     if lse.shape != pb.lse_shape:
         raise ValueError(f"lse must have shape {pb.lse_shape}, got {lse.shape}")
     p = _check_p(dropout_p, keep_mask)
@@ -780,9 +794,9 @@ def attention_forward(
     per sequence); `sinks` float `(heads,)` adds `exp(sink_h)` to every row's softmax
     denominator (and LSE).
 
-    Returns o float64 with q's shape and the natural-log LSE float64 `(batch, heads, Sq)`
-    (varlen `(heads, total_q)`); rows with no visible key give o = 0 and LSE = -inf (LSE =
-    sink_h with sinks).
+    Returns o float64 with q's shape but v's head dim d_v, and the natural-log LSE float64
+    `(batch, heads, Sq)` (varlen `(heads, total_q)`); rows with no visible key give o = 0 and
+    LSE = -inf (LSE = sink_h with sinks).
     """
     return run_forward(
         _forward64,

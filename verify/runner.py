@@ -7,9 +7,11 @@ The public API:
     res.o, res.lse, res.keep_mask, res.io, res.score
 
 Inputs are NumPy float arrays of layout `(batch, seqlen, heads, head_dim)` (varlen: packed
-`(total, heads, head_dim)` with int32 `cu_seqlens_q/k`). They are rounded to the kernel's dtype
-(fp16 or bf16, round to nearest even) on upload; `res.inputs` holds the rounded values, which
-are what a reference must be fed. Outputs come back as float32: O in Q's layout, LSE as
+`(total, heads, head_dim)` with int32 `cu_seqlens_q/k`); v's last dim is the spec's
+`head_dim_v` (d_v, = head_dim without the field), and so is O's. They are rounded to the
+kernel's dtype (fp16 or bf16, round to nearest even) on upload; `res.inputs` holds the
+rounded values, which are what a reference must be fed. Outputs come back as float32: O in
+Q's layout (with d_v columns), LSE as
 `(batch, heads, seqlen_q)` (varlen: `(heads, total_q)`), natural log, `-inf` on empty rows.
 
 Score-stage features (`verify.score_mods`): `softcap` (> 0), `alibi_slopes` (float `(heads,)`
@@ -73,7 +75,8 @@ class Problem:
     kv_heads: int
     seqlen_q: int  # the maximum over the batch for varlen
     seqlen_k: int
-    head_dim: int
+    head_dim: int  # d: q and k
+    head_dim_v: int  # d_v: v and o
     varlen: bool
     scale: float
     window: tuple[int, int]
@@ -224,21 +227,27 @@ def validate(
     """Check the arguments against the spec; raise RunnerError naming the first problem.
 
     `softcap`, `alibi_slopes`, `sinks`: the score-stage features' values (`check_score`)."""
-    d = spec.head_dim
+    d, d_v = spec.head_dim, spec.head_dim_vo
     varlen = spec.mask.varlen
     want_ndim = 3 if varlen else 4
-    for nm, t in (("q", q), ("k", k), ("v", v)):
+    for nm, t, dim in (("q", q, d), ("k", k, d), ("v", v, d_v)):
         if not isinstance(t, np.ndarray):
             raise RunnerError(f"{nm} must be a numpy array, got {type(t).__name__}")
         if t.ndim != want_ndim:
             shape = "(total, heads, head_dim)" if varlen else "(batch, seqlen, heads, head_dim)"
             raise RunnerError(f"{nm} must have shape {shape} for this spec, got {t.shape}")
-        if t.shape[-1] != d:
-            raise RunnerError(f"{nm} has head_dim {t.shape[-1]}, the kernel was generated for {d}")
+        if t.shape[-1] != dim:
+            which = "head_dim_v" if nm == "v" else "head_dim"
+            raise RunnerError(
+                f"{nm} has {which} {t.shape[-1]}, the kernel was generated for {dim} "
+                f"(head_dim {d}, head_dim_v {d_v})"
+            )
         if not np.issubdtype(t.dtype, np.floating):
             raise RunnerError(f"{nm} must be a floating array, got {t.dtype}")
-    if k.shape != v.shape:
-        raise RunnerError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise RunnerError(
+            f"k and v must have the same shape but for the head dim, got {k.shape} and {v.shape}"
+        )
     heads, kv_heads = q.shape[-2], k.shape[-2]
     if heads < 1 or kv_heads < 1:
         raise RunnerError("heads and kv_heads must be >= 1")
@@ -325,7 +334,7 @@ def validate(
         score_params=score_params,
         mask_mod=mask_mod,
     )
-    return Problem(batch, heads, kv_heads, sq, sk, d, varlen, scale, win, cu_q, cu_k, score)
+    return Problem(batch, heads, kv_heads, sq, sk, d, d_v, varlen, scale, win, cu_q, cu_k, score)
 
 
 def check_layout(spec, layout, *, heads, seqlen_q, seqlen_k, lens_q, lens_k) -> None:
@@ -562,24 +571,24 @@ class FwdKernel:
                     params[f"{nm}_row_stride"],
                     params[f"{nm}_head_stride"],
                 ) = strides
-            o_shape = q.shape
+            o_shape = q.shape[:-1] + (pb.head_dim_v,)
             o_buf = DeviceBuffer(gpu, int(np.prod(o_shape)) * 2)
             bufs.append(o_buf)
             params["o"] = o_buf.ptr
             if pb.varlen:
                 params["o_batch_stride"] = 0
                 params["o_row_stride"], params["o_head_stride"] = (
-                    pb.heads * pb.head_dim,
-                    pb.head_dim,
+                    pb.heads * pb.head_dim_v,
+                    pb.head_dim_v,
                 )
                 lse_shape = (pb.heads, q.shape[0])
                 params["lse_batch_stride"], params["lse_head_stride"] = 0, q.shape[0]
             else:
                 s = q.shape[1]
-                params["o_batch_stride"] = s * pb.heads * pb.head_dim
+                params["o_batch_stride"] = s * pb.heads * pb.head_dim_v
                 params["o_row_stride"], params["o_head_stride"] = (
-                    pb.heads * pb.head_dim,
-                    pb.head_dim,
+                    pb.heads * pb.head_dim_v,
+                    pb.head_dim_v,
                 )
                 lse_shape = (pb.batch, pb.heads, s)
                 params["lse_batch_stride"], params["lse_head_stride"] = pb.heads * s, s
@@ -593,7 +602,7 @@ class FwdKernel:
                 seqlen_q=pb.seqlen_q,
                 seqlen_k=pb.seqlen_k,
                 head_dim=pb.head_dim,  # <name>_check compares them with the kernel's
-                head_dim_v=pb.head_dim,
+                head_dim_v=pb.head_dim_v,
                 softmax_scale=pb.scale,
                 window_left=pb.window[0],
                 window_right=pb.window[1],

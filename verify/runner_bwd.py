@@ -119,8 +119,8 @@ def validate_bwd(
     mask_mod=None,
 ) -> Problem:
     """`verify.runner.validate` (q, k, v, masks, layout, score-stage features) plus the
-    backward's own inputs: o and dout shaped like q, lse like the forward's LSE. Raises
-    RunnerError naming the problem."""
+    backward's own inputs: o and dout shaped like q with v's head dim (d_v), lse like the
+    forward's LSE. Raises RunnerError naming the problem."""
     if getattr(spec.kernel, "yaml", spec.kernel) != "backward":
         raise RunnerError(
             f"{kernel_name(spec)} is a {spec.kernel.yaml} kernel; BwdKernel runs kernel: backward"
@@ -143,13 +143,16 @@ def validate_bwd(
         score_params=score_params,
         mask_mod=mask_mod,
     )
+    o_shape = q.shape[:-1] + (pb.head_dim_v,)  # q's with v's head dim d_v
     for nm, t in (("o", o), ("dout", dout)):
         if not isinstance(t, np.ndarray):
             raise RunnerError(f"{nm} must be a numpy array, got {type(t).__name__}")
         if not np.issubdtype(t.dtype, np.floating):
             raise RunnerError(f"{nm} must be a floating array, got {t.dtype}")
-        if t.shape != q.shape:
-            raise RunnerError(f"{nm} must have q's shape {q.shape}, got {t.shape}")
+        if t.shape != o_shape:
+            raise RunnerError(
+                f"{nm} must have q's shape with v's head dim, {o_shape}, got {t.shape}"
+            )
     if not isinstance(lse, np.ndarray):
         raise RunnerError(f"lse must be a numpy array, got {type(lse).__name__}")
     if not np.issubdtype(lse.dtype, np.floating):
@@ -328,7 +331,7 @@ class BwdKernel:
                 seqlen_q=pb.seqlen_q,
                 seqlen_k=pb.seqlen_k,
                 head_dim=pb.head_dim,  # <name>_check compares them with the kernel's
-                head_dim_v=pb.head_dim,
+                head_dim_v=pb.head_dim_v,
                 softmax_scale=pb.scale,
                 window_left=pb.window[0],
                 window_right=pb.window[1],

@@ -384,11 +384,11 @@ def score_args(
 
 
 def _values(
-    rng: np.random.Generator, kind: str, q_shape: tuple, k_shape: tuple
+    rng: np.random.Generator, kind: str, q_shape: tuple, k_shape: tuple, v_shape: tuple
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     q = rng.standard_normal(q_shape)
     k = rng.standard_normal(k_shape)
-    v = rng.standard_normal(k_shape)
+    v = rng.standard_normal(v_shape)
     d = q_shape[-1]
     if kind == "large":
         # scale * q.k has standard deviation amp**2: scores reach about +-1e4
@@ -420,8 +420,10 @@ def attention_inputs(
     *,
     kind: str | None = None,
     dtype: Any = None,
+    v_shape: tuple[int, ...] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """float64 `(q, k, v)` of the given shapes (dense or packed varlen).
+    """float64 `(q, k, v)` of the given shapes (dense or packed varlen); v has `v_shape`
+    (default k's: its last dim is d_v, which may differ from q's and k's d).
 
     `kind` (drawn from VALUE_KINDS when None): 'normal'; 'large' (scores up to about +-1e4);
     'one_hot' (about half the query rows align with one key so strongly that the softmax is
@@ -433,7 +435,10 @@ def attention_inputs(
     if kind not in VALUE_KINDS:
         raise ValueError(f"kind={kind!r} is not allowed (allowed: {', '.join(VALUE_KINDS)})")
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    q, k, v = _values(rng, kind, tuple(q_shape), tuple(k_shape))
+    v_shape = tuple(k_shape) if v_shape is None else tuple(v_shape)
+    if tuple(v_shape[:-1]) != tuple(k_shape[:-1]):
+        raise ValueError(f"v_shape {v_shape} must be k_shape {k_shape} but for the last dim")
+    q, k, v = _values(rng, kind, tuple(q_shape), tuple(k_shape), v_shape)
     if dtype is not None:
         q, k, v = (round_to_dtype(x, dtype).astype(np.float64) for x in (q, k, v))
     return q, k, v
@@ -468,7 +473,8 @@ def valid_specs(draw: Any, *, head_dims: Sequence[int] | None = None, **fixed: A
     `fixed` pins fields (e.g. `dtype=Dtype.BF16`, `mask=Mask(...)`, `sparsity=...`,
     `features=frozenset()` for none of the score-stage features, which are drawn as any
     subset of those the kind accepts); `head_dims` restricts the head dims drawn (default:
-    all the spec allows).
+    all the spec allows), for d and for d_v (`head_dim_v`: equal to d in half the draws,
+    else any of them; pin `head_dim_v=None` for d_v = d).
     """
     from flashgen.generator.families.forward import HEAD_DIMS
     from flashgen.generator.features import FEATURES
@@ -487,8 +493,11 @@ def valid_specs(draw: Any, *, head_dims: Sequence[int] | None = None, **fixed: A
 
     target = pick("target", st.sampled_from([t for t in Target if not t.value.suffix]))
     dtype = pick("dtype", st.sampled_from(list(Dtype)))
-    head_dim = pick("head_dim", st.sampled_from(tuple(head_dims or HEAD_DIMS)))
-    tiles = _fitting_tiles(target, dtype, head_dim)
+    dims = tuple(head_dims or HEAD_DIMS)
+    head_dim = pick("head_dim", st.sampled_from(dims))
+    head_dim_v = pick("head_dim_v", st.one_of(st.none(), st.sampled_from(dims)))
+    d_max = head_dim if head_dim_v is None else max(head_dim, head_dim_v)
+    tiles = _fitting_tiles(target, dtype, d_max)  # shared memory grows with each dim
     tile = pick("tile", st.sampled_from(tiles))
     mask = pick(
         "mask",
@@ -507,6 +516,7 @@ def valid_specs(draw: Any, *, head_dims: Sequence[int] | None = None, **fixed: A
         kernel=kernel,
         dtype=dtype,
         head_dim=head_dim,
+        head_dim_v=head_dim_v,
         tile=tile,
         mask=mask,
         dropout=dropout,

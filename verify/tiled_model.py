@@ -154,7 +154,7 @@ def tiled_forward(
         batch = q.shape[0]
         seqs = [(b, b) for b in range(batch)]
         lse = np.full((batch, heads, q.shape[1]), -np.inf)
-    o = np.zeros_like(q)
+    o = np.zeros(q.shape[:-1] + v.shape[-1:])  # v's head dim d_v
     lens = [(q[qs].shape[0], k[ks].shape[0]) for qs, ks in seqs]
     max_sq = max((a for a, _ in lens), default=0)
     max_sk = max((b for _, b in lens), default=0)
@@ -248,14 +248,14 @@ def _cta(
 ) -> tuple[np.ndarray, np.ndarray]:
     """One CTA: rows `r0 .. r1` of one (sequence, head) against its K/V tile schedule.
 
-    q `(Sq, d)`, k, v `(Sk, d)` of that head; keep / debug `(Sq', Sk')` slices of the
+    q `(Sq, d)`, k `(Sk, d)`, v `(Sk, d_v)` of that head; keep / debug `(Sq', Sk')` slices of the
     keep-mask and the debug buffer (or None). Returns (o rows, lse rows), adds bytes to `io`.
     """
-    sq, sk, d = q.shape[0], k.shape[0], q.shape[1]
+    sq, sk = q.shape[0], k.shape[0]
     rows = np.arange(r0, r1 + 1)
     m = np.full(rows.size, -np.inf)  # running max, log2 domain
     l_sum = np.zeros(rows.size)
-    acc = np.zeros((rows.size, d))
+    acc = np.zeros((rows.size, v.shape[1]))
     if schedule:
         q_tile = q[r0 : r1 + 1]
         io["Q"] += q_tile.size * elt

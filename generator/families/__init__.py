@@ -114,6 +114,42 @@ class Family:
     def head_dim_ok(self, head_dim: Any) -> bool:
         raise NotImplementedError
 
+    def head_dims_ok(self, values: dict) -> bool:
+        """Whether the parsed fields' head dims (`head_dim`, and `head_dim_v` when given) are
+        ones this family's `head_dim_ok` accepts."""
+        d_v = values.get("head_dim_v")
+        return self.head_dim_ok(values["head_dim"]) and (d_v is None or self.head_dim_ok(d_v))
+
+    def auto_tile_of(self, values: dict) -> Tile:
+        """`auto_tile` for parsed fields keyed by path: the tile rules size a kernel for
+        max(d, d_v) (`KernelSpec.head_dim_max`); `values` tell them both dims."""
+        d, d_v = values["head_dim"], values.get("head_dim_v")
+        d_max = d if d_v is None else max(d, d_v)
+        return self.auto_tile(values["target"], values["dtype"], d_max, values)
+
+    # Whether the family's kernels take a V/O head dim d_v other than the Q/K one (override):
+    # those that do accept every d_v their `head_dim_ok` accepts.
+    serves_head_dim_v: ClassVar[bool] = False
+    head_dim_v_refusal: ClassVar[str] = "head_dim_v = head_dim only"
+
+    def head_dim_v_problems(self, spec: KernelSpec) -> list[tuple[str, str]]:
+        """Refusals of the spec's `head_dim_v` (d_v), with what is allowed."""
+        d_v = spec.head_dim_v
+        if d_v is None:
+            return []
+        if not self.serves_head_dim_v:
+            return [
+                (
+                    "head_dim_v",
+                    f"{d_v} with head_dim {spec.head_dim} is not served by the "
+                    f"{self.templates} family on {spec.target.yaml} (allowed: "
+                    f"{self.head_dim_v_refusal})",
+                )
+            ]
+        if not self.head_dim_ok(d_v):
+            return [("head_dim_v", f"{d_v} is not allowed (allowed: multiples of 8 in 8..256)")]
+        return []
+
     def chip_head_dim(self, head_dim: int) -> int:
         """The head dim the kernel holds on chip (its shared-memory tiles and fragments):
         `head_dim` rounded up to its MMA's k granularity, zero-filled past `head_dim` and never
@@ -134,6 +170,9 @@ class Family:
             "dtype_cpp": spec.dtype.cpp,
             "head_dim": spec.head_dim,
             "head_dim_pad": self.chip_head_dim(spec.head_dim),
+            # d_v: the head dim of V and O (= head_dim without `head_dim_v`)
+            "head_dim_v": spec.head_dim_vo,
+            "head_dim_v_pad": self.chip_head_dim(spec.head_dim_vo),
             "block_m": t.block_m,
             "block_n": t.block_n,
             "warps": t.warps,
@@ -221,7 +260,8 @@ class _ByTarget:
         return family(self.kind, target)
 
     def problems(self, spec: KernelSpec) -> list[tuple[str, str]]:
-        return self._of(spec.target).problems(spec)
+        fam = self._of(spec.target)
+        return fam.head_dim_v_problems(spec) or fam.problems(spec)
 
     def smem_bytes(self, spec: KernelSpec) -> int:
         return self._of(spec.target).smem_bytes(spec)

@@ -16,6 +16,7 @@ Shared memory: K and V tiles, `stages` Q and dO tiles, P and dS tiles, LSE and D
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from flashgen.generator.families import (
@@ -164,7 +165,9 @@ def _split(warps: int, rows: int, cols: int) -> tuple[int, int]:
     return best
 
 
-def warp_layouts(tile: Tile, head_dim: int) -> dict[str, tuple[int, int]]:
+def warp_layouts(
+    tile: Tile, head_dim: int, head_dim_v: int | None = None
+) -> dict[str, tuple[int, int]]:
     """How the warps tile each stage: (warps along rows, warps along columns).
 
     S/dP: query rows x keys of the (block_m x block_n) score tile; dKV: keys x head dim of
@@ -172,20 +175,26 @@ def warp_layouts(tile: Tile, head_dim: int) -> dict[str, tuple[int, int]]:
     (kSRows, kKvRows, kQRows) and static_asserts that each layout covers its output.
     Beyond d = 128 the square tiles' extra A fragments spill next to the wide dK/dV
     accumulators (measured on sm_90): there every stage keeps v1's layout, as many warps along
-    rows as the rows allow (16-row warp tiles).
+    rows as the rows allow (16-row warp tiles). With d_v != d (`head_dim_v`), dK has d
+    columns and dV d_v in one (keys, head dim) layout: the threshold is the larger dim's, and
+    the dK/dV split is that of their greatest common divisor, whose warp columns divide both
+    (tile_problems checks each).
     """
-    w, head_dim = tile.warps, chip_head_dim(head_dim)
-    if head_dim > SQUARE_WARP_TILES_MAX_D:
+    d_v = head_dim if head_dim_v is None else head_dim_v
+    w, d_qk, d_vo = tile.warps, chip_head_dim(head_dim), chip_head_dim(d_v)
+    if max(d_qk, d_vo) > SQUARE_WARP_TILES_MAX_D:
         rows = {"s": tile.block_m, "kv": tile.block_n, "q": tile.block_m}
         return {k: (r, w // r) for k, r in ((k, max(1, min(w, v // 16))) for k, v in rows.items())}
     return {
         "s": _split(w, tile.block_m, tile.block_n),
-        "kv": _split(w, tile.block_n, head_dim),
-        "q": _split(w, tile.block_m, head_dim),
+        "kv": _split(w, tile.block_n, math.gcd(d_qk, d_vo)),
+        "q": _split(w, tile.block_m, d_qk),
     }
 
 
-def tile_problems(tile: Tile, head_dim: int) -> list[tuple[str, str]]:
+def tile_problems(
+    tile: Tile, head_dim: int, head_dim_v: int | None = None
+) -> list[tuple[str, str]]:
     out = tile.type_problems()
     if out:
         return out
@@ -198,8 +207,8 @@ def tile_problems(tile: Tile, head_dim: int) -> list[tuple[str, str]]:
         out.append(("tile.stages", f"{tile.stages} is not allowed (allowed: 1, 2)"))
     if out:
         return out
-    lay = warp_layouts(tile, head_dim)
-    d_chip = chip_head_dim(head_dim)
+    d_v = head_dim if head_dim_v is None else head_dim_v
+    lay = warp_layouts(tile, head_dim, d_v)
     s_rows, s_cols = lay["s"]
     if (
         s_rows * s_cols != tile.warps
@@ -213,11 +222,19 @@ def tile_problems(tile: Tile, head_dim: int) -> list[tuple[str, str]]:
                 f"into {s_rows} x {s_cols} warp tiles of whole 16 x 16 blocks",
             )
         )
-    for stage, what, rows_of in (("kv", "dK/dV", tile.block_n), ("q", "dQ", tile.block_m)):
+    kv_what = "dK/dV" if d_v == head_dim else "dK"
+    stages = [
+        ("kv", kv_what, tile.block_n, "head_dim", head_dim),
+        ("q", "dQ", tile.block_m, "head_dim", head_dim),
+    ]
+    if d_v != head_dim:
+        stages.insert(1, ("kv", "dV", tile.block_n, "head_dim_v", d_v))
+    for stage, what, rows_of, dim_name, dim in stages:
         rows, cols = lay[stage]
+        d_chip = chip_head_dim(dim)
         if rows * cols != tile.warps or rows_of % (16 * rows) or d_chip % (16 * cols):
-            on_chip = f" ({d_chip} on chip)" if d_chip != head_dim else ""
-            cols_of = f"head_dim {head_dim}{on_chip}"
+            on_chip = f" ({d_chip} on chip)" if d_chip != dim else ""
+            cols_of = f"{dim_name} {dim}{on_chip}"
             out.append(
                 (
                     "tile",
@@ -230,26 +247,30 @@ def tile_problems(tile: Tile, head_dim: int) -> list[tuple[str, str]]:
     return out
 
 
-def p_scratch(tile: Tile, head_dim: int) -> bool:
+def p_scratch(tile: Tile, head_dim: int, head_dim_v: int | None = None) -> bool:
     """Whether P waits in an fp32 shared-memory scratch while dP is computed, instead of in
     registers. The step's register peak is the dK/dV accumulators (2 * block_n * head_dim
     per CTA, kept over the whole walk) plus S and dP (block_m * block_n each); per thread
     beyond PEAK_ACC_REGS accumulators, ptxas spills (measured on sm_90, docs/benchmarks.md
     "Backward v2"). The scratch costs block_m * block_n * 8 bytes of shared traffic a step."""
     threads = 32 * tile.warps
-    kv_acc = 2 * tile.block_n * chip_head_dim(head_dim) // threads
+    d_v = head_dim if head_dim_v is None else head_dim_v
+    kv_acc = tile.block_n * (chip_head_dim(head_dim) + chip_head_dim(d_v)) // threads
     s_acc = tile.block_m * tile.block_n // threads
     return kv_acc + 2 * s_acc > PEAK_ACC_REGS
 
 
-def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype) -> int:
-    """K, V, `stages` x (Q, dO) rows padded; P and dS (block_m x block_n, padded);
-    `stages` x (LSE, D) fp32 rows; the fp32 P scratch (block_m x block_n) when p_scratch."""
-    stride = chip_head_dim(head_dim) + SMEM_ROW_PAD
-    rows = 2 * tile.block_n + 2 * tile.stages * tile.block_m
-    tiles = rows * stride * dtype.nbytes
+def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype, head_dim_v: int | None = None) -> int:
+    """K and `stages` Q tiles of d (`head_dim`) columns, V and `stages` dO tiles of d_v
+    (`head_dim_v`, default d), rows padded; P and dS (block_m x block_n, padded); `stages` x
+    (LSE, D) fp32 rows; the fp32 P scratch (block_m x block_n) when p_scratch."""
+    d_v = head_dim if head_dim_v is None else head_dim_v
+    rows = tile.block_n + tile.stages * tile.block_m  # of each of (K, Q) and (V, dO)
+    stride_qk = chip_head_dim(head_dim) + SMEM_ROW_PAD
+    stride_vo = chip_head_dim(d_v) + SMEM_ROW_PAD
+    tiles = rows * (stride_qk + stride_vo) * dtype.nbytes
     p_ds = 2 * tile.block_m * (tile.block_n + SMEM_ROW_PAD) * dtype.nbytes
-    scratch = tile.block_m * tile.block_n * 4 if p_scratch(tile, head_dim) else 0
+    scratch = tile.block_m * tile.block_n * 4 if p_scratch(tile, head_dim, d_v) else 0
     return tiles + p_ds + 2 * tile.stages * tile.block_m * 4 + scratch
 
 
@@ -260,6 +281,7 @@ def default_tile(
     masked: bool = False,
     deterministic: bool = False,
     scoremod: bool = False,
+    split_v: bool = False,
 ) -> Tile:
     """The fastest predicted tiles that compile without spills on sm_90, measured with ptxas
     (docs/benchmarks.md, "Backward v1" and "Backward v2"). 128 keys per CTA halve the Q/dO
@@ -271,7 +293,10 @@ def default_tile(
     the masked (window, varlen, GQA) features spilled 12-88 bytes with 64 x 64 and compile
     clean with 64 x 32 (both measured with ptxas 13.0 on sm_90). d = 256 keeps 64 keys and
     32 query rows, but for `deterministic` (24 bytes of spill there; 64 x 32 is clean). A head
-    dim runs on `chip_head_dim` columns and takes that dim's tile."""
+    dim runs on `chip_head_dim` columns and takes that dim's tile. `head_dim` is max(d, d_v);
+    with d_v != d (`split_v`) at 192 columns every spec takes 64 x 32 (d 192 / d_v 128 with a
+    causal mask spilled 4 bytes at 64 x 64 x 8 s2 with ptxas 13.0, sm_90, and is clean at
+    64 x 32; d 192 / d_v 128 is the only pair measured)."""
     head_dim = chip_head_dim(head_dim)
     if head_dim % 32:
         return Tile(64, 64, 4, 2)
@@ -279,7 +304,7 @@ def default_tile(
         return Tile(64, 128, 8, 2)
     if head_dim == 128 and not (dropout or heavy):
         return Tile(32, 128, 8, 2)
-    if head_dim == 192 and (dropout or heavy or masked):
+    if head_dim == 192 and (dropout or heavy or masked or split_v):
         return Tile(64, 32, 8, 2)
     if head_dim <= 192:
         return Tile(64, 64, 8, 2)
@@ -288,7 +313,9 @@ def default_tile(
     return Tile(32, 64, 8, 2)
 
 
-def fit(tile: Tile, target: Target, dtype: Dtype, head_dim: int) -> Tile:
+def fit(
+    tile: Tile, target: Target, dtype: Dtype, head_dim: int, head_dim_v: int | None = None
+) -> Tile:
     """Shrink until the tile fits the target: one stage, then block_n 64, then block_m 32."""
     candidates = [
         tile,
@@ -299,8 +326,8 @@ def fit(tile: Tile, target: Target, dtype: Dtype, head_dim: int) -> Tile:
     ]
     for t in candidates:
         if (
-            not tile_problems(t, head_dim)
-            and smem_bytes(t, head_dim, dtype) <= target.info.max_smem_per_block
+            not tile_problems(t, head_dim, head_dim_v)
+            and smem_bytes(t, head_dim, dtype, head_dim_v) <= target.info.max_smem_per_block
         ):
             return t
     return candidates[-1]  # reported by validation
@@ -316,6 +343,7 @@ class Backward(Family):
     io_header = "bwd_kernel.cuh"
     io_enum = "IoTensor"
     io_model = "flashgen.verify.io_model_bwd:backward_bytes"
+    serves_head_dim_v = True
 
     def head_dim_ok(self, head_dim: Any) -> bool:
         return head_dim in HEAD_DIMS
@@ -348,18 +376,18 @@ class Backward(Family):
                     "follow the dense schedule); allowed: false, or sparsity: none",
                 )
             )
-        tile = tile_problems(spec.tile, spec.head_dim)
+        tile = tile_problems(spec.tile, spec.head_dim, spec.head_dim_vo)
         out.extend(tile)
         if not out:
             out.extend(
                 self.smem_problem(
                     spec,
-                    f"(2*block_n + 2*stages*block_m) * (ceil(head_dim/16)*16 + {SMEM_ROW_PAD}) * "
-                    f"{spec.dtype.nbytes} + 2*block_m*(block_n + {SMEM_ROW_PAD})*"
-                    f"{spec.dtype.nbytes} + 8*stages*block_m"
+                    f"(block_n + stages*block_m) * (chip(head_dim) + chip(head_dim_v) + "
+                    f"{2 * SMEM_ROW_PAD}) * {spec.dtype.nbytes} + 2*block_m*(block_n + "
+                    f"{SMEM_ROW_PAD})*{spec.dtype.nbytes} + 8*stages*block_m"
                     + (
                         " + 4*block_m*block_n (P scratch)"
-                        if p_scratch(spec.tile, spec.head_dim)
+                        if p_scratch(spec.tile, spec.head_dim, spec.head_dim_vo)
                         else ""
                     ),
                 )
@@ -367,7 +395,7 @@ class Backward(Family):
         return out
 
     def smem_bytes(self, spec: KernelSpec) -> int:
-        return smem_bytes(spec.tile, spec.head_dim, spec.dtype)
+        return smem_bytes(spec.tile, spec.head_dim, spec.dtype, spec.head_dim_vo)
 
     def auto_tile(self, target: Target, dtype: Dtype, head_dim: int, values: dict) -> Tile:
         # the score stage's registers: a built-in modifier, or a score_mod (its positions,
@@ -393,26 +421,30 @@ class Backward(Family):
             masked,
             deterministic=bool(values.get("deterministic")),
             scoremod=scoremod,
+            split_v=values.get("head_dim_v") not in (None, values.get("head_dim")),
         )
-        return fit(tile, target, dtype, head_dim)
+        # `head_dim` is max(d, d_v) (the loader's); the fit checks the spec's own two
+        d = values.get("head_dim", head_dim)
+        d_v = values.get("head_dim_v")
+        return fit(tile, target, dtype, d, d_v)
 
     def config(self, spec: KernelSpec) -> dict[str, Any]:
         t = spec.tile
-        lay = warp_layouts(t, spec.head_dim)
+        lay = warp_layouts(t, spec.head_dim, spec.head_dim_vo)
         return {
             **self.spec_config(spec),
             "deterministic": spec.deterministic,
             "s_rows": lay["s"][0],
             "kv_rows": lay["kv"][0],
             "q_rows": lay["q"][0],
-            "p_scratch": p_scratch(t, spec.head_dim),
+            "p_scratch": p_scratch(t, spec.head_dim, spec.head_dim_vo),
             # CTAs per SM the register allocation aims for: two when two fit in shared memory
             # and the tile is small enough (<= 64 x 64, d <= 64, no dropout: measured to fit
             # 128 registers; with dropout's Philox state it spills) for 128 per thread.
             "min_blocks": 2
             if 2 * spec.smem_bytes <= spec.target.info.max_smem_per_block
             and t.block_m * t.block_n <= 64 * 64
-            and spec.head_dim <= 64
+            and spec.head_dim_max <= 64
             and not spec.dropout
             and not spec.features  # the score stage spilled at 128 registers (d 64)
             and spec.score_mod is None

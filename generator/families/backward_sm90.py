@@ -68,6 +68,13 @@ def tile_problems(tile: Tile, head_dim: int) -> list[tuple[str, str]]:
 
 class BackwardSm90(Backward):
     templates = "backward_sm90"
+    # Not built: its head dims stop at 128 (so d_qk 192 is out of reach whatever d_v), and its
+    # mainloop holds one head dim for K, V, Q and dO (the boxes, the wgmma N of dK and dV).
+    serves_head_dim_v = False
+    head_dim_v_refusal = (
+        "head_dim_v = head_dim only; the mma.sync backward (target: sm_80..sm_90) serves "
+        "head_dim_v != head_dim, e.g. 192 / 128"
+    )
 
     def head_dim_ok(self, head_dim: Any) -> bool:
         return head_dim in HEAD_DIMS

@@ -50,8 +50,9 @@ ERR_PAGE_ID = 1
 ERR_SEQLEN = 2
 
 # fg_decode_params (include/flashgen/decode_params.h), in declaration order.
-PARAMS = params_table(
-    """
+PARAMS = (
+    params_table(
+        """
     ptr q
     ptr k
     ptr v
@@ -102,7 +103,10 @@ PARAMS = params_table(
     i64 lse_parts_head_stride
     ptr io_counters
     """
-) + SCORE_PARAM_FIELDS + SHAPE_PARAM_FIELDS
+    )
+    + SCORE_PARAM_FIELDS
+    + SHAPE_PARAM_FIELDS
+)
 IO_KEYS = ("Q", "K", "V", "O", "LSE", "O_PARTS", "LSE_PARTS", "SEQLENS", "BLOCK_TABLE")
 GRID_FORMULA = "ceil(seqlen_q*heads/kv_heads/block_m) * splits * kv_heads * batch (+ combine)"
 
@@ -253,6 +257,9 @@ def workspace_bytes(batch: int, heads: int, seqlen_q: int, head_dim: int, splits
 class Decode(Family):
     kind = KernelKind.DECODE
     templates = "decode"
+    # Not built: a warp holds its rows' whole O accumulator and the split-KV combine, the
+    # paged cache and flashgen.torch's KV-cache path all take one head dim (docs/decode.md).
+    head_dim_v_refusal = "head_dim_v = head_dim only; decode has one head dim for K, V and O"
     params_struct = "fg_decode_params"
     params_header = "decode_params.h"
     params = PARAMS

@@ -35,8 +35,9 @@ from flashgen.generator.tiles import (  # noqa: F401 - re-exported, part of this
 HEAD_DIMS = tuple(range(8, 257, 8))
 
 # fg_fwd_params (include/flashgen/params.h), in declaration order.
-PARAMS = params_table(
-    """
+PARAMS = (
+    params_table(
+        """
     ptr q
     ptr k
     ptr v
@@ -85,7 +86,10 @@ PARAMS = params_table(
     i64 blk_max_blocks
     ptr io_counters
     """
-) + SCORE_PARAM_FIELDS + SHAPE_PARAM_FIELDS
+    )
+    + SCORE_PARAM_FIELDS
+    + SHAPE_PARAM_FIELDS
+)
 IO_KEYS = ("Q", "K", "V", "O", "LSE", "META", "KEEP_MASK")
 GRID_FORMULA = "ceil(max_seqlen_q/block_m) * heads * batch"
 
@@ -98,6 +102,7 @@ class Forward(Family):
     params = PARAMS
     io_keys = IO_KEYS
     io_model = "flashgen.verify.io_model:forward_bytes"
+    serves_head_dim_v = True
 
     def head_dim_ok(self, head_dim: Any) -> bool:
         return head_dim in HEAD_DIMS
@@ -125,14 +130,15 @@ class Forward(Family):
             out.extend(
                 self.smem_problem(
                     spec,
-                    f"(block_m + 2*stages*block_n) * (ceil(head_dim/16)*16 + {SMEM_ROW_PAD}) * "
+                    f"((block_m + stages*block_n) * (ceil(head_dim/16)*16 + {SMEM_ROW_PAD}) + "
+                    f"stages*block_n * (ceil(head_dim_v/16)*16 + {SMEM_ROW_PAD})) * "
                     f"{spec.dtype.nbytes}",
                 )
             )
         return out
 
     def smem_bytes(self, spec: KernelSpec) -> int:
-        return smem_bytes(spec.tile, spec.head_dim, spec.dtype)
+        return smem_bytes(spec.tile, spec.head_dim, spec.dtype, spec.head_dim_vo)
 
     def auto_tile(self, target: Target, dtype: Dtype, head_dim: int, values: dict) -> Tile:
         return auto_tile(target, dtype, head_dim, features=values)

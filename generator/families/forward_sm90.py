@@ -37,10 +37,13 @@ def head_dim_pad(head_dim: int) -> int:
     return -(-head_dim // 64) * 64
 
 
-def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype) -> int:
-    """Q tile + `stages` K and V tiles of ceil(head_dim/64)*64 columns, + 1024 alignment."""
-    rows = tile.block_m + 2 * tile.stages * tile.block_n
-    return rows * head_dim_pad(head_dim) * dtype.nbytes + 1024
+def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype, head_dim_v: int | None = None) -> int:
+    """Q tile and `stages` K tiles of ceil(head_dim/64)*64 columns, `stages` V tiles of
+    ceil(head_dim_v/64)*64 (head_dim_v: d_v, default head_dim), + 1024 alignment."""
+    d_v = head_dim if head_dim_v is None else head_dim_v
+    qk_rows = tile.block_m + tile.stages * tile.block_n
+    v_rows = tile.stages * tile.block_n
+    return (qk_rows * head_dim_pad(head_dim) + v_rows * head_dim_pad(d_v)) * dtype.nbytes + 1024
 
 
 def tile_problems(tile: Tile) -> list[tuple[str, str]]:
@@ -89,14 +92,14 @@ class ForwardSm90(Forward):
             out.extend(
                 self.smem_problem(
                     spec,
-                    f"(block_m + 2*stages*block_n) * ceil(head_dim/64)*64 * {spec.dtype.nbytes}"
-                    " + 1024",
+                    f"((block_m + stages*block_n) * ceil(head_dim/64)*64 + stages*block_n * "
+                    f"ceil(head_dim_v/64)*64) * {spec.dtype.nbytes} + 1024",
                 )
             )
         return out
 
     def smem_bytes(self, spec: KernelSpec) -> int:
-        return smem_bytes(spec.tile, spec.head_dim, spec.dtype)
+        return smem_bytes(spec.tile, spec.head_dim, spec.dtype, spec.head_dim_vo)
 
     def threads(self, spec: KernelSpec) -> int:
         """The consumer warps plus one producer warpgroup (TMA)."""

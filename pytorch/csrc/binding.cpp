@@ -389,7 +389,9 @@ void fwd_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   const int64_t heads = q.size(-2), kv_heads = k.size(-2);
   const int64_t seqlen_q = varlen ? max_q : q.size(1), seqlen_k = varlen ? max_k : k.size(1);
 
-  Tensor out = at::empty(q.sizes(), q.options());
+  std::vector<int64_t> out_sizes = q.sizes().vec();
+  out_sizes.back() = v.size(-1);  // out: q's shape with v's head dim (d_v)
+  Tensor out = at::empty(out_sizes, q.options());
   Tensor lse = varlen ? at::empty({heads, q.size(0)}, q.options().dtype(at::kFloat))
                       : at::empty({batch, heads, seqlen_q}, q.options().dtype(at::kFloat));
 

@@ -127,15 +127,19 @@ def make_inputs(spec, case):
     """float32 q, k, v, dout of the case's shapes and value kind; the runner's keyword
     arguments (lengths, window, layout, dropout) and the reference's."""
     rng = np.random.default_rng(case["seed"])
-    d, h, hk = spec.head_dim, case["heads"], case["kv_heads"]
+    d, d_v, h, hk = spec.head_dim, spec.head_dim_vo, case["heads"], case["kv_heads"]
     if spec.mask.varlen:
         tq, tk = sum(case["lens_q"]), sum(case["lens_k"])
         q_shape, k_shape = (tq, h, d), (tk, hk, d)
     else:
         b = case["batch"]
         q_shape, k_shape = (b, case["sq"], h, d), (b, case["sk"], hk, d)
-    q, dout = (rng.standard_normal(q_shape).astype(np.float32) for _ in range(2))
-    k, v = (rng.standard_normal(k_shape).astype(np.float32) for _ in range(2))
+    # v, o and dout have the spec's d_v (head_dim_v) as their last dim
+    o_shape, v_shape = q_shape[:-1] + (d_v,), k_shape[:-1] + (d_v,)
+    q = rng.standard_normal(q_shape).astype(np.float32)
+    dout = rng.standard_normal(o_shape).astype(np.float32)
+    k = rng.standard_normal(k_shape).astype(np.float32)
+    v = rng.standard_normal(v_shape).astype(np.float32)
     if case["values"] == "wide":  # large outputs and gradients, ordinary scores
         v *= np.float32(30.0)
         q *= np.float32(2.0)
@@ -192,7 +196,7 @@ def _ds_bound_core(inp, o, lse, do, rows: int = 0):
     `rows` terms (the head's rows over the whole batch; functools.partial sets it)."""
     s = reference.scaled_scores(inp)
     p = reference.probabilities_from_lse(reference.score_logits(inp, s), inp.visible, lse)
-    d = inp.q.shape[-1]
+    d = max(inp.q.shape[-1], inp.v.shape[-1])  # S is a length-d dot, dP one of length d_v
     gamma = (d + 2) * float(np.finfo(np.float32).eps)  # two length-d dots and a subtraction
     do_h = np.abs(do.transpose(1, 0, 2))  # (h, Sq, d)
     dp_mag = do_h @ np.abs(inp.v.transpose(1, 2, 0))  # (h, Sq, Sk): sum |dO| |V|

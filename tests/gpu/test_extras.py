@@ -138,6 +138,7 @@ def _dense_twin(spec):
             and s.features == spec.features
             and s.mask.causal == spec.mask.causal
             and s.head_dim == spec.head_dim
+            and s.head_dim_vo == spec.head_dim_vo
             and s.dtype == spec.dtype
             and s.tile == spec.tile
         ):

@@ -92,13 +92,13 @@ def case_score(spec, case):
 
 def make_inputs(spec, case):
     rng = np.random.default_rng(case["seed"])
-    d, h, hk = spec.head_dim, case["heads"], case["kv_heads"]
+    d, d_v, h, hk = spec.head_dim, spec.head_dim_vo, case["heads"], case["kv_heads"]
     if spec.mask.varlen:
         tq, tk = sum(case["lens_q"]), sum(case["lens_k"])
-        shapes = ((tq, h, d), (tk, hk, d), (tk, hk, d))
+        shapes = ((tq, h, d), (tk, hk, d), (tk, hk, d_v))
     else:
         b = case["batch"]
-        shapes = ((b, case["sq"], h, d), (b, case["sk"], hk, d), (b, case["sk"], hk, d))
+        shapes = ((b, case["sq"], h, d), (b, case["sk"], hk, d), (b, case["sk"], hk, d_v))
     q, k, v = (rng.standard_normal(s).astype(np.float32) for s in shapes)
     if case["values"] == "large":  # scores up to ~1e4 after scaling: a near-hard softmax
         q *= np.float32(1250.0)  # scale * q.k ~ N(0, 2500^2): scores reach +-1e4
@@ -196,7 +196,7 @@ def _one_hot_problem(spec, sq, sk, seed):
     target = rng.integers(0, sk, size=sq)
     q = np.zeros((1, sq, 1, d), np.float32)
     q[0, np.arange(sq), 0, target] = 128.0
-    v = rng.standard_normal((1, sk, 1, d)).astype(np.float32)
+    v = rng.standard_normal((1, sk, 1, spec.head_dim_vo)).astype(np.float32)
     return q, k, v, target
 
 
@@ -253,7 +253,7 @@ def test_fully_masked_rows_give_zero_and_minus_inf(spec, specs):  # noqa: ARG001
     sq, sk = 77, 20
     q = rng.standard_normal((2, sq, 1, spec.head_dim)).astype(np.float32)
     k = rng.standard_normal((2, sk, 1, spec.head_dim)).astype(np.float32)
-    v = rng.standard_normal((2, sk, 1, spec.head_dim)).astype(np.float32)
+    v = rng.standard_normal((2, sk, 1, spec.head_dim_vo)).astype(np.float32)
     kwargs = {"window": (-1, -1)} if spec.mask.window else {}
     score = fixed_score_args(spec, 2, 1)
     res = kernel.run(q, k, v, **kwargs, **score.kwargs())

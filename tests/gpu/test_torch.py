@@ -104,12 +104,13 @@ def _values(rng, shape, kind: str) -> np.ndarray:
 
 
 def _spec(kind: str, dtype: str, d: int, *, causal=False, window=(-1, -1), varlen=False,
-          gqa=False, dropout=False, deterministic=False):  # fmt: skip
+          gqa=False, dropout=False, deterministic=False, d_v=None):  # fmt: skip
     """The spec the op selects for such a call (what the shared checks read dtype and
     head_dim from). For a head dim the kernels do not serve, the op ran the spec of the
     zero-padded head dim (forward and backward: these checks take gradients); the checks
     then get that spec's dtype and features with the caller's head dim (the softmax scale
-    1 / sqrt(d) of the pass rule's LSE floor)."""
+    1 / sqrt(d) of the pass rule's LSE floor). `d_v`: v's head dim when it is not d (served
+    as it is: no padding)."""
     padded = selection.padded_head_dim(d, CAP, TRAINING)
     mask_causal, win, _ = selection.resolve_mask(causal, window)
     call = selection.AttentionCall(
@@ -122,6 +123,7 @@ def _spec(kind: str, dtype: str, d: int, *, causal=False, window=(-1, -1), varle
         gqa=gqa,
         dropout=dropout,
         deterministic=deterministic,
+        head_dim_v=None if d_v in (None, d) else d_v,
     )
     spec = (selection.forward_spec if kind == "fwd" else selection.backward_spec)(call)
     if padded != d:
@@ -173,13 +175,15 @@ def dense_case(draw, gqa: bool = False):
     }
 
 
-def dense_inputs(case, dtype: str, d: int, grad: bool = True):
+def dense_inputs(case, dtype: str, d: int, grad: bool = True, d_v: int | None = None):
+    """q, k of head dim d; v and dout of d_v (default d)."""
     rng = np.random.default_rng(case["seed"])
     b, h, hk = case["batch"], case["heads"], case["kv_heads"]
+    d_v = d if d_v is None else d_v
     q = _tensor(_values(rng, (b, case["sq"], h, d), case["values"]), dtype, grad)
     k = _tensor(_values(rng, (b, case["sk"], hk, d), case["values"]), dtype, grad)
-    v = _tensor(_values(rng, (b, case["sk"], hk, d), "normal"), dtype, grad)
-    dout = _tensor(_values(rng, (b, case["sq"], h, d), "normal"), dtype)
+    v = _tensor(_values(rng, (b, case["sk"], hk, d_v), "normal"), dtype, grad)
+    dout = _tensor(_values(rng, (b, case["sq"], h, d_v), "normal"), dtype)
     return q, k, v, dout
 
 
@@ -229,6 +233,23 @@ def test_forward_and_gradients_match_the_float64_reference(dtype, d, causal):
         q, k, v, dout = dense_inputs(case, dtype, d)
         out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
         check_call(dtype, d, q, k, v, out, lse, dout, _ref_kw(causal), causal=causal)
+
+    prop()
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_dim_v_192_128_matches_the_float64_reference(dtype, causal):
+    """DeepSeek-style d_qk 192, d_v 128: out and dv of 128 columns, dq and dk of 192; the
+    sm_90a forward and the sm_90 backward, the kernels of specs/dv.yaml."""
+
+    @SETTINGS
+    @given(case=dense_case())
+    def prop(case):
+        q, k, v, dout = dense_inputs(case, dtype, 192, d_v=128)
+        out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        assert out.shape == (*q.shape[:-1], 128)
+        check_call(dtype, 192, q, k, v, out, lse, dout, _ref_kw(causal), causal=causal, d_v=128)
 
     prop()
 

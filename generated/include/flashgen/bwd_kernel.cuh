@@ -8,6 +8,8 @@
 //   S, P       scores Q K^T of a step (block_m x block_n) and P = exp(scale S - LSE)
 //   dP, dS     dO V^T and dS = P * (dP - D), D = rowsum(dO * O) (the preprocess kernel)
 //   Pd         P with dropout applied (P * keep / (1 - p)), the operand of dV
+//   d, d_v     kHeadDim: Q, K, dQ, dK (the k of S = Q K^T); kHeadDimV: V, O, dO, dV (the k of
+//              dP = dO V^T, the n of dV); d_v = d unless the spec sets head_dim_v
 //   warp layouts  each stage tiles its output over the warps differently: S/dP over (query
 //              rows, keys), dK/dV over (keys, head dim), dQ over (query rows, head dim); P
 //              and dS go through shared memory between them (as in FlashAttention-2)
@@ -59,18 +61,25 @@ struct BwdIo {
 
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
 
+// A compile-time int passed to a generic lambda (the scores product runs over d or d_v).
+template <int N>
+struct IntC {
+  static constexpr int value = N;
+};
+
 // S: the spec as named constants (templates/common/spec_struct.j2).
 template <class S>
 struct BwdConfig : S {
-  using S::kBlockM, S::kBlockN, S::kHeadDim, S::kWarps, S::kStages;
+  using S::kBlockM, S::kBlockN, S::kHeadDim, S::kHeadDimV, S::kWarps, S::kStages;
   using Elem = typename S::Elem;
   static constexpr int kThreads = kWarps * 32;
   // kHeadDimPad: the head dim on chip (families/backward.py chip_head_dim: the next multiple
   // of 16, beyond 128 of 32). Columns d..kHeadDimPad-1 of the K, V, Q and dO tiles are
   // zero-filled in smem (never read from HBM), so every product's padded columns are 0, and
-  // the padded columns of dQ, dK and dV are never stored.
-  using S::kHeadDimPad;
-  static constexpr int kStride = kHeadDimPad + 8;  // K, V, Q, dO rows (elements)
+  // the padded columns of dQ, dK and dV are never stored. kHeadDimVPad: d_v's, for V and dO.
+  using S::kHeadDimPad, S::kHeadDimVPad;
+  static constexpr int kStride = kHeadDimPad + 8;    // K, Q rows (elements)
+  static constexpr int kStrideV = kHeadDimVPad + 8;  // V, dO rows (elements)
   static constexpr int kPStride = kBlockN + 8;   // P, dS rows (elements)
   // Warps along rows of each stage's output (families/backward.py warp_layouts: up to
   // d = 128 warp tiles as square as the block allows, which minimises each warp's ldmatrix
@@ -81,31 +90,40 @@ struct BwdConfig : S {
   // dK/dV: warps over (keys, head dim)
   static constexpr int kKvRows = S::kKvRows, kKvCols = kWarps / kKvRows;
   static constexpr int kKvMT = kBlockN / 16 / kKvRows, kKvDT = kHeadDimPad / kKvCols / 8;
+  static constexpr int kKvDTV = kHeadDimVPad / kKvCols / 8;  // dV's n8 tiles per warp
   // dQ: warps over (query rows, head dim)
   static constexpr int kQRows = S::kQRows, kQCols = kWarps / kQRows;
   static constexpr int kQMT = kBlockM / 16 / kQRows, kQDT = kHeadDimPad / kQCols / 8;
   static constexpr int kKS = kHeadDimPad / 16, kMS = kBlockM / 16, kNS = kBlockN / 16;
+  static constexpr int kKSV = kHeadDimVPad / 16;  // k16 steps of dP = dO V^T
 
   static constexpr int kElem = static_cast<int>(sizeof(Elem));
-  static constexpr int kKvTile = kBlockN * kStride, kQTile = kBlockM * kStride;
+  static constexpr int kKvTile = kBlockN * kStride, kQTile = kBlockM * kStride;  // K, Q
+  static constexpr int kVTile = kBlockN * kStrideV, kDoTile = kBlockM * kStrideV;  // V, dO
   static constexpr int kPTile = kBlockM * kPStride;
   // P through an fp32 scratch instead of registers while dP is computed (the generator's
   // choice, families/backward.py p_scratch): frees kBlockM * kBlockN / kThreads registers at
   // the step's peak, where the dK/dV accumulators, S and dP would all be live.
   static constexpr bool kPScratch = S::kPScratch;
-  static constexpr int kSmemBytes = (2 * kKvTile + 2 * kStages * kQTile + 2 * kPTile) * kElem +
+  static constexpr int kSmemBytes =
+      (kKvTile + kVTile + kStages * (kQTile + kDoTile) + 2 * kPTile) * kElem +
                                     2 * kStages * kBlockM * 4 +
                                     (kPScratch ? kBlockM * kBlockN * 4 : 0);
 
   static_assert(kSRows * kSCols == kWarps && kSNT % 2 == 0, "S/dP warp layout");
-  static_assert(kKvRows * kKvCols == kWarps && kKvDT % 2 == 0, "dK/dV warp layout");
+  static_assert(kKvRows * kKvCols == kWarps && kKvDT % 2 == 0 && kKvDTV % 2 == 0,
+                "dK/dV warp layout");
   static_assert(kQRows * kQCols == kWarps && kQDT % 2 == 0, "dQ warp layout");
   // Each layout covers its output exactly (families/backward.py tile_problems checks the same).
   static_assert(kSMT * kSRows * 16 == kBlockM && kSNT * kSCols * 8 == kBlockN, "S/dP cover");
-  static_assert(kKvMT * kKvRows * 16 == kBlockN && kKvDT * kKvCols * 8 == kHeadDimPad, "dK/dV cover");
+  static_assert(kKvMT * kKvRows * 16 == kBlockN && kKvDT * kKvCols * 8 == kHeadDimPad &&
+                    kKvDTV * kKvCols * 8 == kHeadDimVPad,
+                "dK/dV cover");
   static_assert(kQMT * kQRows * 16 == kBlockM && kQDT * kQCols * 8 == kHeadDimPad, "dQ cover");
   static_assert(kHeadDim % 8 == 0 && kHeadDim >= 8 && kHeadDim <= 256, "head_dim");
   static_assert(kHeadDimPad % 16 == 0 && kHeadDimPad >= kHeadDim, "head_dim_pad");
+  static_assert(kHeadDimV % 8 == 0 && kHeadDimV >= 8 && kHeadDimV <= 256, "head_dim_v");
+  static_assert(kHeadDimVPad % 16 == 0 && kHeadDimVPad >= kHeadDimV, "head_dim_v_pad");
   static_assert(kStages == 1 || kStages == 2, "stages");
   static_assert(!S::kKeepMaskOut || S::kDropout, "the keep-mask output needs dropout");
 };
@@ -148,9 +166,9 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   Elem* sK = reinterpret_cast<Elem*>(smem_raw);
   Elem* sV = sK + C::kKvTile;
-  Elem* sQ = sV + C::kKvTile;
+  Elem* sQ = sV + C::kVTile;
   Elem* sdO = sQ + C::kStages * C::kQTile;
-  Elem* sP = sdO + C::kStages * C::kQTile;
+  Elem* sP = sdO + C::kStages * C::kDoTile;
   Elem* sdS = sP + C::kPTile;
   float* sLse = reinterpret_cast<float*>(sdS + C::kPTile);
   float* sD = sLse + C::kStages * C::kBlockM;
@@ -248,8 +266,8 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
                       seq.q_off(p.do_batch_stride, p.do_row_stride, r0) + h * p.do_head_stride;
     load_tile_async<C::kBlockM, C::kHeadDimPad, C::kThreads, C::kStride, C::kHeadDim>(
         sQ + slot * C::kQTile, gQ, p.q_row_stride, qr, io, BwdIo::kQ);
-    load_tile_async<C::kBlockM, C::kHeadDimPad, C::kThreads, C::kStride, C::kHeadDim>(
-        sdO + slot * C::kQTile, gdO, p.do_row_stride, qr, io, BwdIo::kDO);
+    load_tile_async<C::kBlockM, C::kHeadDimVPad, C::kThreads, C::kStrideV, C::kHeadDimV>(
+        sdO + slot * C::kDoTile, gdO, p.do_row_stride, qr, io, BwdIo::kDO);
     for (int r = tid; r < C::kBlockM; r += C::kThreads) {
       const bool ok = r < qr;
       const int64_t row = ok ? r0 + r : 0;
@@ -262,18 +280,24 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
     cp_async_commit();
   };
 
-  float acc_dk[C::kKvMT][C::kKvDT][4], acc_dv[C::kKvMT][C::kKvDT][4];
+  float acc_dk[C::kKvMT][C::kKvDT][4], acc_dv[C::kKvMT][C::kKvDTV][4];
 #pragma unroll
-  for (int mt = 0; mt < C::kKvMT; ++mt)
+  for (int mt = 0; mt < C::kKvMT; ++mt) {
 #pragma unroll
     for (int dt = 0; dt < C::kKvDT; ++dt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc_dk[mt][dt][e] = acc_dv[mt][dt][e] = 0.f;
+      for (int e = 0; e < 4; ++e) acc_dk[mt][dt][e] = 0.f;
+#pragma unroll
+    for (int dt = 0; dt < C::kKvDTV; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dv[mt][dt][e] = 0.f;
+  }
 
   // Warp corners of the three layouts.
   const int s_row0 = (warp % C::kSRows) * C::kSMT * 16, s_col0 = (warp / C::kSRows) * C::kSNT * 8;
   const int kv_row0 = (warp % C::kKvRows) * C::kKvMT * 16;
-  const int kv_col0 = (warp / C::kKvRows) * C::kKvDT * 8;
+  const int kv_col = warp / C::kKvRows;  // the warp's column of the dK/dV layout
+  const int kv_col0 = kv_col * C::kKvDT * 8, kv_col0_v = kv_col * C::kKvDTV * 8;  // dK's, dV's
   const int q_row0 = (warp % C::kQRows) * C::kQMT * 16, q_col0 = (warp / C::kQRows) * C::kQDT * 8;
   constexpr uint32_t kE = sizeof(Elem);
   const uint32_t sK_a = smem_addr(sK), sV_a = smem_addr(sV), sQ_a = smem_addr(sQ);
@@ -287,7 +311,7 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
   if (cur.valid) {
     load_tile_async<C::kBlockN, C::kHeadDimPad, C::kThreads, C::kStride, C::kHeadDim>(
         sK, gK, p.k_row_stride, kr, io, BwdIo::kK);
-    load_tile_async<C::kBlockN, C::kHeadDimPad, C::kThreads, C::kStride, C::kHeadDim>(
+    load_tile_async<C::kBlockN, C::kHeadDimVPad, C::kThreads, C::kStrideV, C::kHeadDimV>(
         sV, gV, p.v_row_stride, kr, io, BwdIo::kV);
     load_step(cur, 0);  // K and V ride in the same group
   }
@@ -302,12 +326,15 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
 
     const int64_t h = h0 + cur.g, r0 = cur.m * C::kBlockM;
     const int64_t qr = min(static_cast<int64_t>(C::kBlockM), sq - r0);
-    const uint32_t q_slot = sQ_a + slot * C::kQTile * kE, do_slot = sdO_a + slot * C::kQTile * kE;
+    const uint32_t q_slot = sQ_a + slot * C::kQTile * kE, do_slot = sdO_a + slot * C::kDoTile * kE;
     const float* lse_s = sLse + slot * C::kBlockM;
     const float* d_s = sD + slot * C::kBlockM;
 
     // ---- S = Q K^T, P and Pd; then dP = dO V^T and dS, over (query rows, keys) ----------
-    auto scores = [&](uint32_t a_slot, uint32_t b_base, float (&acc)[C::kSMT][C::kSNT][4]) {
+    // KS: the k16 steps (of d for S, of d_v for dP); St: the operands' smem row stride.
+    auto scores = [&](auto ks_c, auto stride_c, uint32_t a_slot, uint32_t b_base,
+                      float (&acc)[C::kSMT][C::kSNT][4]) {
+      constexpr int KS = decltype(ks_c)::value, St = decltype(stride_c)::value;
 #pragma unroll
       for (int mt = 0; mt < C::kSMT; ++mt)
 #pragma unroll
@@ -315,16 +342,16 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[mt][n8][e] = 0.f;
 #pragma unroll
-      for (int kk = 0; kk < C::kKS; ++kk) {
+      for (int kk = 0; kk < KS; ++kk) {
         uint32_t a[C::kSMT][4];
 #pragma unroll
         for (int mt = 0; mt < C::kSMT; ++mt)
-          ldmatrix_x4(a[mt], a_slot + ((s_row0 + mt * 16 + lo.a_row) * C::kStride + kk * 16 +
+          ldmatrix_x4(a[mt], a_slot + ((s_row0 + mt * 16 + lo.a_row) * St + kk * 16 +
                                        lo.a_col) * kE);
 #pragma unroll
         for (int np = 0; np < C::kSNT / 2; ++np) {
           uint32_t bk[4];
-          ldmatrix_x4(bk, b_base + ((s_col0 + np * 16 + lo.b_row) * C::kStride + kk * 16 +
+          ldmatrix_x4(bk, b_base + ((s_col0 + np * 16 + lo.b_row) * St + kk * 16 +
                                     lo.b_col) * kE);
 #pragma unroll
           for (int mt = 0; mt < C::kSMT; ++mt) {
@@ -346,7 +373,7 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
     const Mod mod = mod0.at(p.score, p.softmax_scale, b, h, io, tid == 0, BwdIo::kMeta);
     float acc_s[C::kSMT][C::kSNT][4];
     float gmod[Mod::kHasGrad ? C::kSMT : 1][Mod::kHasGrad ? C::kSNT : 1][4];
-    scores(q_slot, sK_a, acc_s);
+    scores(IntC<C::kKS>{}, IntC<C::kStride>{}, q_slot, sK_a, acc_s);
     score_frag(acc_s, mod, tile_at(r0 + s_row0, c0 + s_col0, mask), lane, gmod);
     const bool masked = C::kSparse ? (cur.partial || c0 + C::kBlockN > sk)
                                    : mask.tile_needs_mask(r0, r0 + qr - 1, nt, C::kBlockN);
@@ -421,7 +448,7 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
       }
 
     float acc_dp[C::kSMT][C::kSNT][4];
-    scores(do_slot, sV_a, acc_dp);
+    scores(IntC<C::kKSV>{}, IntC<C::kStrideV>{}, do_slot, sV_a, acc_dp);
     // dS = P * (dP * keep / (1 - p) - D), to shared memory like Pd.
 #pragma unroll
     for (int mt = 0; mt < C::kSMT; ++mt)
@@ -460,7 +487,11 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
     // ---- dV += Pd^T dO and dK += dS^T Q over (keys, head dim) ---------------------------
     // One product at a time: each operand is read once either way, and only one A set (the
     // transposed Pd or dS rows) is live next to the accumulators.
-    auto kv_update = [&](uint32_t a_base, uint32_t b_slot, float (&acc)[C::kKvMT][C::kKvDT][4]) {
+    // DT: the warp's n8 tiles (of d for dK, of d_v for dV); St: the B operand's row stride.
+    auto kv_update = [&](auto st_c, uint32_t a_base, uint32_t b_slot, auto& acc) {
+      constexpr int St = decltype(st_c)::value;
+      constexpr int DT = sizeof(acc[0]) / sizeof(acc[0][0]);
+      const int col0 = kv_col * DT * 8;
 #pragma unroll
       for (int ks = 0; ks < C::kMS; ++ks) {
         uint32_t a[C::kKvMT][4];
@@ -469,9 +500,9 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
           ldmatrix_x4_trans(a[mt], a_base + ((ks * 16 + lo.b_row) * C::kPStride + kv_row0 +
                                              mt * 16 + lo.b_col) * kE);
 #pragma unroll
-        for (int dp = 0; dp < C::kKvDT / 2; ++dp) {
+        for (int dp = 0; dp < DT / 2; ++dp) {
           uint32_t bt[4];
-          ldmatrix_x4_trans(bt, b_slot + ((ks * 16 + lo.a_row) * C::kStride + kv_col0 + dp * 16 +
+          ldmatrix_x4_trans(bt, b_slot + ((ks * 16 + lo.a_row) * St + col0 + dp * 16 +
                                           lo.a_col) * kE);
 #pragma unroll
           for (int mt = 0; mt < C::kKvMT; ++mt) {
@@ -481,8 +512,8 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
         }
       }
     };
-    kv_update(sP_a, do_slot, acc_dv);
-    kv_update(sdS_a, q_slot, acc_dk);
+    kv_update(IntC<C::kStrideV>{}, sP_a, do_slot, acc_dv);
+    kv_update(IntC<C::kStride>{}, sdS_a, q_slot, acc_dk);
 
     // ---- dQ += dS K over (query rows, head dim), added to dq_accum ----------------------
     {
@@ -570,8 +601,20 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
           store_pair(gdK + row * p.dk_row_stride + col,
                      MmaT::pack(acc_dk[mt][dt][2 * r] * scale, acc_dk[mt][dt][2 * r + 1] * scale),
                      io, BwdIo::kDk);
-          store_pair(gdV + row * p.dv_row_stride + col,
-                     MmaT::pack(acc_dv[mt][dt][2 * r], acc_dv[mt][dt][2 * r + 1]), io, BwdIo::kDv);
+          if constexpr (C::kHeadDimV == C::kHeadDim)  // one loop for both (the code it had before d_v)
+            store_pair(gdV + row * p.dv_row_stride + col,
+                       MmaT::pack(acc_dv[mt][dt][2 * r], acc_dv[mt][dt][2 * r + 1]), io,
+                       BwdIo::kDv);
+        }
+        if constexpr (C::kHeadDimV != C::kHeadDim) {
+#pragma unroll
+          for (int dt = 0; dt < C::kKvDTV; ++dt) {
+            const int col = kv_col0_v + dt * 8 + 2 * t4;
+            if (C::kHeadDimVPad != C::kHeadDimV && col >= C::kHeadDimV) continue;
+            store_pair(gdV + row * p.dv_row_stride + col,
+                       MmaT::pack(acc_dv[mt][dt][2 * r], acc_dv[mt][dt][2 * r + 1]), io,
+                       BwdIo::kDv);
+          }
         }
       }
     }
@@ -612,7 +655,7 @@ __device__ __forceinline__ void bwd_preprocess_body(const fg_bwd_params& p) {
     const Elem* d = static_cast<const Elem*>(p.dout) +
                     seq.q_off(p.do_batch_stride, p.do_row_stride, r) + h * p.do_head_stride;
     float acc = 0.f;
-    for (int c = lane; c < C::kHeadDim / 8; c += 32) {
+    for (int c = lane; c < C::kHeadDimV / 8; c += 32) {  // O and dO are d_v wide
       const uint4 ov = load_16(o + c * 8, io, BwdIo::kO), dv = load_16(d + c * 8, io, BwdIo::kDO);
       const Elem* oe = reinterpret_cast<const Elem*>(&ov);
       const Elem* de = reinterpret_cast<const Elem*>(&dv);

@@ -9,6 +9,8 @@
 //              forward's own functions (frag.cuh, softmax.cuh) on acc[1][kNT][4]
 //   Dp         head_dim rounded up to 64 (the TMA box width): columns d..Dp-1 read as 0 and
 //              are never stored, so every head dim runs on 64-column SW128 boxes
+//   d, d_v     kHeadDim: Q and K (Dp, kBoxes boxes); kHeadDimV: V and O (kHeadDimVPad,
+//              kBoxesV boxes); d_v = d unless the spec sets head_dim_v
 //   slot       ring position of a K/V tile (it % stages); full[slot] completes when its TMA
 //              bytes land, empty[slot] when every warp has finished reading it
 //   parity     the phase of a slot's barriers for tile it: (it / stages) & 1
@@ -92,7 +94,7 @@ struct FwdSm90Maps {
 
 template <class S>
 struct FwdSm90Config : S {
-  using S::kBlockM, S::kBlockN, S::kHeadDim, S::kWarps, S::kStages;
+  using S::kBlockM, S::kBlockN, S::kHeadDim, S::kHeadDimV, S::kWarps, S::kStages;
   using Elem = typename S::Elem;
   // `warps` are the consumers; one more warpgroup is the TMA producer.
   static constexpr int kConsumerThreads = kWarps * 32;
@@ -102,17 +104,19 @@ struct FwdSm90Config : S {
   // (multiples of 8: 240 for one or two consumer warpgroups, 160 for three).
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = kGroups == 3 ? 160 : 240;
-  using S::kHeadDimPad;  // head_dim rounded up to 64 (the TMA box)
+  using S::kHeadDimPad, S::kHeadDimVPad;  // head_dim, head_dim_v rounded up to 64 (the TMA box)
   static_assert(kHeadDimPad == (kHeadDim + 63) / 64 * 64, "head_dim_pad: the next multiple of 64");
-  static constexpr int kBoxes = kHeadDimPad / 64;
-  static constexpr int kOChunk = kHeadDimPad % 128 == 0 ? 128 : 64;  // wgmma N of P V
-  static constexpr int kOChunks = kHeadDimPad / kOChunk;
+  static_assert(kHeadDimVPad == (kHeadDimV + 63) / 64 * 64, "head_dim_v_pad: next multiple of 64");
+  static constexpr int kBoxes = kHeadDimPad / 64, kBoxesV = kHeadDimVPad / 64;  // Q/K, V
+  static constexpr int kOChunk = kHeadDimVPad % 128 == 0 ? 128 : 64;  // wgmma N of P V
+  static constexpr int kOChunks = kHeadDimVPad / kOChunk;
   static constexpr int kNT = kBlockN / 8;
   static constexpr int kQBox = kBlockM * 64, kKvBox = kBlockN * 64;  // elements per box
   static constexpr int kElem = static_cast<int>(sizeof(Elem));
   static constexpr int kQBytes = kBlockM * kHeadDimPad * kElem;
-  static constexpr int kKvBytes = kBlockN * kHeadDimPad * kElem;  // one K (or V) tile
-  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKvBytes + 1024;  // + alignment
+  static constexpr int kKvBytes = kBlockN * kHeadDimPad * kElem;  // one K tile
+  static constexpr int kVBytes = kBlockN * kHeadDimVPad * kElem;  // one V tile
+  static constexpr int kSmemBytes = kQBytes + kStages * (kKvBytes + kVBytes) + 1024;  // + align
   // Softmax overlapped with the neighbouring tiles' wgmma (with two stages the next tile's
   // load would wait for the slot released at the end of this one, exposing its latency).
   static constexpr bool kOverlap = kStages >= 3 && !FG_SM90_ABLATE_NO_OVERLAP;
@@ -126,6 +130,7 @@ struct FwdSm90Config : S {
   static_assert(kBlockM == 64 * kGroups, "block_m = 64 rows per warpgroup");
   static_assert(kBlockN == 64 || kBlockN == 128, "block_n: 64 or 128");
   static_assert(kHeadDim % 8 == 0 && kHeadDim >= 8 && kHeadDim <= 256, "head_dim");
+  static_assert(kHeadDimV % 8 == 0 && kHeadDimV >= 8 && kHeadDimV <= 256, "head_dim_v");
   static_assert(kStages >= 1 && kStages <= 4, "stages");
   static_assert(!S::kKeepMaskOut || S::kDropout, "the keep-mask output needs dropout");
 };
@@ -140,7 +145,7 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
   Elem* sQ = reinterpret_cast<Elem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                      ~uintptr_t{1023});
   Elem* sK = sQ + C::kBlockM * C::kHeadDimPad;
-  Elem* sV = sK + C::kStages * C::kBlockN * C::kHeadDimPad;
+  Elem* sV = sK + C::kStages * C::kBlockN * C::kHeadDimPad;  // V slots: kBlockN * kHeadDimVPad
   __shared__ uint64_t bar_q, full[C::kStages], empty[C::kStages];
   __shared__ int32_t s_tile[C::kSparse ? C::kStages : 1];  // sparse: K/V tile of each slot
 
@@ -205,20 +210,25 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
   };
   // instrument_io: box j of a tile (columns 64 j .. 64 j + 63) reads its rows inside the
   // sequence times its min(64, head_dim - 64 j) columns (see the top); summed over the boxes,
-  // a tile's K (or V) bytes are rows * head_dim * elt.
+  // a tile's K bytes are rows * head_dim * elt (V's: rows * head_dim_v * elt).
   auto tile_bytes = [](uint64_t rows) { return rows * C::kHeadDim * C::kElem; };
+  auto tile_bytes_v = [](uint64_t rows) { return rows * C::kHeadDimV * C::kElem; };
   // Loads K/V tile it into its slot (the producer thread); returns its rows inside the sequence.
   auto load_kv = [&](int it) -> uint32_t {
     const int slot = it % C::kStages;
     const int64_t n = sched.tile(it, io, false);  // sparse: META counted by the caller
     if constexpr (C::kSparse) s_tile[slot] = static_cast<int32_t>(n);  // before the arrive
     const int64_t row = seq.k0 + n * C::kBlockN;
-    mbar_arrive_expect_tx(&full[slot], 2 * C::kKvBytes);
+    mbar_arrive_expect_tx(&full[slot], C::kKvBytes + C::kVBytes);
+    // box j of K, then of V (d_v != d: one of them has fewer boxes)
 #pragma unroll
-    for (int j = 0; j < C::kBoxes; ++j) {
-      const int off = slot * C::kBlockN * C::kHeadDimPad + j * C::kKvBox;
-      tma(sK + off, maps.k, maps.kv_heads_inner, &full[slot], j * 64, row, hk);
-      tma(sV + off, maps.v, maps.kv_heads_inner, &full[slot], j * 64, row, hk);
+    for (int j = 0; j < (C::kBoxes > C::kBoxesV ? C::kBoxes : C::kBoxesV); ++j) {
+      if (j < C::kBoxes)
+        tma(sK + slot * C::kBlockN * C::kHeadDimPad + j * C::kKvBox, maps.k, maps.kv_heads_inner,
+            &full[slot], j * 64, row, hk);
+      if (j < C::kBoxesV)
+        tma(sV + slot * C::kBlockN * C::kHeadDimVPad + j * C::kKvBox, maps.v,
+            maps.kv_heads_inner, &full[slot], j * 64, row, hk);
     }
     // (a sparse layout may name a tile past a shorter sequence: none of its rows count)
     return static_cast<uint32_t>(
@@ -244,7 +254,7 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
       }
       io.add(FwdIo::kQ, tile_bytes(valid_rows));
       io.add(FwdIo::kK, tile_bytes(kv_rows));
-      io.add(FwdIo::kV, tile_bytes(kv_rows));
+      io.add(FwdIo::kV, tile_bytes_v(kv_rows));
       if (C::kSparse) io.add(FwdIo::kMeta, 4 * static_cast<uint64_t>(n_iter));
     }
     io.flush(p.io_counters);  // the whole warp, converged again
@@ -267,7 +277,7 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
 
   // ---- the steps of one K/V tile, shared by both loop orders below ------------------------
   auto slot_k = [&](int it) { return sK + (it % C::kStages) * C::kBlockN * C::kHeadDimPad; };
-  auto slot_v = [&](int it) { return sV + (it % C::kStages) * C::kBlockN * C::kHeadDimPad; };
+  auto slot_v = [&](int it) { return sV + (it % C::kStages) * C::kBlockN * C::kHeadDimVPad; };
   // Issues S = Q K^T of tile it (k16 slice kk: box kk / 4, 32 bytes * (kk % 4) into each
   // 128-byte row) and commits it as one wgmma group.
   auto issue_s = [&](float (&s)[C::kNT * 4], int it) {
@@ -426,7 +436,7 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
 #pragma unroll
         for (int j = 0; j < C::kOChunk / 8; ++j) {
           const int col = c * C::kOChunk + j * 8 + 2 * t;
-          if (col < C::kHeadDim)
+          if (col < C::kHeadDimV)
             store_pair(gO + row * p.o_row_stride + col,
                        MmaT::pack(acc_o[c][j][2 * r] * inv_l, acc_o[c][j][2 * r + 1] * inv_l),
                        io, FwdIo::kO);

@@ -64,6 +64,9 @@ struct BwdSm90Config : S {
   static constexpr int kConsumerRegs = 240;
   using S::kHeadDimPad;  // head_dim rounded up to 64 (the TMA box)
   static_assert(kHeadDimPad == (kHeadDim + 63) / 64 * 64, "head_dim_pad: the next multiple of 64");
+  // one head dim for Q, K, V and dO (families/backward_sm90.py refuses head_dim_v != head_dim)
+  static_assert(S::kHeadDimV == kHeadDim && S::kHeadDimVPad == kHeadDimPad,
+                "the sm_90a backward takes d_v = d");
   static constexpr int kBoxes = kHeadDimPad / 64;
   static constexpr int kMT = kBlockM / 8;  // n8 tiles of S^T's columns (queries)
   // dQ pieces: (block_m / 64) row blocks x (Dp / kDqN) column blocks, one per group.

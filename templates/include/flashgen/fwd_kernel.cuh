@@ -6,7 +6,8 @@
 //   Tc, n     K/V tiles of block_n keys; n indexes them, `it` counts the ones visited
 //   slot      smem ring buffer position of a K/V tile: it % kStages
 //   acc_s     S = Q K^T of one K/V tile, frag C per (m16 tile, n8 tile), fp32
-//   acc_o     the unnormalised output, frag C per (m16 tile, n8 column tile of d), fp32
+//   acc_o     the unnormalised output, frag C per (m16 tile, n8 column tile of d_v), fp32
+//   d, d_v    kHeadDim (Q and K: the k of Q K^T), kHeadDimV (V and O: the n of P V)
 //   st        online softmax state (m_i, l_i) of the thread's two rows per m16 tile
 //
 // Per CTA: Q tile -> smem (and to registers when small); for each scheduled K/V tile:
@@ -41,27 +42,31 @@ namespace fg {
 // kKeepMaskOut, kSparse, kInstrumentIo). FwdConfig adds what the mainloop derives from it.
 template <class S>
 struct FwdConfig : S {
-  using S::kBlockM, S::kBlockN, S::kHeadDim, S::kWarps, S::kStages;
+  using S::kBlockM, S::kBlockN, S::kHeadDim, S::kHeadDimV, S::kWarps, S::kStages;
   using Elem = typename S::Elem;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kMT = kBlockM / (16 * kWarps);  // m16 tiles per warp
   // kHeadDimPad: the head dim rounded up to the k16 steps of Q K^T. Columns d..kHeadDimPad-1
   // of the Q, K and V tiles are zero-filled in smem (never read from HBM), so their products
-  // are 0, and O's padded columns are never stored.
-  using S::kHeadDimPad;
-  static constexpr int kStride = kHeadDimPad + 8;      // smem row stride, elements
+  // are 0, and O's padded columns are never stored. kHeadDimVPad: d_v's, for V and O.
+  using S::kHeadDimPad, S::kHeadDimVPad;
+  static constexpr int kStride = kHeadDimPad + 8;      // smem row stride of Q and K, elements
+  static constexpr int kStrideV = kHeadDimVPad + 8;    // smem row stride of V, elements
   static constexpr int kNT = kBlockN / 8;              // n8 tiles of S
-  static constexpr int kDT = kHeadDimPad / 8;          // n8 tiles of O along d
+  static constexpr int kDT = kHeadDimVPad / 8;         // n8 tiles of O along d_v
   static constexpr int kKS = kHeadDimPad / 16;         // k16 steps of Q K^T
   static constexpr int kPS = kBlockN / 16;             // k16 steps of P V
   // Q fragments stay in registers when they cost at most 32 of them; otherwise they are
   // re-read from smem with ldmatrix each tile, which keeps large head dims off local memory.
   static constexpr bool kQInRegs = kMT * kKS * 4 <= 32;
   static constexpr int kSmemBytes =
-      (kBlockM + 2 * kStages * kBlockN) * kStride * static_cast<int>(sizeof(Elem));
+      ((kBlockM + kStages * kBlockN) * kStride + kStages * kBlockN * kStrideV) *
+      static_cast<int>(sizeof(Elem));
 
   static_assert(kHeadDim % 8 == 0 && kHeadDim >= 8 && kHeadDim <= 256, "head_dim");
   static_assert(kHeadDimPad == (kHeadDim + 15) / 16 * 16, "head_dim_pad: the next multiple of 16");
+  static_assert(kHeadDimV % 8 == 0 && kHeadDimV >= 8 && kHeadDimV <= 256, "head_dim_v");
+  static_assert(kHeadDimVPad == (kHeadDimV + 15) / 16 * 16, "head_dim_v_pad: next multiple of 16");
   static_assert(kBlockN % 16 == 0, "block_n must be a multiple of 16");
   static_assert(kMT >= 1 && kMT * 16 * kWarps == kBlockM, "block_m = 16 * warps * {1,2}");
   static_assert(kStages >= 1 && kStages <= 3, "stages");
@@ -129,8 +134,8 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
     load_tile_async<C::kBlockN, C::kHeadDimPad, C::kThreads, C::kStride, C::kHeadDim>(
         sK + slot * C::kBlockN * C::kStride, gK + n * C::kBlockN * p.k_row_stride, p.k_row_stride,
         rows, io, FwdIo::kK);
-    load_tile_async<C::kBlockN, C::kHeadDimPad, C::kThreads, C::kStride, C::kHeadDim>(
-        sV + slot * C::kBlockN * C::kStride, gV + n * C::kBlockN * p.v_row_stride, p.v_row_stride,
+    load_tile_async<C::kBlockN, C::kHeadDimVPad, C::kThreads, C::kStrideV, C::kHeadDimV>(
+        sV + slot * C::kBlockN * C::kStrideV, gV + n * C::kBlockN * p.v_row_stride, p.v_row_stride,
         rows, io, FwdIo::kV);
   };
 
@@ -153,9 +158,10 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
   // Per-lane shared addresses of the ldmatrix loads (see LaneOffsets); tiles add constants.
   constexpr uint32_t kElemBytes = sizeof(Elem);
   constexpr uint32_t kSlotBytes = C::kBlockN * C::kStride * kElemBytes;
+  constexpr uint32_t kSlotBytesV = C::kBlockN * C::kStrideV * kElemBytes;
   const uint32_t q_lane = smem_addr(sQ) + ((warp_row0 + lo.a_row) * C::kStride + lo.a_col) * kElemBytes;
   const uint32_t k_lane = smem_addr(sK) + (lo.b_row * C::kStride + lo.b_col) * kElemBytes;
-  const uint32_t v_lane = smem_addr(sV) + (lo.a_row * C::kStride + lo.a_col) * kElemBytes;
+  const uint32_t v_lane = smem_addr(sV) + (lo.a_row * C::kStrideV + lo.a_col) * kElemBytes;
   const FwdDropout drop = fwd_dropout<C>(p, b, h);
 
   if (n_iter > 0) {
@@ -197,7 +203,7 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
 
       const int slot = it % C::kStages;
       const uint32_t k_slot = k_lane + slot * kSlotBytes;
-      const uint32_t v_slot = v_lane + slot * kSlotBytes;
+      const uint32_t v_slot = v_lane + slot * kSlotBytesV;
       const int64_t n = C::kSparse ? s_tile[slot] : sched.tile(it, io, false);
       const bool masked = fwd_tile_masked<C>(sched, mask, it, n, r0, r1);
       // the mask_mod's class of the tile (kMaskFull without one): EMPTY tiles are skipped
@@ -244,7 +250,7 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
                             lane, io);
 
       // acc_o += P V, P re-packed from the S accumulators
-      warp_pv<Elem, C::kMT, C::kNT, C::kDT, C::kStride>(acc_o, acc_s, v_slot);
+      warp_pv<Elem, C::kMT, C::kNT, C::kDT, C::kStrideV>(acc_o, acc_s, v_slot);
       if (C::kStages == 1) __syncthreads();  // the only slot is refilled next iteration
     }
   }
@@ -264,7 +270,7 @@ __device__ __forceinline__ void fwd_kernel_body(const fg_fwd_params& p) {
       if (row < valid_rows) {
 #pragma unroll
         for (int dt = 0; dt < C::kDT; ++dt)
-          if (dt * 8 < C::kHeadDim)  // the padded columns are not O's
+          if (dt * 8 < C::kHeadDimV)  // the padded columns are not O's
             store_pair(gO + row * p.o_row_stride + dt * 8 + 2 * t,
                        MmaT::pack(acc_o[mt][dt][2 * r] * inv_l, acc_o[mt][dt][2 * r + 1] * inv_l), io,
                        FwdIo::kO);

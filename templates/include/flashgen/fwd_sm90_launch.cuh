@@ -104,7 +104,7 @@ const char* fwd_sm90_maps(const fg_fwd_params& p, FwdSm90Maps* maps) {
           p.k_row_stride, p.k_head_stride, C::kBlockN))
     return msg;
   if (const char* msg = sm90::make_tmap_bshd(
-          &maps->v, &v_inner, p.v, kBf16, batch, rows_k, p.kv_heads, C::kHeadDim,
+          &maps->v, &v_inner, p.v, kBf16, batch, rows_k, p.kv_heads, C::kHeadDimV,
           fwd_sm90_batch_stride<C>(p.v_batch_stride, p.v_row_stride, p.v_head_stride,
                                    p.total_k, p.kv_heads),
           p.v_row_stride, p.v_head_stride, C::kBlockN))
