@@ -109,6 +109,14 @@ PARAMS = params_table(
     i64 lse_parts_batch_stride
     i64 lse_parts_head_stride
     ptr io_counters
+    # FP8 caches (kv_dtype): fp32 descales (batch, kv_heads), strides in elements (0 for a
+    # per-tensor scalar broadcast); NULL without kv_dtype
+    ptr k_descale
+    ptr v_descale
+    i64 k_descale_batch_stride
+    i64 k_descale_head_stride
+    i64 v_descale_batch_stride
+    i64 v_descale_head_stride
     """
 ) + SCORE_PARAM_FIELDS + SHAPE_PARAM_FIELDS
 IO_KEYS = ("Q", "K", "V", "O", "LSE", "O_PARTS", "LSE_PARTS", "SEQLENS", "BLOCK_TABLE")

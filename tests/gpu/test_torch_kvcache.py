@@ -1070,3 +1070,128 @@ def test_merge_states_refusals():
         merge_states(torch.randn(2, 1, 3, 4, 300, device=DEV).half(), lse)
     with pytest.raises(UnsupportedCall, match=r"lse_parts must be float32"):
         merge_states(o.half(), lse.half())
+
+
+# -- FP8 (e4m3) caches: FA3's k_descale / v_descale, vLLM's per-tensor scales ----------------------
+
+FP8_KINDS = [  # (dtype, head_dim, paged): specs/decode_fp8.yaml's serving kernels
+    ("bf16", 128, False),
+    ("bf16", 128, True),
+    ("fp16", 128, False),
+    ("fp16", 128, True),
+    ("bf16", 64, False),
+    ("fp16", 64, True),
+]
+
+
+def _fp8_cache(x: np.ndarray):
+    """x (already divided by its descale) as a float8_e4m3fn CUDA tensor, and the e4m3
+    values it holds (float64, NaN kept)."""
+    t = torch.tensor(x, dtype=torch.float32, device=DEV).to(torch.float8_e4m3fn)
+    return t, t.to(torch.float64).cpu().numpy()
+
+
+def _descales(kind: str, rng, batch: int, kv_heads: int):
+    if kind == "float":
+        return float(rng.uniform(0.05, 3.0)), float(rng.uniform(0.05, 3.0))
+    if kind == "scalar_tensor":
+        return tuple(
+            torch.tensor([rng.uniform(0.05, 3.0)], dtype=torch.float32, device=DEV) for _ in "kv"
+        )
+    return tuple(
+        torch.tensor(rng.uniform(0.05, 3.0, (batch, kv_heads)), dtype=torch.float32, device=DEV)
+        for _ in "kv"
+    )
+
+
+def _as_array(ds, batch, kv_heads) -> np.ndarray:
+    if isinstance(ds, float):
+        return np.full((batch, kv_heads), ds, np.float32)
+    host = ds.cpu().numpy().astype(np.float32)
+    if host.size == 1:
+        return np.full((batch, kv_heads), host.reshape(()), np.float32)
+    return host.reshape(batch, kv_heads)
+
+
+@pytest.mark.parametrize(("dtype", "d", "paged"), FP8_KINDS)
+def test_fp8_caches_match_the_reference_on_the_dequantised_cache(dtype, d, paged):
+    """flash_attn_with_kvcache over float8_e4m3fn caches with descales of every accepted
+    form, against the float64 reference of descale * e4m3 value by FA3's FP8 rule."""
+
+    @SETTINGS
+    @given(
+        # the shipped FP8 kinds: one query without a mask, or (bf16, d 128, paged) causal
+        # queries with a window
+        case=kv_case(paged, windows=[(70, -1), (3, 0), (0, -1)], causal=True)
+        if (dtype, d, paged) == ("bf16", 128, True)
+        else kv_case(paged, windows=[(-1, -1)], causal=False, sqs=(1,)),
+        kind=st.sampled_from(["per_head", "float", "scalar_tensor"]),
+    )
+    def prop(case, kind):
+        rng, q, k, v = make_problem(SimpleNamespace(head_dim=d), case)
+        b, kvh = len(case["lens"]), case["kv_heads"]
+        kd, vd = _descales(kind, rng, b, kvh)
+        kd_a, vd_a = _as_array(kd, b, kvh), _as_array(vd, b, kvh)
+        k_s = k / kd_a[:, None, :, None]
+        v_s = v / vd_a[:, None, :, None]
+        args = dict(
+            cache_seqlens=_lens(case["lens"]), causal=case["causal"],
+            window_size=case["window"], num_splits=case["splits"], return_softmax_lse=True,
+            check_inputs=True, k_descale=kd, v_descale=vd,
+        )  # fmt: skip
+        if paged:
+            kp, table = paged_copy(k_s, case)
+            vp, _ = paged_copy(v_s, case)
+            (kt, _), (vt, _) = _fp8_cache(kp), _fp8_cache(vp)
+            out, lse = flash_attn_with_kvcache(
+                _t(q, dtype), kt, vt, block_table=_lens(table), **args
+            )
+        else:
+            (kt, _), (vt, _) = _fp8_cache(k_s), _fp8_cache(v_s)
+            out, lse = flash_attn_with_kvcache(_t(q, dtype), kt, vt, **args)
+        assert out.dtype == DTYPES[dtype] and lse.dtype == torch.float32
+        k8, v8 = _fp8_cache(k_s)[1], _fp8_cache(v_s)[1]
+        qi = round_to(q, dtype)
+        kw = dict(
+            causal="bottom_right" if case["causal"] else "none", window=case["window"],
+            k_descale=kd_a, v_descale=vd_a,
+        )  # fmt: skip
+        o64, lse64 = reference_decode.decode_reference(qi, k8, v8, case["lens"], **kw)
+        ob, lseb = reference_decode.decode_baseline(qi, k8, v8, case["lens"], dtype=dtype, **kw)
+        deq = reference_decode.dequantize(np.nan_to_num(k8), kd_a)
+        floor = passrule.score_floor(qi, deq, 1 / np.sqrt(d))
+        found = {
+            "o": passrule.check_fp8_cache(_np(out), o64, ob, dtype),
+            "lse": passrule.check_fp8_cache(_np(lse), lse64, lseb, "fp32", extra_floor=floor),
+        }
+        for name, verdict in found.items():
+            assert verdict.passed, f"{name}: {verdict.message}; {case} {kind}"
+
+    prop()
+
+
+def test_fp8_refusals_name_what_is_wrong_and_what_is_allowed():
+    q = torch.randn(2, 1, 8, 128, device=DEV, dtype=torch.bfloat16)
+    k8 = torch.randn(2, 64, 2, 128, device=DEV).to(torch.float8_e4m3fn)
+    lens = _lens([10, 64])
+    ok = torch.ones(2, 2, device=DEV)
+    cases = [
+        (dict(k_cache=k8, v_cache=k8), "needs k_descale"),
+        (dict(k_cache=k8, v_cache=k8, k_descale=ok, v_descale=ok.half()), "dtype float16"),
+        (dict(k_cache=k8, v_cache=k8, k_descale=ok, v_descale=ok[:1]), r"shape \(1, 2\)"),
+        (dict(k_cache=k8, v_cache=k8.bfloat16(), k_descale=ok, v_descale=ok), "mixed"),
+        (dict(k_cache=k8.bfloat16(), v_cache=k8.bfloat16(), k_descale=ok, v_descale=ok),
+         "are for FP8 caches"),
+    ]  # fmt: skip
+    for kw, message in cases:
+        with pytest.raises(UnsupportedCall, match=message):
+            flash_attn_with_kvcache(q, cache_seqlens=lens, **kw)
+    new = torch.randn(2, 1, 2, 128, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedCall, match="appending"):
+        flash_attn_with_kvcache(
+            q, k8, k8, k=new, v=new, cache_seqlens=lens, k_descale=ok, v_descale=ok
+        )
+    with pytest.raises(UnsupportedCall, match="FP8 caches take q in float16 or bfloat16"):
+        flash_attn_with_kvcache(
+            q.to(torch.float8_e4m3fn), k8, k8, cache_seqlens=lens, k_descale=ok, v_descale=ok
+        )

@@ -1,0 +1,244 @@
+"""FP8 (e4m3) KV caches for `flash_attn_with_kvcache`: argument checks and the decode call.
+
+Convention (FlashAttention-3's `flash_attn_with_kvcache`; vLLM's FP8 caches): `k_cache` and
+`v_cache` are `torch.float8_e4m3fn` (contiguous `(batch, max_seqlen, kv_heads, d)` or paged
+`(num_pages, page_size, kv_heads, d)` with a block table), q and the output float16 or
+bfloat16, and the attention is computed over `k_descale[b, hk] * k_cache` and `v_descale[b,
+hk] * v_cache`:
+
+- `k_descale`, `v_descale`: float32 `(batch, kv_heads)` (FA3), or a per-tensor scale as
+  vLLM's `k_scale` / `v_scale` are: a float32 tensor of one element (shape `()` or `(1,)`) or
+  a Python float, broadcast to every (b, hk) (a stride-0 view, no copy).
+- The kernel (`kv_dtype: e4m3` specs, docs/decode.md "FP8 KV caches") folds k_descale into
+  the softmax scale and multiplies O by v_descale in fp32, so the result is that of the
+  dequantised cache, to the q dtype's rounding.
+
+Refused (`UnsupportedCall`, naming what is wrong and what is allowed): an FP8 cache without
+both descales, descales with either cache not FP8, descales of another shape, dtype or device,
+one cache FP8 and the other not, an FP8 q, and what the FP8 decode kernels do not serve yet:
+appending `k`/`v` (quantise the new rows into the cache yourself, `(x / scale).to(
+torch.float8_e4m3fn)`, then call with cache_seqlens including them), rotary,
+`cache_batch_idx`, `cache_leftpad`, more than 16 queries, softcap, ALiBi and sinks.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+from flashgen.generator.spec import KvDtype
+from flashgen.torch.selection import TensorMeta, UnsupportedCall
+
+__all__ = ["FP8_DTYPE", "check_fp8_call", "descale_layout", "is_fp8_call"]
+
+FP8_DTYPE = KvDtype.E4M3.torch_name  # "float8_e4m3fn"
+_HALF = ("float16", "bfloat16")
+
+
+def is_fp8_call(k_cache: Any, v_cache: Any, k_descale: Any, v_descale: Any) -> bool:
+    """Whether a flash_attn_with_kvcache call is the FP8 kind (either cache FP8, or a
+    descale given): it then takes this module's checks, whose refusals say what is missing."""
+    dts = {str(getattr(t, "dtype", "")).removeprefix("torch.") for t in (k_cache, v_cache)}
+    return FP8_DTYPE in dts or k_descale is not None or v_descale is not None
+
+
+def descale_layout(
+    name: str, d: TensorMeta | float | None, batch: int, kv_heads: int, device: str
+) -> tuple[int, int]:
+    """The (batch, head) strides a descale is read with: its own for `(batch, kv_heads)`, 0
+    and 0 for a per-tensor scalar (one element, or a Python float). Refuses anything else."""
+    allowed = (
+        f"allowed: float32 ({batch}, {kv_heads}) = (batch, kv_heads) as FA3's "
+        "flash_attn_with_kvcache, or a per-tensor scale (a float32 tensor of one element, or "
+        "a float) as vLLM's k_scale / v_scale"
+    )
+    if d is None:
+        raise UnsupportedCall(
+            f"an FP8 cache ({FP8_DTYPE}) needs {name}: the cache holds K8 and the attention "
+            f"uses {name} * K8 ({allowed})"
+        )
+    if isinstance(d, (float, int)) and not isinstance(d, bool):
+        return 0, 0
+    if not isinstance(d, TensorMeta):
+        raise UnsupportedCall(f"{name} is a {type(d).__name__} ({allowed})")
+    if d.dtype != "float32":
+        raise UnsupportedCall(f"{name} has dtype {d.dtype} ({allowed})")
+    if d.device != device:
+        raise UnsupportedCall(f"{name} is on {d.device}, the caches on {device}")
+    n = 1
+    for x in d.shape:
+        n *= x
+    if len(d.shape) <= 1 and n == 1:
+        return 0, 0
+    if tuple(d.shape) != (batch, kv_heads):
+        raise UnsupportedCall(f"{name} has shape {tuple(d.shape)} ({allowed})")
+    return int(d.stride[0]), int(d.stride[1])
+
+
+def check_fp8_call(
+    q: TensorMeta,
+    k_cache: TensorMeta,
+    v_cache: TensorMeta,
+    k_descale: TensorMeta | float | None,
+    v_descale: TensorMeta | float | None,
+    *,
+    batch: int,
+    kv_heads: int,
+    unsupported: dict[str, bool] | None = None,
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The FP8-specific checks of one call (module doc); returns the (batch, head) strides
+    of k_descale and v_descale. `unsupported` names arguments given that the FP8 decode
+    kernels do not serve (True: given). The shapes, layouts and lengths are checked by
+    `kvcache_select.check_kvcache` as for a 16-bit cache."""
+    if q.dtype == FP8_DTYPE:
+        raise UnsupportedCall(
+            f"q has dtype {FP8_DTYPE}: FP8 caches take q in float16 or bfloat16 (an FP8 q is "
+            "the FP8 forward's, not the decode kernels')"
+        )
+    if q.dtype not in _HALF:
+        raise UnsupportedCall(f"q has dtype {q.dtype}; allowed with FP8 caches: float16, bfloat16")
+    kinds = {name: t.dtype for name, t in (("k_cache", k_cache), ("v_cache", v_cache))}
+    if FP8_DTYPE not in kinds.values():
+        raise UnsupportedCall(
+            f"k_descale / v_descale are for FP8 caches ({FP8_DTYPE}); k_cache is "
+            f"{kinds['k_cache']} and v_cache {kinds['v_cache']} (drop the descales, or pass "
+            f"{FP8_DTYPE} caches)"
+        )
+    if kinds["k_cache"] != kinds["v_cache"]:
+        raise UnsupportedCall(
+            f"k_cache is {kinds['k_cache']} and v_cache {kinds['v_cache']}: mixed caches are "
+            f"not served (allowed: both {FP8_DTYPE} with descales, or both q's {q.dtype})"
+        )
+    for name, given in (unsupported or {}).items():
+        if given:
+            raise UnsupportedCall(
+                f"{name} is not served with FP8 caches yet (allowed with {FP8_DTYPE} caches: "
+                "q of 1..16 queries, cache_seqlens, block_table, causal, window_size, "
+                "softmax_scale, num_splits, return_softmax_lse; to append, quantise the new "
+                f"rows into the cache first: (x / scale).to(torch.{FP8_DTYPE}))"
+            )
+    ks = descale_layout("k_descale", k_descale, batch, kv_heads, k_cache.device)
+    vs = descale_layout("v_descale", v_descale, batch, kv_heads, v_cache.device)
+    return ks, vs
+
+
+def as_meta(t: Any) -> TensorMeta | float | None:
+    """A descale argument as the checks take it: None, a float, or a tensor's TensorMeta."""
+    if t is None:
+        return None
+    if isinstance(t, float) or (isinstance(t, int) and not isinstance(t, bool)):
+        return float(t)
+    if hasattr(t, "shape") and hasattr(t, "stride"):
+        return TensorMeta(
+            tuple(t.shape),
+            tuple(t.stride()),
+            str(t.dtype).removeprefix("torch."),
+            t.device.type,
+        )
+    return t  # refused by descale_layout with its type's name
+
+
+def fp8_decode(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    k_descale: Any,
+    v_descale: Any,
+    *,
+    cache_seqlens: Any,
+    block_table: Optional[Any],
+    softmax_scale: Optional[float],
+    causal: bool,
+    window_size: Any,
+    num_splits: int,
+    check_inputs: bool,
+    unsupported: dict[str, bool],
+) -> tuple[Any, Any]:
+    """The decode kernel of an FP8-cache call: checks (this module's, then check_kvcache's on
+    the caches as if they had q's dtype: strides and shapes are the same in elements), the
+    `kv_dtype: e4m3` spec of the device, and one launch. Returns (out, lse)."""
+    import torch
+    from flashgen.generator.families.decode import WORKSPACE_HEADER
+    from flashgen.torch import kvcache as kc
+    from flashgen.torch import kvcache_select as sel
+    from flashgen.torch.ops import _meta
+
+    qm, km, vm = _meta(q), _meta(k_cache), _meta(v_cache)
+    batch = q.shape[0] if q.dim() == 4 else 0
+    kv_heads = k_cache.shape[2] if k_cache.dim() == 4 else 0
+    (kbs, khs), (vbs, vhs) = check_fp8_call(
+        qm, km, vm, as_meta(k_descale), as_meta(v_descale), batch=batch, kv_heads=kv_heads,
+        unsupported=unsupported,
+    )  # fmt: skip
+    if type(num_splits) is not int:
+        num_splits = operator.index(num_splits)
+    d = q.shape[-1]
+    scale = float(softmax_scale) if softmax_scale is not None else d**-0.5
+    if isinstance(cache_seqlens, int) or cache_seqlens is None:
+        cap = kc._capacity(k_cache, block_table)
+        n = cap if cache_seqlens is None else int(cache_seqlens)
+        cache_seqlens = torch.full((batch,), n, dtype=torch.int32, device=q.device)
+    as_q = {"k_cache": km._replace(dtype=qm.dtype), "v_cache": vm._replace(dtype=qm.dtype)}
+    pb = sel.check_kvcache(
+        qm, as_q["k_cache"], as_q["v_cache"], cache_seqlens=_meta(cache_seqlens),
+        block_table=None if block_table is None else _meta(block_table),
+        num_splits=num_splits, softmax_scale=scale,
+    )  # fmt: skip
+    for name, m in (("k_cache", km), ("v_cache", vm)):
+        if any(s % 16 for s in m.stride[:3]):
+            raise UnsupportedCall(
+                f"{name} has strides {m.stride}: FP8 caches need the first three strides in "
+                "multiples of 16 elements (16-byte rows chunks; a contiguous cache of head_dim "
+                "a multiple of 16 has them)"
+            )
+    left, right = sel.window_pair(window_size)
+    cap = kc._capacity(k_cache, block_table)
+    if cap is not None:
+        left, right, _ = sel.kvcache_window(causal, (left, right), cap)
+    mask, window, runtime = sel.decode_mask(causal, (left, right), pb.seqlen_q)
+    call = sel.DecodeCall(
+        pb.dtype, int(d), kc._capability(q.device), pb.paged, mask, window,
+        kv_dtype=KvDtype.E4M3,
+    )  # fmt: skip
+    spec = sel.decode_spec(call)
+    out, lse = kc._outputs(q, pb)
+    if out.numel() == 0:
+        return out, lse
+    kd = _descale_tensor(k_descale, q.device)
+    vd = _descale_tensor(v_descale, q.device)
+    lib = kc._library(spec)
+    params = kc._decode_params(
+        q, k_cache, v_cache, cache_seqlens, block_table, out, lse, pb, runtime, scale, 0,
+        num_splits, frozenset(), 0.0, None, None,
+    )  # fmt: skip
+    params.update(
+        k_descale=kd.data_ptr(), v_descale=vd.data_ptr(),
+        k_descale_batch_stride=kbs, k_descale_head_stride=khs,
+        v_descale_batch_stride=vbs, v_descale_head_stride=vhs,
+    )  # fmt: skip
+    device = q.device
+    with torch.cuda.device(device):
+        size = max(lib.workspace_bytes(params), WORKSPACE_HEADER)
+        workspace = torch.empty(size, dtype=torch.uint8, device=device)
+        if check_inputs:
+            workspace[:WORKSPACE_HEADER].zero_()
+        params["workspace"] = workspace.data_ptr()
+        params["workspace_size"] = size
+        lib.launch(params, torch.cuda.current_stream(device).cuda_stream)
+        if check_inputs:
+            word = int(workspace[:4].view(torch.int32).item())
+            if word:
+                pages = pb.num_pages if pb.paged else None
+                raise sel.CacheInputError(sel.describe_errors(word, pb.capacity, pages))
+    # (kd, vd live until the launch is queued; the stream orders their later reuse)
+    return out, lse
+
+
+def _descale_tensor(d: Any, device: Any) -> Any:
+    """A float32 tensor the kernel reads a descale from: the caller's, or one element
+    holding a Python float."""
+    import torch
+
+    if isinstance(d, torch.Tensor):
+        return d.detach()
+    return torch.full((1,), float(d), dtype=torch.float32, device=device)
