@@ -264,7 +264,7 @@ def test_fp8_rule_is_fa3s_multiple_of_the_baseline_error():
     assert passrule.FP8_MULTIPLE == 2.0 and passrule.FP8_MULTIPLE_SOFTCAP == 3.0
 
 
-# -- the torch arguments -----------------------------------------------------------------------------
+# -- the torch arguments --------------------------------------------------------------------
 
 
 def meta(shape, dtype="bfloat16", device="cuda"):
@@ -364,5 +364,7 @@ def test_an_fp8_call_on_sm80_is_refused_naming_the_arch():
 def test_the_shipped_fp8_specs_cover_both_dtypes_head_dims_and_layouts():
     shipped = load_paths([FP8_YAML])
     kinds = {(s.dtype.yaml, s.head_dim, s.paged) for s in shipped}
-    assert {(dt, d, p) for dt in ("bf16", "fp16") for d in (64, 128) for p in (False, True)} <= kinds
+    assert {
+        (dt, d, p) for dt in ("bf16", "fp16") for d in (64, 128) for p in (False, True)
+    } <= kinds
     assert all(s.kv_dtype is KvDtype.E4M3 for s in shipped)

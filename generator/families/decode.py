@@ -58,8 +58,9 @@ ERR_PAGE_ID = 1
 ERR_SEQLEN = 2
 
 # fg_decode_params (include/flashgen/decode_params.h), in declaration order.
-PARAMS = params_table(
-    """
+PARAMS = (
+    params_table(
+        """
     ptr q
     ptr k
     ptr v
@@ -118,7 +119,10 @@ PARAMS = params_table(
     i64 v_descale_batch_stride
     i64 v_descale_head_stride
     """
-) + SCORE_PARAM_FIELDS + SHAPE_PARAM_FIELDS
+    )
+    + SCORE_PARAM_FIELDS
+    + SHAPE_PARAM_FIELDS
+)
 IO_KEYS = ("Q", "K", "V", "O", "LSE", "O_PARTS", "LSE_PARTS", "SEQLENS", "BLOCK_TABLE")
 GRID_FORMULA = "ceil(seqlen_q*heads/kv_heads/block_m) * splits * kv_heads * batch (+ combine)"
 
@@ -215,9 +219,7 @@ def swizzled(head_dim: int, paged: bool) -> bool:
     return not paged and head_dim % 64 == 0
 
 
-def smem_bytes(
-    tile: Tile, head_dim: int, dtype: Dtype, paged: bool, kv_fp8: bool = False
-) -> int:
+def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype, paged: bool, kv_fp8: bool = False) -> int:
     """Q rows plus `stages` K and V tiles, or the key warps' merge buffer. FP8 caches
     (`kv_fp8`): `stages` K and V tiles of e4m3 bytes (unpadded rows) plus one converted
     16-bit K and V slot the MMA reads (DecConfig::kRingBytes, kSlots)."""
