@@ -6,6 +6,10 @@ side is tests/gpu/test_decode.py and tests/gpu/test_torch_kvcache.py (their FP8 
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 from flashgen.generator.families.decode import smem_bytes
@@ -368,3 +372,47 @@ def test_the_shipped_fp8_specs_cover_both_dtypes_head_dims_and_layouts():
         (dt, d, p) for dt in ("bf16", "fp16") for d in (64, 128) for p in (False, True)
     } <= kinds
     assert all(s.kv_dtype is KvDtype.E4M3 for s in shipped)
+
+
+# -- the C launcher's check (host-compiled, no GPU) ----------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not on PATH")
+def test_the_launchers_descale_check_refuses_by_name(tmp_path):
+    """fg::check_kv_descale (decode_launch.cuh), compiled for the host with an FP8 and a
+    16-bit config: what `<name>_check` says for missing descales, descales given to a 16-bit
+    kernel, negative strides and K/V strides that are not whole 16-byte chunks."""
+    inc = Path(__file__).resolve().parent.parent / "templates" / "include" / "flashgen"
+    src = tmp_path / "descale.cpp"
+    src.write_text(
+        "#include <cstdio>\n"
+        "namespace fg { constexpr int kDecodeMaxQueries = 16, kDecodeMaxSplits = 128; }\n"
+        '#include "decode_launch.cuh"\n'
+        "struct Fp8 { static constexpr bool kKvFp8 = true; };\n"
+        "struct Half { static constexpr bool kKvFp8 = false; };\n"
+        "static float ds[4];\n"
+        "template <class C> void say(const fg_decode_params& p) {\n"
+        '  const char* m = fg::check_kv_descale<C>(p); printf("%s\\n", m ? m : "ok"); }\n'
+        "int main() {\n"
+        "  fg_decode_params p = fg_decode_params_default();\n"
+        "  p.k_row_stride = p.v_row_stride = 128; p.k_head_stride = p.v_head_stride = 128;\n"
+        "  say<Fp8>(p);\n"  # no descales
+        "  p.k_descale = ds; say<Fp8>(p);\n"  # only k
+        "  p.v_descale = ds; say<Fp8>(p);\n"  # both: ok
+        "  say<Half>(p);\n"  # descales given to a 16-bit kernel
+        "  p.k_descale_head_stride = -1; say<Fp8>(p); p.k_descale_head_stride = 0;\n"
+        "  p.v_row_stride = 136; say<Fp8>(p);\n"  # 8-element multiple, not 16
+        "  p.k_descale = p.v_descale = 0; say<Half>(p);\n"  # 16-bit kernel, none: ok
+        "  return 0;\n}\n"
+    )
+    exe = tmp_path / "descale"
+    subprocess.run(["g++", "-std=c++17", "-I", str(inc), "-o", str(exe), str(src)], check=True)
+    lines = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    got = lines.splitlines()
+    assert "k_descale and v_descale" in got[0] and "must be non-null" in got[0]
+    assert "must be non-null" in got[1]
+    assert got[2] == "ok"
+    assert "pass NULL" in got[3]
+    assert ">= 0" in got[4]
+    assert "multiples of 16 elements" in got[5]
+    assert got[6] == "ok"

@@ -211,6 +211,16 @@ def kv_dtype_problems(spec: KernelSpec) -> list[tuple[str, str]]:
                 "16-byte chunks (allowed: multiples of 16 in 16..192)",
             )
         )
+    elif (spec.tile.block_n * spec.head_dim // 16) % spec.tile.threads:
+        # DecConfig's static_assert: whole load passes keep the page shuffles converged
+        out.append(
+            (
+                "tile",
+                f"{spec.tile.short}: a {spec.tile.block_n}-key FP8 tile of head_dim "
+                f"{spec.head_dim} is {spec.tile.block_n * spec.head_dim // 16} 16-byte chunks, "
+                f"not a multiple of {spec.tile.threads} threads (take more keys or fewer warps)",
+            )
+        )
     return out
 
 
@@ -383,6 +393,8 @@ class Decode(Family):
         tile = default_tile(head_dim)
         if fp8:  # an e4m3 tile is half the bytes: one stage more keeps more of them in flight
             tile = Tile(tile.block_m, tile.block_n, tile.warps, tile.stages + 1)
+            while tile.warps > 2 and (tile.block_n * head_dim // 16) % (32 * tile.warps):
+                tile = Tile(tile.block_m, tile.block_n, tile.warps // 2, tile.stages)
         return fit(tile, target, dtype, head_dim, bool(values.get("paged")), fp8)
 
     def config(self, spec: KernelSpec) -> dict[str, Any]:

@@ -172,6 +172,8 @@ struct DecConfig : S {
   static_assert((2 * kBlockN) % kThreads == 0, "bulk loads: whole K/V rows per thread");
   static_assert(S::kCausal != Causal::kTopLeft, "decode aligns causal masks bottom_right");
   static_assert(!kKvFp8 || kHeadDim % 16 == 0, "FP8 rows: whole 16-byte chunks");
+  static_assert(!kKvFp8 || (kBlockN * kHeadDim / 16) % kThreads == 0,
+                "FP8 tiles: whole 16-byte chunk passes (the page shuffle needs converged warps)");
 };
 
 // e4m3 -> the q dtype, two at a time: exact (every e4m3 value, NaN included, is an fp16 and a
