@@ -578,8 +578,8 @@ def flash_attn_with_kvcache(
             `flash_attn_with_kvcache`): float32 `(batch, kv_heads)`, or a per-tensor scale (a
             one-element float32 tensor or a float, as vLLM's k_scale / v_scale); the
             attention uses `k_descale * k_cache` and `v_descale * v_cache`. Required with FP8
-            caches, refused otherwise; `flashgen.torch.kvcache_fp8` lists what FP8 calls serve
-            (no appending yet).
+            caches, refused otherwise; appended k, v are quantised with them (clamped to
+            +-448); `flashgen.torch.kvcache_fp8` lists what FP8 calls serve.
 
     Returns `out` `(batch, seqlen_q, heads, head_dim)` in q's dtype, or `(out, softmax_lse)`.
     No gradient: inputs are detached (inference only).
@@ -593,7 +593,6 @@ def flash_attn_with_kvcache(
         check_inputs = os.environ.get(CHECK_ENV, "") == "1"
     if _fp8.is_fp8_call(k_cache, v_cache, k_descale, v_descale):  # docs/decode.md, FP8 caches
         given = {
-            "k, v (appending)": k is not None or v is not None,
             "rotary_cos / rotary_sin": rotary_cos is not None or rotary_sin is not None,
             "cache_batch_idx": cache_batch_idx is not None,
             "cache_leftpad": cache_leftpad is not None,
@@ -606,7 +605,7 @@ def flash_attn_with_kvcache(
             q, k_cache, v_cache, k_descale, v_descale, cache_seqlens=cache_seqlens,
             block_table=block_table, softmax_scale=softmax_scale, causal=causal,
             window_size=window_size, num_splits=num_splits, check_inputs=bool(check_inputs),
-            unsupported=given,
+            unsupported=given, k=k, v=v,
         )  # fmt: skip
         return (out, lse) if return_softmax_lse else out
     if type(num_splits) is not int:  # (not int(): 1.7 would run as 1)

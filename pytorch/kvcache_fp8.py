@@ -13,12 +13,19 @@ hk] * v_cache`:
   the softmax scale and multiplies O by v_descale in fp32, so the result is that of the
   dequantised cache, to the q dtype's rounding.
 
+Appending (`k`, `v` `(batch, seqlen_new, kv_heads, d)` in q's dtype, with a tensor or int
+`cache_seqlens` of the keys before the call): each new row is quantised with its (b, hk)'s
+descale, `(x / descale)` clamped to +-448 (the saturating rule vLLM's quantisers use; a NaN
+stays NaN) and rounded to nearest-even e4m3, and written in place at positions
+`cache_seqlens[b] + i` (contiguous row b, or through the block table), before the kernel
+reads the caches with `cache_seqlens + seqlen_new` keys; rows whose destination lies outside
+the cache are dropped, as on the 16-bit path (`kvcache_prep.append` writes the bytes).
+
 Refused (`UnsupportedCall`, naming what is wrong and what is allowed): an FP8 cache without
 both descales, descales with either cache not FP8, descales of another shape, dtype or device,
-one cache FP8 and the other not, an FP8 q, and what the FP8 decode kernels do not serve yet:
-appending `k`/`v` (quantise the new rows into the cache yourself, `(x / scale).to(
-torch.float8_e4m3fn)`, then call with cache_seqlens including them), rotary,
-`cache_batch_idx`, `cache_leftpad`, more than 16 queries, softcap, ALiBi and sinks.
+one cache FP8 and the other not, an FP8 q, new k or v of another shape or dtype, and what
+the FP8 decode kernels do not serve yet: rotary, `cache_batch_idx`, `cache_leftpad`, more
+than 16 queries, softcap, ALiBi and sinks.
 """
 
 from __future__ import annotations
@@ -29,10 +36,20 @@ from typing import Any, Optional
 from flashgen.generator.spec import KvDtype
 from flashgen.torch.selection import TensorMeta, UnsupportedCall
 
-__all__ = ["FP8_DTYPE", "check_fp8_call", "descale_layout", "is_fp8_call"]
+__all__ = [
+    "E4M3_MAX",
+    "FP8_DTYPE",
+    "append_fp8",
+    "check_fp8_append",
+    "check_fp8_call",
+    "descale_layout",
+    "is_fp8_call",
+    "quantize_rows",
+]
 
 FP8_DTYPE = KvDtype.E4M3.torch_name  # "float8_e4m3fn"
 _HALF = ("float16", "bfloat16")
+E4M3_MAX = 448.0
 
 
 def is_fp8_call(k_cache: Any, v_cache: Any, k_descale: Any, v_descale: Any) -> bool:
@@ -113,13 +130,75 @@ def check_fp8_call(
         if given:
             raise UnsupportedCall(
                 f"{name} is not served with FP8 caches yet (allowed with {FP8_DTYPE} caches: "
-                "q of 1..16 queries, cache_seqlens, block_table, causal, window_size, "
-                "softmax_scale, num_splits, return_softmax_lse; to append, quantise the new "
-                f"rows into the cache first: (x / scale).to(torch.{FP8_DTYPE}))"
+                "q of 1..16 queries, k and v to append, cache_seqlens, block_table, causal, "
+                "window_size, softmax_scale, num_splits, return_softmax_lse)"
             )
     ks = descale_layout("k_descale", k_descale, batch, kv_heads, k_cache.device)
     vs = descale_layout("v_descale", v_descale, batch, kv_heads, v_cache.device)
     return ks, vs
+
+
+def check_fp8_append(
+    q: TensorMeta, k_cache: TensorMeta, k: TensorMeta | None, v: TensorMeta | None,
+    cache_seqlens: Any,
+) -> int:  # fmt: skip
+    """The new rows of an appending FP8 call: k and v together, `(batch, seqlen_new,
+    kv_heads, d)` like each other, in q's dtype, on the caches' device, and cache_seqlens
+    given. Returns seqlen_new (0 without k, v)."""
+    if k is None and v is None:
+        return 0
+    if k is None or v is None:
+        raise UnsupportedCall("k and v are appended together: pass both, or neither")
+    want = (q.shape[0], None, k_cache.shape[2], k_cache.shape[3])
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise UnsupportedCall(
+                f"{name} has dtype {t.dtype}: new rows come in q's {q.dtype} and are quantised "
+                f"into the {FP8_DTYPE} cache with the descales"
+            )
+        if len(t.shape) != 4 or any(w is not None and s != w for s, w in zip(t.shape, want)):
+            raise UnsupportedCall(
+                f"{name} has shape {tuple(t.shape)}; allowed: (batch, seqlen_new, kv_heads, "
+                f"head_dim) = ({want[0]}, n, {want[2]}, {want[3]})"
+            )
+        if t.device != k_cache.device:
+            raise UnsupportedCall(f"{name} is on {t.device}, the caches on {k_cache.device}")
+    if tuple(k.shape) != tuple(v.shape):
+        raise UnsupportedCall(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
+    if cache_seqlens is None:
+        raise UnsupportedCall(
+            "appending k, v needs cache_seqlens (the keys each sequence holds before the call)"
+        )
+    return int(k.shape[1])
+
+
+def quantize_rows(x: Any, descale: Any) -> Any:
+    """x `(batch, n, kv_heads, d)` as float8_e4m3fn codes of `x / descale[b, hk]`, clamped to
+    +-448 (a NaN stays NaN): `descale` a `(batch, kv_heads)` tensor (any strides), a
+    one-element tensor or a float."""
+    import torch
+
+    xf = x.float()
+    if isinstance(descale, torch.Tensor):
+        d = descale.to(device=x.device, dtype=torch.float32)
+        d = d.reshape(()) if d.numel() == 1 else d[:, None, :, None]
+    else:
+        d = float(descale)
+    return (xf / d).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def append_fp8(
+    k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any,
+    k_descale: Any, v_descale: Any,
+) -> None:  # fmt: skip
+    """Quantise k, v (`quantize_rows`) and write them into the FP8 caches in place at
+    `cache_seqlens[b] + i` (`kvcache_prep.append` on the bytes: out-of-range rows dropped)."""
+    import torch
+    from flashgen.torch import kvcache_prep as prep
+
+    k8, v8 = quantize_rows(k, k_descale), quantize_rows(v, v_descale)
+    as_bytes = [t.view(torch.uint8) for t in (k_cache, v_cache, k8, v8)]
+    prep.append(*as_bytes, cache_seqlens, block_table=block_table)
 
 
 def as_meta(t: Any) -> TensorMeta | float | None:
@@ -153,6 +232,8 @@ def fp8_decode(
     num_splits: int,
     check_inputs: bool,
     unsupported: dict[str, bool],
+    k: Any = None,
+    v: Any = None,
 ) -> tuple[Any, Any]:
     """The decode kernel of an FP8-cache call: checks (this module's, then check_kvcache's on
     the caches as if they had q's dtype: strides and shapes are the same in elements), the
@@ -170,6 +251,9 @@ def fp8_decode(
         qm, km, vm, as_meta(k_descale), as_meta(v_descale), batch=batch, kv_heads=kv_heads,
         unsupported=unsupported,
     )  # fmt: skip
+    n_new = check_fp8_append(
+        qm, km, None if k is None else _meta(k), None if v is None else _meta(v), cache_seqlens
+    )
     if type(num_splits) is not int:
         num_splits = operator.index(num_splits)
     d = q.shape[-1]
@@ -202,6 +286,11 @@ def fp8_decode(
     )  # fmt: skip
     spec = sel.decode_spec(call)
     out, lse = kc._outputs(q, pb)
+    if n_new:  # every check passed: the new rows go in before the kernel reads the caches
+        lens_before = cache_seqlens
+        append_fp8(k_cache, v_cache, k.detach(), v.detach(), lens_before, block_table,
+                   k_descale, v_descale)  # fmt: skip
+        cache_seqlens = (lens_before + n_new).to(torch.int32)
     if out.numel() == 0:
         return out, lse
     kd = _descale_tensor(k_descale, q.device)

@@ -313,9 +313,9 @@ def test_bad_fp8_arguments_are_refused_by_name(args, message):
 
 
 def test_what_fp8_calls_do_not_serve_yet_is_refused_by_name():
-    with pytest.raises(UnsupportedCall, match=r"k, v \(appending\) is not served"):
+    with pytest.raises(UnsupportedCall, match=r"cache_leftpad is not served with FP8"):
         check_fp8_call(Q, K8, K8, DS, DS, batch=2, kv_heads=2,
-                       unsupported={"k, v (appending)": True})  # fmt: skip
+                       unsupported={"cache_leftpad": True})  # fmt: skip
 
 
 def test_an_fp8_call_is_recognised_by_either_cache_or_a_descale():
@@ -338,8 +338,8 @@ def test_flash_attn_with_kvcache_refuses_fp8_caches_without_descales_before_any_
     with pytest.raises(UnsupportedCall, match="mixed caches"):
         flash_attn_with_kvcache(q, k8, k8.bfloat16(), cache_seqlens=lens, k_descale=1.0,
                                 v_descale=1.0)  # fmt: skip
-    new = torch.zeros(2, 1, 2, 128, dtype=torch.bfloat16)
-    with pytest.raises(UnsupportedCall, match="appending"):
+    new = torch.zeros(2, 1, 2, 128, dtype=torch.float32)
+    with pytest.raises(UnsupportedCall, match="k has dtype float32: new rows come in q's"):
         flash_attn_with_kvcache(q, k8, k8, k=new, v=new, cache_seqlens=lens, k_descale=1.0,
                                 v_descale=1.0)  # fmt: skip
     with pytest.raises(UnsupportedCall, match="k_descale has shape"):
@@ -416,3 +416,57 @@ def test_the_launchers_descale_check_refuses_by_name(tmp_path):
     assert ">= 0" in got[4]
     assert "multiples of 16 elements" in got[5]
     assert got[6] == "ok"
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_appended_rows_are_quantised_with_their_descale_and_written_in_place(paged):
+    """append_fp8 on CPU tensors: the e4m3 codes of x / descale[b, hk] (float32 division,
+    clamped to +-448, nearest-even: verify.fp8 with saturation) land at cache_seqlens[b] + i,
+    a row past the capacity is dropped, and nothing else changes."""
+    torch = pytest.importorskip("torch")
+    from flashgen.torch.kvcache_fp8 import append_fp8
+
+    rng = np.random.default_rng(3)
+    b, cap, hk, d, n = 3, 64, 2, 16, 2
+    lens = [0, 30, 63]  # the last sequence has room for one of its two rows
+    kd = rng.uniform(0.01, 0.1, (b, hk)).astype(np.float32)
+    new_k = (rng.standard_normal((b, n, hk, d)) * 30).astype(np.float32)
+    new_v = rng.standard_normal((b, n, hk, d)).astype(np.float32)
+    new_v[0, 0, 0, 0] = np.nan
+    base = rng.integers(0, 256, (b, cap, hk, d)).astype(np.uint8)
+    base[(base & 0x7F) == 0x7F] = 0  # no NaN codes in the untouched rows (compared below)
+    want_k, want_v = base.copy(), base.copy()
+    for i, n0 in enumerate(lens):
+        for j in range(n):
+            if n0 + j < cap:
+                want_k[i, n0 + j] = fp8.encode(new_k[i, j] / kd[i][:, None], saturate=True)
+                want_v[i, n0 + j] = fp8.encode(new_v[i, j] / np.float32(0.5), saturate=True)
+    kc = torch.tensor(base).view(torch.float8_e4m3fn)
+    vc = torch.tensor(base).view(torch.float8_e4m3fn)
+    table = None
+    if paged:
+        page = 16
+        perm = torch.randperm(b * cap // page)
+        kp = torch.empty(b * cap // page, page, hk, d, dtype=torch.uint8)
+        vp = torch.empty_like(kp)
+        kp[perm] = kc.view(torch.uint8).reshape(-1, page, hk, d)
+        vp[perm] = vc.view(torch.uint8).reshape(-1, page, hk, d)
+        kc, vc = kp.view(torch.float8_e4m3fn), vp.view(torch.float8_e4m3fn)
+        table = perm.view(b, cap // page).to(torch.int32)
+    append_fp8(
+        kc, vc, torch.tensor(new_k).bfloat16().float(), torch.tensor(new_v),
+        torch.tensor(lens, dtype=torch.int32), table, torch.tensor(kd), 0.5,
+    )  # fmt: skip
+    got_k, got_v = kc.view(torch.uint8), vc.view(torch.uint8)
+    if paged:
+        got_k = got_k[perm].reshape(b, cap, hk, d)
+        got_v = got_v[perm].reshape(b, cap, hk, d)
+    # k went through bf16 (as a caller's bf16 rows do): encode what the kernel is given
+    for i, n0 in enumerate(lens):
+        for j in range(n):
+            if n0 + j < cap:
+                kb = torch.tensor(new_k[i, j]).bfloat16().float().numpy()
+                want_k[i, n0 + j] = fp8.encode(kb / kd[i][:, None], saturate=True)
+    assert np.array_equal(got_k.numpy(), want_k)
+    assert np.array_equal(got_v.numpy(), want_v)
+    assert got_v.numpy()[0, 0, 0, 0] & 0x7F == 0x7F  # the NaN row element stays NaN

@@ -1186,12 +1186,77 @@ def test_fp8_refusals_name_what_is_wrong_and_what_is_allowed():
     for kw, message in cases:
         with pytest.raises(UnsupportedCall, match=message):
             flash_attn_with_kvcache(q, cache_seqlens=lens, **kw)
-    new = torch.randn(2, 1, 2, 128, device=DEV, dtype=torch.bfloat16)
-    with pytest.raises(UnsupportedCall, match="appending"):
+    new = torch.randn(2, 1, 2, 128, device=DEV, dtype=torch.float16)
+    before = k8.clone()
+    with pytest.raises(UnsupportedCall, match="k has dtype float16"):
         flash_attn_with_kvcache(
             q, k8, k8, k=new, v=new, cache_seqlens=lens, k_descale=ok, v_descale=ok
         )
+    with pytest.raises(UnsupportedCall, match="rotary_cos / rotary_sin is not served"):
+        cos = torch.ones(64, 64, device=DEV, dtype=torch.bfloat16)
+        flash_attn_with_kvcache(
+            q, k8, k8, k=new.bfloat16(), v=new.bfloat16(), rotary_cos=cos, rotary_sin=cos,
+            cache_seqlens=lens, k_descale=ok, v_descale=ok,
+        )  # fmt: skip
+    assert torch.equal(k8.view(torch.uint8), before.view(torch.uint8))  # refused: untouched
     with pytest.raises(UnsupportedCall, match="FP8 caches take q in float16 or bfloat16"):
         flash_attn_with_kvcache(
             q.to(torch.float8_e4m3fn), k8, k8, cache_seqlens=lens, k_descale=ok, v_descale=ok
         )
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_appending_into_fp8_caches_quantises_with_the_descales(paged):
+    """k, v appended at cache_seqlens[b] + i are stored as the e4m3 codes of x / descale
+    (clamped to +-448; the torch cast rounds to nearest-even), other rows untouched, and the
+    call attends over the new lengths like the reference of the dequantised caches."""
+    rng = np.random.default_rng(12)
+    b, hk, h, d, cap, n = 3, 2, 8, 128, 256, 2
+    lens0 = [0, 100, 200]
+    kd = torch.tensor(rng.uniform(0.01, 0.05, (b, hk)), dtype=torch.float32, device=DEV)
+    vd = torch.tensor(rng.uniform(0.01, 0.05, (b, hk)), dtype=torch.float32, device=DEV)
+    k_all = torch.tensor(rng.standard_normal((b, cap, hk, d)), dtype=torch.float32, device=DEV)
+    v_all = torch.tensor(rng.standard_normal((b, cap, hk, d)), dtype=torch.float32, device=DEV)
+    k_new = torch.tensor(rng.standard_normal((b, n, hk, d)) * 20, device=DEV).bfloat16()
+    v_new = torch.tensor(rng.standard_normal((b, n, hk, d)), device=DEV).bfloat16()
+    k8 = (k_all / kd[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    v8 = (v_all / vd[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    want_k, want_v = k8.clone(), v8.clone()
+    for i, n0 in enumerate(lens0):
+        want_k[i, n0 : n0 + n] = (
+            (k_new[i].float() / kd[i][None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        )
+        want_v[i, n0 : n0 + n] = (
+            (v_new[i].float() / vd[i][None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        )
+    q = torch.tensor(rng.standard_normal((b, n, h, d)), device=DEV).bfloat16()
+    kw = dict(k=k_new, v=v_new, cache_seqlens=_lens(lens0), causal=True, k_descale=kd,
+              v_descale=vd, return_softmax_lse=True)  # fmt: skip
+    if paged:
+        page = 64
+        perm = torch.randperm(b * cap // page, device=DEV)
+        kp = torch.empty(b * cap // page, page, hk, d, device=DEV, dtype=torch.uint8)
+        vp = torch.empty_like(kp)
+        kp[perm] = k8.view(torch.uint8).reshape(-1, page, hk, d)
+        vp[perm] = v8.view(torch.uint8).reshape(-1, page, hk, d)
+        table = perm.view(b, cap // page).to(torch.int32)
+        kc, vc = kp.view(torch.float8_e4m3fn), vp.view(torch.float8_e4m3fn)
+        out, lse = flash_attn_with_kvcache(q, kc, vc, block_table=table, **kw)
+        got_k = kc.view(torch.uint8)[perm].reshape(b, cap, hk, d)
+        got_v = vc.view(torch.uint8)[perm].reshape(b, cap, hk, d)
+    else:
+        out, lse = flash_attn_with_kvcache(q, k8, v8, **kw)
+        got_k, got_v = k8.view(torch.uint8), v8.view(torch.uint8)
+    assert torch.equal(got_k, want_k.view(torch.uint8))
+    assert torch.equal(got_v, want_v.view(torch.uint8))
+    lens1 = [x + n for x in lens0]
+    kw_ref = dict(causal="bottom_right", k_descale=kd.cpu().numpy(), v_descale=vd.cpu().numpy())
+    qi = _np(q).astype(np.float64)
+    k64 = want_k.to(torch.float64).cpu().numpy()
+    v64 = want_v.to(torch.float64).cpu().numpy()
+    o64, lse64 = reference_decode.decode_reference(qi, k64, v64, lens1, **kw_ref)
+    ob, lseb = reference_decode.decode_baseline(qi, k64, v64, lens1, dtype="bf16", **kw_ref)
+    deq = reference_decode.dequantize(k64, kw_ref["k_descale"])
+    floor = passrule.score_floor(qi, deq, 1 / np.sqrt(d))
+    assert passrule.check_fp8_cache(_np(out), o64, ob, "bf16").passed
+    assert passrule.check_fp8_cache(_np(lse), lse64, lseb, "fp32", extra_floor=floor).passed
