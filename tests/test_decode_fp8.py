@@ -470,3 +470,61 @@ def test_appended_rows_are_quantised_with_their_descale_and_written_in_place(pag
     assert np.array_equal(got_k.numpy(), want_k)
     assert np.array_equal(got_v.numpy(), want_v)
     assert got_v.numpy()[0, 0, 0, 0] & 0x7F == 0x7F  # the NaN row element stays NaN
+
+
+# -- NaN and inf (Hypothesis) ------------------------------------------------------------------
+
+_SPECIAL = st.sampled_from([np.nan, -np.nan, np.inf, -np.inf, 464.0, 464.5, -1e30, 448.0])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(_SPECIAL, st.floats(-500, 500)), min_size=1, max_size=32))
+def test_nan_inf_and_out_of_range_values_quantise_by_the_documented_rule(xs):
+    x = np.array(xs, dtype=np.float64)
+    plain, sat = fp8.round_trip(x), fp8.round_trip(x, saturate=True)
+    big = np.abs(x) > 464.0  # inf included
+    assert np.all(np.isnan(plain[np.isnan(x) | big]))
+    assert np.all(np.isnan(sat[np.isnan(x)]))
+    assert np.array_equal(sat[big], np.sign(x[big]) * 448.0)
+    ok = ~np.isnan(x) & ~big
+    assert np.array_equal(plain[ok], sat[ok]) and np.all(np.abs(plain[ok]) <= 448.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seq=st.integers(0, 1),
+    hk=st.integers(0, 1),
+    key=st.integers(0, 39),
+    sq=st.sampled_from([1, 3]),
+    cache=st.sampled_from(["k", "v"]),
+)
+def test_a_nan_code_makes_exactly_the_rows_that_see_its_key_nan(seq, hk, key, sq, cache):
+    """The float64 reference on an FP8 cache holding one NaN code: a query row is NaN iff
+    its KV head is the code's and it sees the code's key (bottom-right causal), as in a
+    16-bit cache; the GPU tests hold the kernels to this pattern."""
+    rng = np.random.default_rng(0)
+    b, heads, kvh, d, lens = 2, 4, 2, 16, [40, 25]
+    q = round_to(rng.standard_normal((b, sq, heads, d)), "bf16")
+    k8 = fp8.round_trip(rng.standard_normal((b, 40, kvh, d)))
+    v8 = fp8.round_trip(rng.standard_normal((b, 40, kvh, d)))
+    (k8 if cache == "k" else v8)[seq, key, hk, 3] = np.nan
+    o, _ = reference_decode.decode_reference(
+        q, k8, v8, lens, causal="bottom_right", k_descale=0.5, v_descale=2.0
+    )
+    got = np.isnan(o).any(axis=-1)  # (batch, sq, heads)
+    want = np.zeros_like(got)
+    for i in range(sq):
+        if key <= lens[seq] - sq + i:  # query i sees keys j <= len - sq + i
+            want[seq, i, 2 * hk : 2 * hk + 2] = True  # heads 2hk, 2hk+1 share KV head hk
+    assert np.array_equal(got, want)
+
+
+def test_the_fp8_bench_launches_the_shipped_fp8_kernels():
+    from flashgen.bench.fp8_decode_bench import _specs
+
+    shipped = {kernel_name(s) for s in load_paths([FP8_YAML, FP8_YAML.parent / "decode.yaml"])}
+    for d in (128, 64):
+        for (kv, _paged), spec in _specs(d).items():
+            assert (spec.kv_dtype is KvDtype.E4M3) == (kv == "e4m3")
+            if kv == "e4m3" or d == 128:  # (bf16 d 64 without a mask compiles on first use)
+                assert kernel_name(spec) in shipped
