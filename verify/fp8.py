@@ -11,9 +11,9 @@ here: `saturate=False` (the OCP rule, c10's scalar `fp8e4m3fn_from_fp32`): a mag
 464 (halfway from 448 to the 480 the format lacks) and an infinity give NaN; `saturate=True`
 (torch 2.13's CPU `tensor.to(torch.float8_e4m3fn)`, and scaling quantisers that clamp, as
 vLLM's): they give +-448. A NaN gives NaN (0x7F, sign kept) either way. So an inf cannot sit
-in an FP8 cache: it arrives as NaN or as +-448; a NaN code in a key or value row a query
-sees makes that query's output row NaN, as a NaN in a 16-bit cache does, and rows past a
-sequence's length are never read (docs/decode.md, "FP8 KV caches").
+in an FP8 cache: it arrives as NaN or as +-448; a NaN code propagates to the output as a
+NaN in a 16-bit cache does, and rows past a sequence's length are never read
+(docs/decode.md, "FP8 KV caches").
 
 Descales follow FlashAttention-3's `flash_attn_with_kvcache`: the cache holds `K8` and the
 attention is computed with `k_descale[b, hk] * K8` (and `v_descale * V8`), float32 descales
