@@ -43,20 +43,12 @@ __all__ = [
     "check_fp8_append",
     "check_fp8_call",
     "descale_layout",
-    "is_fp8_call",
     "quantize_rows",
 ]
 
 FP8_DTYPE = KvDtype.E4M3.torch_name  # "float8_e4m3fn"
 _HALF = ("float16", "bfloat16")
 E4M3_MAX = 448.0
-
-
-def is_fp8_call(k_cache: Any, v_cache: Any, k_descale: Any, v_descale: Any) -> bool:
-    """Whether a flash_attn_with_kvcache call is the FP8 kind (either cache FP8, or a
-    descale given): it then takes this module's checks, whose refusals say what is missing."""
-    dts = {str(getattr(t, "dtype", "")).removeprefix("torch.") for t in (k_cache, v_cache)}
-    return FP8_DTYPE in dts or k_descale is not None or v_descale is not None
 
 
 def descale_layout(

@@ -17,7 +17,7 @@ from flashgen.generator.load import load_paths, load_spec_text
 from flashgen.generator.naming import kernel_name
 from flashgen.generator.paths import PACKAGE_ROOT
 from flashgen.generator.spec import Dtype, KvDtype, SpecError, Target, Tile
-from flashgen.torch.kvcache_fp8 import check_fp8_call, descale_layout, is_fp8_call
+from flashgen.torch.kvcache_fp8 import check_fp8_call, descale_layout
 from flashgen.torch.kvcache_select import DecodeCall, decode_spec
 from flashgen.torch.selection import TensorMeta, UnsupportedCall
 from flashgen.verify import fp8, passrule, reference_decode
@@ -318,12 +318,18 @@ def test_what_fp8_calls_do_not_serve_yet_is_refused_by_name():
                        unsupported={"cache_leftpad": True})  # fmt: skip
 
 
-def test_an_fp8_call_is_recognised_by_either_cache_or_a_descale():
+def test_either_fp8_cache_or_a_descale_takes_the_fp8_path_and_its_messages():
     torch = pytest.importorskip("torch")
-    k8 = torch.zeros(1, 16, 1, 16).to(torch.float8_e4m3fn)
-    kb = torch.zeros(1, 16, 1, 16, dtype=torch.bfloat16)
-    assert is_fp8_call(k8, k8, None, None) and is_fp8_call(kb, k8, None, None)
-    assert is_fp8_call(kb, kb, 1.0, None) and not is_fp8_call(kb, kb, None, None)
+    from flashgen.torch import flash_attn_with_kvcache
+
+    q = torch.zeros(2, 1, 8, 128, dtype=torch.bfloat16)
+    k8 = torch.zeros(2, 64, 2, 128).to(torch.float8_e4m3fn)
+    kb = torch.zeros(2, 64, 2, 128, dtype=torch.bfloat16)
+    lens = torch.tensor([3, 4], dtype=torch.int32)
+    with pytest.raises(UnsupportedCall, match="mixed caches"):  # only v_cache FP8
+        flash_attn_with_kvcache(q, kb, k8, cache_seqlens=lens, k_descale=1.0, v_descale=1.0)
+    with pytest.raises(UnsupportedCall, match="are for FP8 caches"):  # only a descale
+        flash_attn_with_kvcache(q, kb, kb, cache_seqlens=lens, v_descale=1.0)
 
 
 def test_flash_attn_with_kvcache_refuses_fp8_caches_without_descales_before_any_launch():
