@@ -18,8 +18,9 @@ FlexAttention's) on a small problem and stops if they differ by more than `--tol
     python3 -m flashgen.bench.usermod_bench --check --out bench/results/usermod_h200.json
 
 Rows: {"variant", "d", "seqlen", "causal", "pass": "fwd" | "bwd",
-"tflops": {"flashgen": x, "FLEX": y, "builtin": z | null}} (backward FLOPs are 2.5x the
-forward's), with "env" (fwd_bench.environment) and "command". Timings: triton's do_bench
+"tflops": {"flashgen": x, "FLEX": y, "builtin": z | null}, "flex_options": the
+FlexAttention kernel_options used, null for its defaults (`FLEX_LADDER`)} (backward FLOPs are
+2.5x the forward's), with "env" (fwd_bench.environment) and "command". Timings: triton's do_bench
 (median of 100 repetitions after 25 warm-up ones), as the other benches.
 """
 
@@ -187,9 +188,43 @@ def _flex_fn():
     return _FLEX[0]
 
 
-def attention(backend: str, name: str, d: int, causal: bool, values: dict):
+# FlexAttention's kernel options, tried in turn: its default tiles first, then smaller ones
+# where the default asks for more shared memory than the GPU has (Triton's "out of resource";
+# seen on the H200 for the bucketed table variant). The options used go into the row.
+FLEX_LADDER: tuple[dict | None, ...] = (
+    None,
+    {"num_stages": 1},
+    {"num_stages": 1, "BLOCK_M": 64, "BLOCK_N": 64},
+    {"num_stages": 1, "BLOCK_M": 32, "BLOCK_N": 32,
+     "BLOCK_M1": 32, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 32},
+)  # fmt: skip
+
+
+def _out_of_resource(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__}: {exc}"
+    return "out of resource" in text or "No valid triton configs" in text
+
+
+def first_that_compiles(backend: str, attempt: Callable[[dict | None], Any]) -> tuple[Any, Any]:
+    """(attempt(options), options) for the first FLEX_LADDER entry whose kernels compile
+    (flashgen and builtin take no options: one attempt). Other errors propagate."""
+    ladder = FLEX_LADDER if backend == "FLEX" else (None,)
+    for i, options in enumerate(ladder):
+        try:
+            return attempt(options), options
+        except Exception as exc:  # torch._inductor.exc.InductorError wraps Triton's
+            if i + 1 == len(ladder) or not _out_of_resource(exc):
+                raise
+            print(f"usermod_bench: FLEX options {options} do not fit "
+                  f"({str(exc).splitlines()[-1][:120]}); trying {ladder[i + 1]}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    raise AssertionError("unreachable")
+
+
+def attention(backend: str, name: str, d: int, causal: bool, values: dict,
+              flex_options: dict | None = None):  # fmt: skip
     """fn(q, k, v) -> out, (batch, seqlen, heads, d) tensors, of `backend`; None where the
-    backend has no such variant (builtin)."""
+    backend has no such variant (builtin). `flex_options`: FlexAttention's kernel_options."""
     variant = VARIANTS[name]
     if backend == "flashgen":
         var = _flashgen(name, d)
@@ -216,7 +251,7 @@ def attention(backend: str, name: str, d: int, causal: bool, values: dict):
                 )
             block_mask = masks[shape]
         out = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=mod,
-                   block_mask=block_mask)  # fmt: skip
+                   block_mask=block_mask, kernel_options=flex_options)  # fmt: skip
         return out.transpose(1, 2)
 
     return run
@@ -229,34 +264,42 @@ def _bench_ms(fn) -> float:
 
 
 def measure(backend: str, name: str, d: int, n: int, causal: bool, pass_: str,
-            tokens: int, hidden: int) -> float | None:  # fmt: skip
-    """TFLOP/s of one backend on one case (None: the backend has no such variant)."""
+            tokens: int, hidden: int) -> tuple[float | None, dict | None]:  # fmt: skip
+    """(TFLOP/s, FlexAttention kernel options used) of one backend on one case (TFLOP/s None:
+    the backend has no such variant)."""
     import torch
 
     batch, heads = max(1, tokens // n), hidden // d
     torch.manual_seed(0)
     values = VARIANTS[name].values(heads, "cuda")
-    fn = attention(backend, name, d, causal, values)
-    if fn is None:
-        return None
+    if attention(backend, name, d, causal, values) is None:
+        return None, None
     grad = pass_ == "bwd"
     q, k, v = (torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16,
                            requires_grad=grad) for _ in range(3))  # fmt: skip
-    if grad:
-        out = fn(q, k, v)
-        dout = torch.randn_like(out)
 
-        def step():
-            torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    def compiled(options):
+        fn = attention(backend, name, d, causal, values, flex_options=options)
+        if grad:
+            out = fn(q, k, v)
+            dout = torch.randn_like(out)
+
+            def step():
+                torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+        else:
+
+            def step():
+                with torch.no_grad():
+                    fn(q, k, v)
 
         step()  # compile (first use) outside the timing
-        ms = _bench_ms(step)
-    else:
-        with torch.no_grad():
-            fn(q, k, v)  # compile (first use) outside the timing
-            ms = _bench_ms(lambda: fn(q, k, v))
+        return step
+
+    step, options = first_that_compiles(backend, compiled)
+    ms = _bench_ms(step)
     work = flops(batch, heads, n, d, causal) * (2.5 if grad else 1.0)
-    return work / (ms * 1e-3) / 1e12
+    return work / (ms * 1e-3) / 1e12, options
 
 
 def _rel(a, b) -> float:
@@ -278,8 +321,12 @@ def check(name: str, d: int, causal: bool) -> dict:
     out = {}
     results = []
     for backend in ("flashgen", other):
-        o = attention(backend, name, d, causal, values)(q, k, v)
-        results.append((o, torch.autograd.grad(o, (q, k, v), dout)))
+
+        def run(options, backend=backend):
+            o = attention(backend, name, d, causal, values, flex_options=options)(q, k, v)
+            return o, torch.autograd.grad(o, (q, k, v), dout)
+
+        results.append(first_that_compiles(backend, run)[0])
     (o1, g1), (o2, g2) = results
     out["against"] = other
     out["o"] = _rel(o1, o2)
@@ -290,6 +337,24 @@ def check(name: str, d: int, causal: bool) -> dict:
 
 def cases(variants, dims, seqlens, causals) -> list[tuple]:
     return [(name, d, n, c) for name in variants for d in dims for c in causals for n in seqlens]
+
+
+_ENV: list[dict] = []
+
+
+def write(path: str, rows: list, checks: list, argv: list[str] | None) -> None:
+    if not _ENV:
+        _ENV.append(environment())
+    doc = {
+        "rows": rows,
+        "env": _ENV[0],
+        "command": "python3 -m flashgen.bench.usermod_bench "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "checks": checks,
+    }
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,22 +390,18 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, d, n, causal in cases(args.variants, args.dims, args.seqlens, causals):
         for pass_ in args.passes:
-            tf = {be: measure(be, name, d, n, causal, pass_, args.tokens, args.hidden)
-                  for be in BACKENDS}  # fmt: skip
+            got = {be: measure(be, name, d, n, causal, pass_, args.tokens, args.hidden)
+                   for be in BACKENDS}  # fmt: skip
+            tf = {be: x for be, (x, _) in got.items()}
             rows.append({"variant": name, "d": d, "seqlen": n, "causal": causal, "pass": pass_,
-                         "tflops": tf})  # fmt: skip
+                         "tflops": tf, "flex_options": got["FLEX"][1]})  # fmt: skip
+            if args.out:  # after every row, so that a run cut short keeps what it measured
+                write(args.out, rows, checks, argv)
             shown = " ".join(f"{be}={'-' if x is None else f'{x:.1f}'}" for be, x in tf.items())
             print(f"{name:14s} {pass_} d={d:3d} causal={int(causal)} n={n:5d}: {shown} TFLOP/s",
                   flush=True)  # fmt: skip
     if args.out:
-        doc = {
-            "rows": rows,
-            "env": environment(),
-            "command": "python3 -m flashgen.bench.usermod_bench "
-            + " ".join(argv if argv is not None else sys.argv[1:]),
-            "checks": checks,
-        }
-        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+        write(args.out, rows, checks, argv)
     for be in ("FLEX", "builtin"):
         ratios = [r["tflops"]["flashgen"] / r["tflops"][be] for r in rows
                   if r["tflops"].get(be) and r["tflops"].get("flashgen")]  # fmt: skip

@@ -8,8 +8,8 @@ an autograd kernel in C++. Each call builds a key of its tensors' layouts and it
 arguments, finds the launch plan made for that key, fills the C parameter struct and calls
 the kernel's `<name>_launch`: no Python runs on a hit. A miss asks the Python planner
 (`ops._fwd_plan`, which runs every check of the Python path and raises its errors) once per
-key; calls the fast path does not serve (dropout, empty or misaligned tensors) run the Python
-implementation, unchanged.
+key; calls the fast path does not serve (empty or misaligned tensors; dropout when torch has
+no CUDA build, whose generator it reads) run the Python implementation, unchanged.
 
 Built once per (source, torch, Python, compiler) with the C++ compiler (`$CXX`, else `c++`)
 and torch's include and library paths (`torch.utils.cpp_extension`), into the kernel cache
@@ -94,6 +94,13 @@ def _torch_flags() -> tuple[list[str], list[str]]:
     for p in cpp_extension.library_paths():
         libs += [f"-L{p}", f"-Wl,-rpath,{p}"]
     libs += ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
+    # A CUDA build of torch: dropout forwards take the default CUDA generator's Philox state in
+    # C++ (graph-safe under capture); that needs libtorch_cuda's CUDAGeneratorImpl
+    if torch.version.cuda is not None and any(
+        (Path(p) / "libtorch_cuda.so").is_file() for p in cpp_extension.library_paths()
+    ):
+        defines.append("-DFLASHGEN_CUDA_GENERATOR")
+        libs.append("-ltorch_cuda")
     return includes + defines, libs
 
 

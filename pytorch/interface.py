@@ -142,6 +142,12 @@ def _attention(
     if alibi_slopes is not None or learnable_sink is not None:
         ops.check_score_tensors(alibi_slopes, learnable_sink)
     window_left, window_right = window_size
+    if return_attn_probs and dropout_p > 0.0 and ops.capturing():
+        raise UnsupportedCall(
+            "return_attn_probs=True with dropout_p > 0 is not supported under CUDA graph "
+            "capture: S_dmask is recomputed from the seed and offset on the host, which a "
+            "captured forward only knows on the device (its philox outputs)"
+        )
     backward = torch.is_grad_enabled() and (
         q.requires_grad
         or k.requires_grad
@@ -236,7 +242,8 @@ def flash_attn_func(
             copied once into a contiguous buffer (differentiable, like the padding).
         dropout_p: dropout probability on the attention weights (0.0 at evaluation). Seed and
             offset come from the device's default CUDA generator (`torch.manual_seed` makes
-            a forward/backward pair reproducible); refused under CUDA graph capture.
+            a forward/backward pair reproducible); under CUDA graph capture the kernels
+            read them on the device at each replay, so every replay draws a new mask.
         softmax_scale: scale of `q k^T` before the softmax; default `1 / sqrt(head_dim)`.
         causal: causal mask aligned to the bottom-right corner (flash-attn >= 2.1): key j is
             visible from query i iff `j <= i + seqlen_k - seqlen_q`. Rows that see no key

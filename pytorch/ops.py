@@ -22,8 +22,10 @@ Schemas (all sizes in elements; see `flashgen.torch.flash_attn_func` for the lay
     bwd_variant(<bwd's arguments>, score_mod="", user_t0..3?=None, user_s0..3=0.0)
 
 `philox_seed` and `philox_offset` are 0-dim int64 CPU tensors (as torch's own fused attention
-returns them): the seed's 64 bits are stored two's-complement. Dense calls pass `None`
-cu_seqlens and ignore the max_seqlen arguments.
+returns them): the seed's 64 bits are stored two's-complement. A dropout forward under CUDA
+graph capture returns them as 0-dim int64 tensors on q's device instead, written by the kernel
+at each replay (again as torch's fused attention does), and the backward reads them there.
+Dense calls pass `None` cu_seqlens and ignore the max_seqlen arguments.
 
 The score-stage features (`generator.features`) take the last three arguments, flash-attn's
 and FlashAttention-4's: `softcap` (0.0 off), `alibi_slopes` (float32 `(heads,)` or `(batch,
@@ -75,6 +77,7 @@ __all__ = [
     "USER_ARGS",
     "bwd",
     "bwd_variant",
+    "capturing",
     "fwd",
     "fwd_variant",
     "philox_state",
@@ -627,21 +630,49 @@ def _u64(t: Tensor) -> int:
 def philox_state(device: torch.device, dropout_p: float) -> tuple[int, int]:
     """(seed, offset) for one forward, taken from the device's default CUDA generator, whose
     offset then advances by PHILOX_OFFSET_STEP (as torch's fused ops advance it). (0, 0) when
-    there is no dropout. Refused under CUDA graph capture: the generator's host-side offset
-    would be baked into the graph and every replay would draw the same mask."""
+    there is no dropout. Not under CUDA graph capture, where host values would be baked into
+    the graph (every replay would draw one mask): `_captured_philox` serves that case."""
     if dropout_p == 0.0:
         return 0, 0
-    if torch.cuda.is_current_stream_capturing():
-        raise UnsupportedCall(
-            "dropout_p > 0 is not supported under CUDA graph capture (the kernels take the "
-            "Philox seed and offset by value, so every replay would reuse one mask); capture "
-            "with dropout_p=0.0, or run dropout outside the graph"
-        )
     index = device.index if device.index is not None else torch.cuda.current_device()
     gen = torch.cuda.default_generators[index]
     seed, offset = int(gen.initial_seed()), int(gen.get_offset())
     gen.set_offset(offset + PHILOX_OFFSET_STEP)
     return seed, offset
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False where torch has no CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _captured_philox(device: torch.device) -> tuple[dict[str, int], Tensor, Tensor]:
+    """The launch fields and the (seed, offset) outputs of a dropout forward under CUDA graph
+    capture, on the ctypes path: the seed and offset are drawn on the device by a torch RNG
+    op (`random_` of two int64 words from the default CUDA generator, which torch makes
+    graph-safe: each replay draws new ones), and the kernel reads them through
+    `philox_seed_ptr` / `philox_offset_ptr` and writes what it used to the two 0-dim int64
+    device tensors returned, which the backward reads back the same way. The compiled binding
+    takes torch's PhiloxCudaState instead (binding.cpp), as torch's fused attention does;
+    either way the mask is the one verify.dropout draws from the written (seed, offset)."""
+    words = torch.empty((2,), dtype=torch.int64, device=device).random_()
+    seed = torch.empty((), dtype=torch.int64, device=device)
+    offset = torch.empty((), dtype=torch.int64, device=device)
+    fields = {
+        "philox_seed_ptr": words.data_ptr(),
+        "philox_offset_ptr": words.data_ptr() + words.element_size(),
+        "philox_seed_out": seed.data_ptr(),
+        "philox_offset_out": offset.data_ptr(),
+    }
+    return fields, seed, offset
+
+
+def _philox_pointers(seed: Tensor, offset: Tensor) -> dict[str, int]:
+    """The backward's fields for a forward's (seed, offset) outputs: by value from 0-dim CPU
+    tensors, or read by the kernel from 0-dim device tensors (a captured forward's)."""
+    if seed.device.type == "cpu":
+        return {"seed": _u64(seed), "offset": _u64(offset)}
+    return {"philox_seed_ptr": seed.data_ptr(), "philox_offset_ptr": offset.data_ptr()}
 
 
 # The current stream's cudaStream_t of a device index, as an int, without building a
@@ -738,15 +769,23 @@ def _fwd_impl(
         learnable_sink, *user,
     )  # fmt: skip
     device = q.device
-    seed, offset = philox_state(device, dropout_p)
+    if dropout_p > 0.0 and capturing():
+        philox, seed_t, offset_t = _captured_philox(device)
+        seed = offset = 0
+    else:
+        philox = {}
+        seed, offset = philox_state(device, dropout_p)
+        seed_t, offset_t = _scalar(seed), _scalar(offset)
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
     lse = torch.empty(_lse_shape(q, pb), dtype=torch.float32, device=device)
-    if q.numel() == 0:
-        return out, lse, _scalar(seed), _scalar(offset)
-    if k.numel() == 0:  # no key anywhere: every row is empty (O = 0, LSE = -inf or the sink)
-        out.zero_()
+    if q.numel() == 0 or k.numel() == 0:  # no kernel: a captured (seed, offset) reads 0, 0
+        if philox:
+            seed_t.zero_(), offset_t.zero_()
+        if q.numel() == 0:
+            return out, lse, seed_t, offset_t
+        out.zero_()  # no key anywhere: every row is empty (O = 0, LSE = -inf or the sink)
         _empty_lse(lse, learnable_sink)
-        return out, lse, _scalar(seed), _scalar(offset)
+        return out, lse, seed_t, offset_t
     q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
     if (q_ptr | k_ptr | v_ptr) % 16:  # all aligned: nothing for _check_aligned to refuse
         _check_aligned(q=q, k=k, v=v)
@@ -779,6 +818,7 @@ def _fwd_impl(
         "dropout_p": dropout_p,
         "seed": seed,
         "offset": offset,
+        **philox,
         "blk_layout_heads": 1,
     }
     if feats:
@@ -787,7 +827,7 @@ def _fwd_impl(
         params.update(user_params(mod, *user[1:]))
     with _OnDevice(device):
         lib.launch(params, _stream(device))
-    return out, lse, _scalar(seed), _scalar(offset)
+    return out, lse, seed_t, offset_t
 
 
 def _user(user: tuple) -> tuple:
@@ -823,8 +863,13 @@ def _bwd_problem(dout, q, k, v, out, lse, seed, offset, cu_q, cu_k, max_q, max_k
             f"got {str(lse.dtype).removeprefix('torch.')} {tuple(lse.shape)}"
         )
     for name, t in (("philox_seed", seed), ("philox_offset", offset)):
-        if t.dtype != torch.int64 or t.dim() != 0 or t.device.type != "cpu":
-            raise UnsupportedCall(f"{name} must be the forward's 0-dim int64 CPU tensor")
+        if t.dtype != torch.int64 or t.dim() != 0 or t.device.type not in ("cpu", q.device.type):
+            raise UnsupportedCall(
+                f"{name} must be the forward's 0-dim int64 tensor (on the CPU, or on q's "
+                "device when the forward ran under CUDA graph capture)"
+            )
+    if seed.device != offset.device:
+        raise UnsupportedCall("philox_seed and philox_offset must be on one device")
     return pb
 
 
@@ -929,8 +974,7 @@ def _bwd_impl(
         "window_left": win_l,
         "window_right": win_r,
         "dropout_p": dropout_p,
-        "seed": _u64(philox_seed),
-        "offset": _u64(philox_offset),
+        **_philox_pointers(philox_seed, philox_offset),
         "blk_layout_heads": 1,
     }
     if feats:
@@ -1298,6 +1342,7 @@ def _plan(lib, window, slots, spec=None) -> dict:
         "score_slots": slots,
         "block_m": spec.tile.block_m if spec is not None else 1,
         "deterministic": bool(spec.deterministic) if spec is not None else False,
+        "philox_step": PHILOX_OFFSET_STEP,
     }
 
 
@@ -1306,16 +1351,15 @@ def _fwd_plan(
     causal, window_left, window_right, deterministic, softcap=0.0, alibi_slopes=None,
     learnable_sink=None,
 ):  # fmt: skip
-    """The binding's plan for the key of this forward call, or None when the Python
-    implementation serves the key (dropout: the CUDA generator's state is read per call).
-    Raises what the Python path raises."""
+    """The binding's plan for the key of this forward call. Dropout is served too: the
+    binding takes the CUDA generator's state per call (binding.cpp's take_philox; a binding
+    built without torch's CUDA generator runs the Python implementation for it). Raises what
+    the Python path raises."""
     _, feats, _, window, lib = _fwd_select(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
         softmax_scale, causal, window_left, window_right, deterministic, softcap, alibi_slopes,
         learnable_sink,
     )  # fmt: skip
-    if dropout_p > 0.0:
-        return None
     return _plan(lib, window, _score_slots(feats, softcap, alibi_slopes, learnable_sink, False))
 
 

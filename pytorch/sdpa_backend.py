@@ -58,7 +58,8 @@ Argument by argument (`forward_arguments`, `backward_arguments`):
   forward returns them in `rng_state` as a (2,) uint64 CPU tensor [seed, offset] (the
   built-in: a device tensor) so that the backward reads them without a sync; without dropout
   `rng_state` and `unused` are zeros on the device, as FA3's and FA4's. Dropout under CUDA
-  graph capture is refused (flashgen reads seed and offset on the host);
+  graph capture is refused here (rng_state is packed on the host; flash_attn_func and the
+  ops serve it);
 - head dims: a head dim the kernels do not serve is zero-padded to the next served one for
   the forward and, independently, for the backward (zero columns change neither the scores
   nor the LSE), and the outputs and gradients sliced back; a layout the kernels cannot read
@@ -340,6 +341,16 @@ def _flashgen_bwd(dout, q, k, v, out, lse, seed, offset, cu_q, cu_k, max_q, max_
 
 def _forward(q, k, v, cu_q, cu_k, max_q, max_k, args: FlashgenArgs):
     """(out, lse, rng_state, unused) of flash-attn-layout q, k, v (dense or packed)."""
+    if (
+        args.dropout_p > 0.0
+        and torch.cuda.is_available()
+        and torch.cuda.is_current_stream_capturing()
+    ):
+        # rng_state is a host tensor here; flash_attn_func serves dropout under capture
+        raise _refuse(
+            "dropout_p > 0 under CUDA graph capture (rng_state is packed on the host; "
+            "flashgen.torch.flash_attn_func serves dropout under capture)"
+        )
     d = int(q.shape[-1])
     try:
         padded = _kernel_head_dim(q, KernelKind.FORWARD)

@@ -1126,6 +1126,42 @@ def test_emission_is_fully_parenthesised_typed_and_named_by_the_caller():
         U.emit_cpp(parse("i + j"), {"i": "qi"})
 
 
+def test_float_positions_take_ints_linear_in_i_and_j_that_a_float_reads():
+    names = {"s": "x", "i": "qi", "j": "kj", "seqlen_q": "sq", "seqlen_k": "sk", "h": "hh"}
+    fpos = {"i": "fi", "j": "fj", "i-j": "fd"}
+    emit = lambda text: U.emit_cpp(parse(text), names, float_positions=fpos)  # noqa: E731
+    assert emit("s - slopes[h] * abs(i + seqlen_k - seqlen_q - j)") == (
+        "(static_cast<float>(x) - (static_cast<float>(p.slopes[static_cast<int64_t>(hh)]) * "
+        "fabsf((fd + static_cast<float>(static_cast<int64_t>(sk) + -static_cast<int64_t>(sq))))))"
+    )
+    assert emit("s + (j - i)") == "(static_cast<float>(x) + (-fd))"
+    assert emit("s * (2 * i + 3 * j - 1)") == (
+        "(static_cast<float>(x) * ((2.0f * fi) + (3.0f * fj) + static_cast<float>((-1ll))))"
+    )
+    assert emit("s + j") == "(static_cast<float>(x) + fj)"
+    # int contexts keep exact int64: a comparison of ints, a table column, floor division
+    assert "fi" not in emit("where(i >= j, s, -1e4)").replace("fg_", "")
+    assert emit("s + abs(i - j) // 8") == (
+        "(static_cast<float>(x) + static_cast<float>(fg_floordiv(fg_iabs((static_cast<int64_t>(qi)"
+        " - static_cast<int64_t>(kj))), 8ll)))"
+    )
+    # no position, or a coefficient too large to stay exact: the int path
+    assert (
+        emit("s + seqlen_k")
+        == "(static_cast<float>(x) + static_cast<float>(static_cast<int64_t>(sk)))"
+    )
+    assert "fi" not in emit("s + 16777216 * i")
+    # a product of variables is not linear
+    assert "fi" not in emit("s + i * j")
+    assert U.linear_form(parse("2 * (i - j) - -seqlen_k + 3")) == (
+        {"i": 2, "j": -2, "seqlen_k": 1},
+        3,
+    )
+    assert U.linear_form(parse("i * j")) is None
+    with pytest.raises(ValueError, match="float_positions lacks i-j"):
+        U.emit_cpp(parse("s + i"), names, float_positions={"i": "fi", "j": "fj"})
+
+
 def test_emission_carries_no_user_text_but_checked_names():
     # a parameter's name is the only user text that reaches C++, and it is an identifier
     for bad in ["x); evil(", "new", "a b", "x__y", "fg_clamp_index"]:
@@ -1160,13 +1196,23 @@ SIGNATURE = (
 )
 
 
-def functors(exprs: list[U.Expr]) -> str:
+# float i, j and i - j, as the kernels' fg::ScorePos holds them (the emitter's float positions)
+FLOAT_POSITIONS = {"i": "fqi", "j": "fkj", "i-j": "fij"}
+FLOAT_LOCALS = (
+    "    const float fqi = static_cast<float>(qi), fkj = static_cast<float>(kj),\n"
+    "                fij = static_cast<float>(qi - kj);\n"
+    "    (void)fqi, (void)fkj, (void)fij;\n"
+)
+
+
+def functors(exprs: list[U.Expr], float_positions: bool = False) -> str:
     out = []
     for k, tree in enumerate(exprs):
-        body = U.emit_cpp(tree, NAMES)
+        fpos = FLOAT_POSITIONS if float_positions else None
+        body = U.emit_cpp(tree, NAMES, float_positions=fpos)
         out.append(
             f"struct F{k} {{\n  FG_USERMOD_FN {CPP_TYPE[tree.type]} operator(){SIGNATURE} {{\n"
-            f"    return {body};\n  }}\n}};\n"
+            f"{FLOAT_LOCALS if float_positions else ''}    return {body};\n  }}\n}};\n"
         )
     return "".join(out)
 
@@ -1201,7 +1247,8 @@ def emitted_corpus() -> list[U.Expr]:
 
 @pytest.mark.nvcc
 @needs_nvcc
-def test_emitted_cpp_compiles_as_device_functors(tmp_path):
+@pytest.mark.parametrize("float_positions", [False, True])
+def test_emitted_cpp_compiles_as_device_functors(tmp_path, float_positions):
     exprs = emitted_corpus()
     assert len(exprs) >= 300
     calls = "\n".join(
@@ -1211,7 +1258,7 @@ def test_emitted_cpp_compiles_as_device_functors(tmp_path):
     source = (
         U.CPP_HELPERS
         + CPP_PARAMS
-        + functors(exprs)
+        + functors(exprs, float_positions)
         + "__global__ void run_all(Params p, float* out) {\n"
         + "  const float x = out[0];\n"
         + "  const int64_t bb = blockIdx.y, hh = blockIdx.z, qi = threadIdx.x, kj = threadIdx.y;\n"
@@ -1244,7 +1291,9 @@ def c_array(ctype: str, values: np.ndarray) -> str:
 
 @pytest.mark.nvcc
 @needs_nvcc
-def test_emitted_cpp_runs_on_the_host_like_the_float32_evaluator(tmp_path):
+@pytest.mark.parametrize("float_positions", [False, True])
+def test_emitted_cpp_runs_on_the_host_like_the_float32_evaluator(tmp_path, float_positions):
+    # with float positions too, bit for bit: every term here is far below 2^24
     exprs = host_exact_corpus()
     printers = []
     for k, tree in enumerate(exprs):
@@ -1272,7 +1321,9 @@ int main() {{
   return 0;
 }}
 """
-    source = "#include <cstdio>\n" + U.CPP_HELPERS + CPP_PARAMS + functors(exprs) + main
+    source = (
+        "#include <cstdio>\n" + U.CPP_HELPERS + CPP_PARAMS + functors(exprs, float_positions) + main
+    )
     (tmp_path / "host.cu").write_text(source)
     nvcc("-o", "host", "host.cu", cwd=tmp_path)
     run = subprocess.run(["./host"], capture_output=True, text=True, cwd=tmp_path, timeout=120)

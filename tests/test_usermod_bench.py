@@ -26,8 +26,9 @@ def test_rows_and_env_have_the_issues_schema(monkeypatch, tmp_path):
     def measure(backend, name, d, n, causal, pass_, tokens, hidden):
         seen.append((backend, name, d, n, causal, pass_))
         if backend == "builtin" and ub.VARIANTS[name].builtin is None:
-            return None
-        return {"flashgen": 300.0, "FLEX": 200.0, "builtin": 310.0}[backend]
+            return None, None
+        options = {"num_stages": 1} if backend == "FLEX" and d == 128 else None
+        return {"flashgen": 300.0, "FLEX": 200.0, "builtin": 310.0}[backend], options
 
     monkeypatch.setattr(ub, "measure", measure)
     monkeypatch.setattr(ub, "environment", lambda: {"gpu": "mock", "torch": "x"})
@@ -39,13 +40,47 @@ def test_rows_and_env_have_the_issues_schema(monkeypatch, tmp_path):
     rows = doc["rows"]
     assert len(rows) == 2 * 2 * 2 * 2 * 2  # variants x dims x causal x seqlens x passes
     for row in rows:
-        assert set(row) == {"variant", "d", "seqlen", "causal", "pass", "tflops"}
+        assert set(row) == {"variant", "d", "seqlen", "causal", "pass", "tflops", "flex_options"}
+        assert row["flex_options"] == ({"num_stages": 1} if row["d"] == 128 else None)
         assert row["pass"] in ("fwd", "bwd") and row["d"] in (64, 128)
         assert set(row["tflops"]) == {"flashgen", "FLEX", "builtin"}
         want = None if row["variant"] == "t5_bias" else 310.0
         assert row["tflops"]["builtin"] == want
     assert doc["command"].endswith(" ".join(args))
     assert len(seen) == len(rows) * 3
+
+
+def test_flex_falls_back_to_smaller_tiles_only_when_out_of_resource(capsys):
+    tried = []
+
+    def attempt(options):
+        tried.append(options)
+        if len(tried) < 3:
+            raise RuntimeError("No valid triton configs. OutOfMemoryError: out of resource")
+        return "ran"
+
+    assert ub.first_that_compiles("FLEX", attempt) == ("ran", ub.FLEX_LADDER[2])
+    assert tried == list(ub.FLEX_LADDER[:3])
+    assert "do not fit" in capsys.readouterr().err
+
+    def other(options):
+        raise ValueError("a real bug")
+
+    with pytest.raises(ValueError):
+        ub.first_that_compiles("FLEX", other)
+
+    def always(options):
+        tried.append(options)
+        raise RuntimeError("out of resource")
+
+    tried.clear()
+    with pytest.raises(RuntimeError):  # the last rung's error is the caller's
+        ub.first_that_compiles("FLEX", always)
+    assert tried == list(ub.FLEX_LADDER)
+    tried.clear()
+    with pytest.raises(RuntimeError):  # flashgen takes no options: one attempt
+        ub.first_that_compiles("flashgen", always)
+    assert tried == [None]
 
 
 def test_check_stops_on_a_variant_that_differs(monkeypatch, capsys):

@@ -205,6 +205,14 @@ def test_refusals_are_the_python_paths_errors_every_time():
                                        -1, False)  # fmt: skip
 
 
+# With a CUDA build of torch the binding takes dropout's Philox state itself (binding.cpp's
+# take_philox, from the real CUDA generator: tests/gpu/test_torch.py checks it).
+_NO_GENERATOR = pytest.mark.skipif(
+    bool(ops.BINDING.CUDA_GENERATOR), reason="the binding serves dropout with torch's generator"
+)
+
+
+@_NO_GENERATOR
 def test_dropout_and_empty_calls_take_the_python_implementation(monkeypatch, mock):
     monkeypatch.setattr(ops, "philox_state", lambda device, p: (1234, 8))
     q = torch.randn(1, 16, 4, 64, dtype=torch.bfloat16)
@@ -246,7 +254,12 @@ def _bwd_args(fwd_args, out, lse, seed, offset):
 @given(fwd_calls())
 def test_backward_struct_equals_the_python_paths(mock, args):
     out, lse, seed, offset = ops._fwd_impl(*args)
-    bargs = _bwd_args(args, out, lse, seed, offset)
+    assert_backward_structs_agree(mock, _bwd_args(args, out, lse, seed, offset))
+
+
+def assert_backward_structs_agree(mock, bargs) -> dict:
+    """The binding's and the Python path's backward structs for one call, equal field for
+    field (outputs and the workspace carve normalised); returns the binding's."""
     dq, dk, dv, dsink = torch.ops.flashgen.bwd.default(*bargs)
     fast = taken(mock, "bwd")
     py = ops._bwd_impl(*bargs)
@@ -261,10 +274,43 @@ def test_backward_struct_equals_the_python_paths(mock, args):
         rec["dq_accum"] = 0
         rec["dsum"] -= base
         rec["dq_sem"] = rec["dq_sem"] - base if rec["dq_sem"] else 0
-    if args[-1] is not None:
+    if bargs[-1] is not None:
         assert fast["dsinks"] == dsink.data_ptr() and slow["dsinks"] == py[3].data_ptr()
         fast_n["dsinks"] = slow_n["dsinks"] = "output"
     assert fast_n == slow_n
+    return fast
+
+
+def test_a_dropout_backward_takes_the_forwards_pair_by_value_on_both_paths(monkeypatch, mock):
+    monkeypatch.setattr(ops, "philox_state", lambda device, p: (2**64 - 3, 20))
+    q, k, v = (torch.randn(2, 33, 4, 64, dtype=torch.bfloat16) for _ in range(3))
+    args = (q, k, v, None, None, 0, 0, 0.2, 0.125, False, -1, -1, False, 0.0, None, None)
+    out, lse, seed, offset = torch.ops.flashgen.fwd.default(*args)
+    fast = assert_backward_structs_agree(mock, _bwd_args(args, out, lse, seed, offset))
+    assert (fast["seed"], fast["offset"]) == (2**64 - 3, 20)
+    assert fast["philox_seed_ptr"] == fast["philox_offset_ptr"] == 0
+
+
+@_NO_GENERATOR
+def test_a_captured_dropout_forward_without_the_cuda_generator_is_the_python_paths(
+    monkeypatch, mock
+):
+    """A CPU build of torch has no CUDA generator for the binding to read (binding.cpp's
+    take_philox): its dropout forwards, captured or not, run the Python implementation,
+    which under capture hands the kernel device pointers."""
+    monkeypatch.setattr(ops, "capturing", lambda: True)
+    q = torch.randn(1, 16, 4, 64, dtype=torch.bfloat16)
+    s0 = ops.BINDING.stats()
+    out, lse, seed, offset = torch.ops.flashgen.fwd.default(
+        q, q, q, None, None, 0, 0, 0.1, 0.1, False, -1, -1, False
+    )
+    rec = taken(mock, "fwd")
+    assert rec["philox_seed_ptr"] != 0 and rec["philox_offset_ptr"] == rec["philox_seed_ptr"] + 8
+    assert (rec["philox_seed_out"], rec["philox_offset_out"]) == (
+        seed.data_ptr(),
+        offset.data_ptr(),
+    )
+    assert ops.BINDING.stats()["fallbacks"] - s0["fallbacks"] == 1
 
 
 @settings(max_examples=40, deadline=None)

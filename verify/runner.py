@@ -512,7 +512,11 @@ class FwdKernel:
         score_mod=None,
         score_params=None,
         mask_mod=None,
+        philox_pointers: bool = False,
     ) -> FwdResult:
+        """`philox_pointers`: pass seed and offset the graph-safe way (fg_fwd_params'
+        philox_seed_ptr / philox_offset_ptr, part of the offset as philox_offset_add) and
+        read back the pair the kernel recorded (`stats["philox_recorded"]`)."""
         spec = self.spec
         pb = validate(
             spec,
@@ -597,6 +601,21 @@ class FwdKernel:
                 seed=int(seed) & (2**64 - 1),
                 offset=int(offset),
             )
+            rng_buf = None
+            if philox_pointers:  # words: seed, offset - add (read); then the recorded pair
+                add = int(offset) // 3
+                rng_buf = DeviceBuffer(gpu, 32)
+                rng_buf.upload(np.array([int(seed), int(offset) - add, 0, 0], dtype=np.uint64))
+                bufs.append(rng_buf)
+                params.update(
+                    seed=0,
+                    offset=0,
+                    philox_seed_ptr=rng_buf.ptr,
+                    philox_offset_ptr=rng_buf.ptr + 8,
+                    philox_offset_add=add,
+                    philox_seed_out=rng_buf.ptr + 16,
+                    philox_offset_out=rng_buf.ptr + 24,
+                )
             if pb.varlen:
                 for nm, cu in (
                     ("cu_seqlens_q", pb.cu_seqlens_q),
@@ -636,6 +655,10 @@ class FwdKernel:
             keep = keep_buf.download(np.uint8, keep_shape) if keep_buf is not None else None
             if keep_buf is not None:
                 stats["margins_intact"] &= keep_buf.margins_intact()
+            if rng_buf is not None:
+                words = rng_buf.download(np.uint64, (4,))
+                stats["philox_recorded"] = (int(words[2]), int(words[3]))
+                stats["margins_intact"] &= rng_buf.margins_intact()
             io = None
             if io_buf is not None:
                 raw = io_buf.download(np.uint64, (len(IO_TENSORS),))

@@ -47,7 +47,7 @@ class ParamField:
     ctype: str  # "ptr" | "i64" | "u64" | "f64"
 
     C_TYPES: ClassVar[dict[str, tuple[str, ...]]] = {
-        "ptr": ("void*", "float*", "int32_t*", "uint8_t*", "unsigned long long*"),
+        "ptr": ("void*", "float*", "int32_t*", "uint8_t*", "uint64_t*", "unsigned long long*"),
         "i64": ("int64_t",),
         "u64": ("uint64_t",),
         "f64": ("double",),

@@ -71,6 +71,11 @@ PARAMS = params_table(
     f64 dropout_p
     u64 seed
     u64 offset
+    ptr philox_seed_ptr
+    ptr philox_offset_ptr
+    u64 philox_offset_add
+    ptr philox_seed_out
+    ptr philox_offset_out
     ptr keep_mask
     ptr blk_full_count
     ptr blk_full_idx

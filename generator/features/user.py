@@ -90,6 +90,8 @@ _NAMES = {
     "seqlen_q": "q.sq",
     "seqlen_k": "q.sk",
 }
+# float i, j and i - j of fg::ScorePos (usermod/emit.py: float positions)
+_FLOAT_POSITIONS = {"i": "q.fi", "j": "q.fj", "i-j": "q.fij"}
 
 
 def user_slots(mod: UserMod) -> list[tuple[int, str, ParamKind]]:
@@ -185,9 +187,14 @@ def slot_checks(mod: UserMod) -> list[str]:
 
 def user_score_cpp(mod: UserMod, indent: str = "  ") -> str:
     """The C++ of `struct UserScore` for `mod` (module doc), indented by `indent`."""
-    value = emit_cpp(mod.tree, _NAMES, access=VALS_ACCESS)
+    value = emit_cpp(mod.tree, _NAMES, access=VALS_ACCESS, float_positions=_FLOAT_POSITIONS)
     grad_tree = mod.derivative
     has_grad = not (isinstance(grad_tree, Const) and grad_tree.value == 1.0)
+    grad_cpp = (
+        emit_cpp(grad_tree, _NAMES, access=VALS_ACCESS, float_positions=_FLOAT_POSITIONS)
+        if has_grad
+        else ""
+    )
     lines = [
         f"// score_mod: {mod.canonical}",
         "// (generator/usermod; s = scale * q.k, i and j 0-based in the sequence: docs/usermod.md)",
@@ -212,7 +219,7 @@ def user_score_cpp(mod: UserMod, indent: str = "  ") -> str:
             "  static __device__ __forceinline__ float grad(float s, const Vals& p,",
             "                                               const fg::ScorePos& q) {",
             "    (void)s, (void)p, (void)q;",
-            f"    return static_cast<float>({emit_cpp(grad_tree, _NAMES, access=VALS_ACCESS)});",
+            f"    return static_cast<float>({grad_cpp});",
             "  }",
         ]
     lines += [

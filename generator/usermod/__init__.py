@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from .blocks import Block, Interval, block_map, bounds, classify_block
 from .calculus import derivative, simplify
-from .emit import CPP_HELPERS, DEFAULT_ACCESS, cpp_float_literal, emit_cpp
+from .emit import CPP_HELPERS, DEFAULT_ACCESS, cpp_float_literal, emit_cpp, linear_form
 from .examples import EXAMPLE_BY_NAME, EXAMPLES, Example
 from .numeric import evaluate, floor_int, floordiv, modulo
 from .parse import ALLOWED, UserMod, check_params, parse_expr, parse_mask_mod, parse_score_mod
@@ -86,6 +86,7 @@ __all__ = [
     "cpp_float_literal",
     "derivative",
     "emit_cpp",
+    "linear_form",
     "evaluate",
     "floor_int",
     "floordiv",

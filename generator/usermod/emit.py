@@ -16,6 +16,18 @@ Names: a variable becomes the C++ text the caller maps it to; a parameter `name`
 read of the parameter object (`p` unless told) through a template of its kind
 (`DEFAULT_ACCESS`). A parameter's name is a checked identifier (`parse.check_params`);
 no other text of the expression reaches the output.
+
+Float positions (`float_positions`, the kernels' score stage): an int expression that a float
+reads and that is linear in the positions i and j with constant coefficients, or the `abs` of
+one (`abs(i + seqlen_k - seqlen_q - j)`, `i - j`, `2 * j + 1`), is evaluated in fp32 from the
+caller's float i, j and i - j (which the kernels keep as a per-lane base plus a compile-time
+offset) plus the rest (lengths, b, h, the constant) converted once. So no score pays an int64
+add or an int-to-float conversion, which run at the MUFU's quarter rate beside its exp2 and
+halved the Hopper forward's throughput (bench/usermod_bench.py). The value is the int
+expression's exactly while every term is below 2^24 in magnitude (at coefficient 1: sequences
+of 16M tokens, as the built-in ALiBi's float distance); beyond, within a few fp32 ulps.
+Coefficients or constants of 2^24 or more keep the int path. Int contexts (comparisons of
+ints, `//`, `%`, table columns, `min`/`max` of ints) always keep exact int64 arithmetic.
 """
 
 from __future__ import annotations
@@ -39,7 +51,14 @@ from .tree import (
     walk,
 )
 
-__all__ = ["CPP_HELPERS", "DEFAULT_ACCESS", "cpp_float_literal", "emit_cpp"]
+__all__ = [
+    "CPP_HELPERS",
+    "DEFAULT_ACCESS",
+    "FLOAT_EXACT",
+    "cpp_float_literal",
+    "emit_cpp",
+    "linear_form",
+]
 
 # How a parameter is read, per kind: `{p}` the parameter object, `{name}` the parameter's name,
 # `{index}` the first index (an int64_t expression), `{var}` that index's variable name, `{k}`
@@ -134,15 +153,100 @@ def _int_literal(value: int) -> str:
     return f"({value}ll)" if value < 0 else f"{value}ll"
 
 
+FLOAT_EXACT = 1 << 24  # integers below this magnitude are exact in fp32
+# the keys of `float_positions`: float i, float j, and float (i - j)
+FLOAT_POSITION_KEYS = ("i", "j", "i-j")
+
+
+def linear_form(node: Expr) -> tuple[dict[str, int], int] | None:
+    """An int tree as (coefficient per variable, constant): sum(c_v * v) + c, or None where it
+    is not linear with constant coefficients (parameters, products of variables, calls)."""
+    if node.type is not Type.INT:
+        return None
+    if isinstance(node, Const):
+        return {}, int(node.value)
+    if isinstance(node, Var):
+        return {node.name: 1}, 0
+    if isinstance(node, Unary) and node.op == "-":
+        inner = linear_form(node.arg)
+        if inner is None:
+            return None
+        return {v: -k for v, k in inner[0].items()}, -inner[1]
+    if isinstance(node, Binary) and node.op in ("+", "-", "*"):
+        a, b = linear_form(node.left), linear_form(node.right)
+        if a is None or b is None:
+            return None
+        if node.op == "*":
+            if a[0] and b[0]:
+                return None  # a product of variables
+            (coefs, c), k = (a, b[1]) if a[0] else (b, a[1])
+            return {v: x * k for v, x in coefs.items()}, c * k
+        sign = 1 if node.op == "+" else -1
+        coefs = dict(a[0])
+        for v, x in b[0].items():
+            coefs[v] = coefs.get(v, 0) + sign * x
+        return {v: x for v, x in coefs.items() if x}, a[1] + sign * b[1]
+    return None
+
+
+def _times(k: int, text: str) -> str:
+    if k == 1:
+        return text
+    if k == -1:
+        return f"(-{text})"
+    return f"({cpp_float_literal(float(k))} * {text})"
+
+
 class _Emitter:
-    def __init__(self, names: Mapping[str, str], params: str, access: Mapping[ParamKind, str]):
+    def __init__(
+        self,
+        names: Mapping[str, str],
+        params: str,
+        access: Mapping[ParamKind, str],
+        float_positions: Mapping[str, str] | None = None,
+    ):
         self.names = names
         self.p = params
         self.access = access
+        self.fpos = float_positions
 
     def flt(self, node: Expr) -> str:
+        if node.type is Type.INT and self.fpos is not None:
+            text = self.float_linear(node)
+            if text is not None:
+                return text
         text = self(node)
         return f"static_cast<float>({text})" if node.type is Type.INT else text
+
+    def float_linear(self, node: Expr) -> str | None:
+        """The fp32 text of an int tree linear in i and j, or of its abs (module doc: float
+        positions); None where the int path applies."""
+        absolute = isinstance(node, Call) and node.func == "abs"
+        form = linear_form(node.args[0] if absolute else node)
+        if form is None:
+            return None
+        coefs, const = form
+        a, b = coefs.get("i", 0), coefs.get("j", 0)
+        if (not a and not b) or any(abs(x) >= FLOAT_EXACT for x in (*coefs.values(), const)):
+            return None  # invariant per tile (converted once), or too large to be exact
+        terms = (
+            [_times(a, self.fpos["i-j"])]
+            if a == -b
+            else [_times(k, self.fpos[v]) for v, k in (("i", a), ("j", b)) if k]
+        )
+        rest = [
+            f"{_int_literal(k)} * static_cast<int64_t>({self.names[v]})"
+            if k not in (1, -1)
+            else f"{'-' if k < 0 else ''}static_cast<int64_t>({self.names[v]})"
+            for v, k in sorted(coefs.items())
+            if v not in ("i", "j")
+        ]
+        if const:
+            rest.append(_int_literal(const))
+        if rest:
+            terms.append(f"static_cast<float>({' + '.join(rest)})")
+        text = terms[0] if len(terms) == 1 else f"({' + '.join(terms)})"
+        return f"fabsf({text})" if absolute else text
 
     def __call__(self, node: Expr) -> str:
         if isinstance(node, Const):
@@ -214,12 +318,19 @@ def emit_cpp(
     *,
     params: str = "p",
     access: Mapping[ParamKind | str, str] | None = None,
+    float_positions: Mapping[str, str] | None = None,
 ) -> str:
     """The C++ expression of `tree` (module doc), fully parenthesised.
 
     `names` maps each variable the tree reads to C++ text (e.g. `{'s': 'x', 'i': 'qi', 'j':
     'kj', 'h': 'head'}`); `params` is the C++ name of the parameter object; `access` overrides
-    `DEFAULT_ACCESS` for some kinds (keys `ParamKind` or their YAML spelling)."""
+    `DEFAULT_ACCESS` for some kinds (keys `ParamKind` or their YAML spelling);
+    `float_positions` maps "i", "j" and "i-j" to float C++ text of those values (module doc),
+    None for exact int arithmetic everywhere."""
+    if float_positions is not None:
+        missing = [k for k in FLOAT_POSITION_KEYS if not float_positions.get(k)]
+        if missing:
+            raise ValueError(f"emit_cpp: float_positions lacks {', '.join(missing)}")
     used = sorted({n.name for n in walk(tree) if isinstance(n, Var)})
     missing = [v for v in used if not names.get(v)]
     if missing:
@@ -227,4 +338,4 @@ def emit_cpp(
     table = dict(DEFAULT_ACCESS)
     for kind, template in (access or {}).items():
         table[ParamKind(kind)] = template
-    return _Emitter(names, params, table)(tree)
+    return _Emitter(names, params, table, float_positions)(tree)

@@ -12,9 +12,10 @@
 //             (dtype, device, sizes, strides) of every tensor argument, packed lengths
 //             excepted, and every scalar argument but the per-call values (softmax_scale,
 //             varlen max_seqlen). Equal keys give equal plans.
-//   fallback  a call the fast path does not serve (dropout, empty or misaligned tensors,
-//             values the planner must check): it runs the Python implementation, which
-//             launches through ctypes or raises the Python path's error.
+//   fallback  a call the fast path does not serve (empty or misaligned tensors, values the
+//             planner must check; dropout in a build without torch's CUDA generator): it
+//             runs the Python implementation, which launches through ctypes or raises the
+//             Python path's error.
 //
 // Why a cache of plans and not a port of the checks: the checks, their messages and the
 // kernel selection live once, in Python; this file only fills the C parameter structs
@@ -40,6 +41,16 @@
 
 #include "bwd_params.h"
 #include "params.h"
+
+// With a CUDA build of torch (binding.py links libtorch_cuda and defines this), dropout
+// forwards take the Philox state of the device's default CUDA generator here, graph-safe
+// under capture; without it they take the Python implementation.
+#ifdef FLASHGEN_CUDA_GENERATOR
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+constexpr bool kCudaGenerator = true;
+#else
+constexpr bool kCudaGenerator = false;
+#endif
 
 namespace py = pybind11;
 using at::Tensor;
@@ -128,6 +139,7 @@ struct Plan {
   std::vector<Slot> slots;
   int64_t block_m = 1;
   bool deterministic = false;
+  int64_t philox_step = 4;  // ops.PHILOX_OFFSET_STEP: one forward's Philox offset increment
 };
 
 constexpr size_t kPlanLimit = 1024;  // bounded like the Python memos: cleared when full
@@ -203,6 +215,7 @@ std::shared_ptr<const Plan> plan_from_py(const py::object& obj) {
   plan->window_right = as_int(d["window_right"]);
   plan->block_m = as_int(d["block_m"]);
   plan->deterministic = d["deterministic"].cast<bool>();
+  plan->philox_step = as_int(d["philox_step"]);
   for (auto item : d["score_slots"]) {
     py::tuple s = item.cast<py::tuple>();
     plan->slots.push_back({as_int(s[0]), as_int(s[1]), as_int(s[2])});
@@ -293,6 +306,44 @@ Tensor scalar_i64(uint64_t value) {
   return at::scalar_tensor(static_cast<int64_t>(value), at::TensorOptions().dtype(at::kLong));
 }
 
+// The forward's Philox seed and offset, from the device's default CUDA generator as torch's
+// fused attention takes them (`philox_cuda_state`, which advances the generator's offset by
+// `step`). Outside capture: by value, returned as 0-dim int64 CPU tensors (the Python path's
+// values, ops.philox_state). Under CUDA-graph capture the state holds device pointers that
+// torch refills before each replay (at::PhiloxCudaState, read as at::cuda::philox::unpack
+// does: philox_seed.cuh): the kernel reads them and writes the values it used into two 0-dim
+// int64 device tensors, which are returned and read back by the backward.
+struct PhiloxOut {
+  Tensor seed, offset;
+};
+PhiloxOut take_philox(fg_fwd_params& p, const Tensor& q, int64_t step) {
+#ifdef FLASHGEN_CUDA_GENERATOR
+  auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+      c10::nullopt, at::cuda::detail::getDefaultCUDAGenerator(q.device().index()));
+  at::PhiloxCudaState state;
+  {
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    state = gen->philox_cuda_state(static_cast<uint64_t>(step));
+  }
+  if (!state.captured_) {
+    p.seed = state.seed_.val, p.offset = state.offset_.val;
+    return {scalar_i64(p.seed), scalar_i64(p.offset)};
+  }
+  const auto opts = q.options().dtype(at::kLong);
+  PhiloxOut out{at::empty({}, opts), at::empty({}, opts)};
+  p.philox_seed_ptr = reinterpret_cast<const uint64_t*>(state.seed_.ptr);
+  p.philox_offset_ptr = reinterpret_cast<const uint64_t*>(state.offset_.ptr);
+  p.philox_offset_add = state.offset_intragraph_;
+  p.philox_seed_out = reinterpret_cast<uint64_t*>(out.seed.data_ptr<int64_t>());
+  p.philox_offset_out = reinterpret_cast<uint64_t*>(out.offset.data_ptr<int64_t>());
+  return out;
+#else
+  (void)p, (void)q, (void)step;
+  TORCH_CHECK(false, "flashgen binding: built without torch's CUDA generator");
+  return {};
+#endif
+}
+
 // ---- flashgen::fwd --------------------------------------------------------------------------
 // q k v cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k dropout_p softmax_scale causal
 // window_left window_right deterministic softcap alibi_slopes learnable_sink
@@ -322,9 +373,10 @@ void fwd_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   const auto plan =
       get_plan(g_fwd_plans, fwd_key(a, varlen), g_py->fwd_plan, &plan_from_py, stack, kFwdArgs);
   const int64_t max_q = a[5].toInt(), max_k = a[6].toInt();
-  const double scale = a[8].toDouble();
+  const double scale = a[8].toDouble(), dropout_p = a[7].toDouble();
   const bool serve = !plan->python && q.numel() > 0 && k.numel() > 0 && aligned(q) &&
                      aligned(k) && aligned(v) && finite_positive(scale) &&
+                     (dropout_p == 0.0 || kCudaGenerator) &&
                      (!varlen || (cu_q && cu_k && max_q >= 0 && max_k >= 0 &&
                                   k.size(0) == v.size(0)));
   if (!serve) {
@@ -364,8 +416,10 @@ void fwd_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   p.total_k = varlen ? k.size(0) : 0;
   p.softmax_scale = scale;
   p.window_left = plan->window_left, p.window_right = plan->window_right;
-  p.dropout_p = a[7].toDouble();  // 0: dropout takes the Python path (the generator's state)
+  p.dropout_p = dropout_p;
   p.seed = 0, p.offset = 0;
+  PhiloxOut philox;
+  if (dropout_p > 0.0) philox = take_philox(p, q, plan->philox_step);
   p.blk_layout_heads = 1;
   set_score_slots(p.score, *plan, alibi, sink, nullptr);
 
@@ -375,7 +429,9 @@ void fwd_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
     if (err != 0) launch_failed(plan->name, plan->check, err, &p);
   }
   torch::jit::drop(*stack, kFwdArgs);
-  torch::jit::push(*stack, std::move(out), std::move(lse), scalar_i64(0), scalar_i64(0));
+  if (!philox.seed.defined()) philox = {scalar_i64(0), scalar_i64(0)};
+  torch::jit::push(*stack, std::move(out), std::move(lse), std::move(philox.seed),
+                   std::move(philox.offset));
 }
 
 // ---- flashgen::bwd --------------------------------------------------------------------------
@@ -479,8 +535,13 @@ void bwd_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   p.softmax_scale = scale;
   p.window_left = plan->window_left, p.window_right = plan->window_right;
   p.dropout_p = a[12].toDouble();
-  p.seed = static_cast<uint64_t>(*seed.data_ptr<int64_t>());
-  p.offset = static_cast<uint64_t>(*offset.data_ptr<int64_t>());
+  if (seed.is_cpu()) {  // the forward's values
+    p.seed = static_cast<uint64_t>(*seed.data_ptr<int64_t>());
+    p.offset = static_cast<uint64_t>(*offset.data_ptr<int64_t>());
+  } else {  // a captured forward's: the kernel reads what that forward wrote
+    p.philox_seed_ptr = reinterpret_cast<const uint64_t*>(seed.data_ptr<int64_t>());
+    p.philox_offset_ptr = reinterpret_cast<const uint64_t*>(offset.data_ptr<int64_t>());
+  }
   p.blk_layout_heads = 1;
   set_score_slots(p.score, *plan, alibi, sink, &dsink);
 
@@ -894,4 +955,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("FWD_PARAMS_BYTES") = py::int_(sizeof(fg_fwd_params));
   m.attr("BWD_PARAMS_BYTES") = py::int_(sizeof(fg_bwd_params));
   m.attr("SCORE_PARAMS_BYTES") = py::int_(sizeof(fg_score_params));
+  m.attr("CUDA_GENERATOR") = py::bool_(kCudaGenerator);
 }

@@ -82,6 +82,36 @@ def test_dropout_keep_mask_is_bit_exact_and_output_passes(spec, specs, recorder)
         raise
 
 
+@pytest.mark.parametrize("spec", [s for s in DROPOUT if s.debug_keep_mask], ids=kernel_name)
+def test_seed_and_offset_through_pointers_draw_the_by_value_mask(spec, specs):  # noqa: ARG001
+    """The graph-safe form (seed and offset read on the device, part of the offset added as
+    philox_offset_add: torch's PhiloxCudaState under capture) gives the by-value launch's
+    keep-mask and output bit for bit, and the kernel records the pair it used."""
+    kernel = load_kernel(spec, CUBIN_DIR)
+
+    @SETTINGS
+    @given(
+        case=runtime_case(spec),
+        seed=st.integers(0, 2**64 - 1),
+        offset=st.integers(0, 2**32 - 1),
+    )
+    def prop(case, seed, offset):
+        q, k, v, kw = make_inputs(spec, case)
+        runs = [
+            kernel.run(
+                q, k, v, dropout_p=0.3, seed=seed, offset=offset, philox_pointers=ptr, **kw
+            )  # fmt: skip
+            for ptr in (False, True)
+        ]
+        np.testing.assert_array_equal(runs[0].keep_mask, runs[1].keep_mask)
+        np.testing.assert_array_equal(runs[0].o, runs[1].o)
+        np.testing.assert_array_equal(runs[0].lse, runs[1].lse)
+        assert runs[1].stats["philox_recorded"] == (seed, offset)
+        assert runs[1].stats["margins_intact"]
+
+    prop()
+
+
 @pytest.mark.parametrize("spec", [s for s in DROPOUT if s.debug_keep_mask][:1], ids=kernel_name)
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_keep_rate_is_within_binomial_bounds(spec, p, specs):  # noqa: ARG001

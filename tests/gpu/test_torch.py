@@ -617,14 +617,78 @@ def test_cuda_graph_capture_and_replay_of_forward_and_backward():
             assert torch.equal(a, b_)
 
 
-def test_dropout_under_cuda_graph_capture_is_refused():
+def test_dropout_under_cuda_graph_capture_draws_a_new_mask_each_replay():
+    """A captured forward + backward with dropout, replayed twice: the kernels read the Philox
+    seed and offset on the device at each replay (torch's graph-safe generator state on the
+    compiled binding, a device-drawn pair on the ctypes path) and the forward writes the pair
+    it used. Each replay's keep mask, read back from O bit for bit (V is one-hot over the
+    keys, so O[i, j] is 0 exactly where key j was dropped), is the one verify.dropout derives
+    from that pair; the two replays' masks differ; O, dq, dk, dv are the float64 reference's
+    with that mask (the backward replays the forward's mask)."""
     rng = np.random.default_rng(12)
+    b, s, h, d, p = 1, 97, 2, 128, 0.3  # s <= d: one column of V per key
+    shape = (b, s, h, d)
+    onehot = np.zeros(shape)
+    onehot[:, np.arange(s), :, np.arange(s)] = 1.0  # v[b, j, h, :] = e_j
+
+    def inputs():
+        # fresh leaf tensors: no autograd ran on them before the capture (pytorch#137483)
+        qkv = [_tensor(rng.standard_normal(shape), "bf16", True) for _ in range(2)]
+        return (*qkv, _tensor(onehot, "bf16", True), _tensor(rng.standard_normal(shape), "bf16"))
+
+    def step(q, k, v, dout):
+        out, lse, seed, offset = torch.ops.flashgen.fwd.default(
+            q, k, v, None, None, 0, 0, p, d**-0.5, False, -1, -1, False
+        )
+        return (out, lse, seed, offset, *torch.autograd.grad(out, (q, k, v), dout))
+
+    warm = inputs()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # libraries loaded, launch attributes set, plans made
+        step(*warm)
+    torch.cuda.current_stream().wait_stream(side)
+    q, k, v, dout = inputs()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse, seed, offset, dq, dk, dv = step(q, k, v, dout)
+    assert seed.device.type == "cuda" and offset.device.type == "cuda"
+    masks, pairs = [], []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        pair = (ops._u64(seed), ops._u64(offset))
+        keep = vdropout.keep_mask(*pair, b, h, s, s, p)
+        drawn = _np(out)[..., :s].transpose(0, 2, 1, 3) != 0  # (b, h, i, j)
+        assert np.array_equal(drawn, keep), f"the kernel's mask is not verify.dropout's {pair}"
+        res = SimpleNamespace(inputs={"q": _np(q), "k": _np(k), "v": _np(v)}, o=_np(out),
+                              lse=_np(lse))  # fmt: skip
+        spec = _spec("fwd", "bf16", d, dropout=True)
+        for name, verdict in verdicts(spec, res, keep_mask=keep, dropout_p=p).items():
+            assert verdict.passed, f"forward {name}: {verdict.message}"
+        bres = SimpleNamespace(
+            inputs={"q": _np(q), "k": _np(k), "v": _np(v), "o": _np(out), "lse": _np(lse),
+                    "dout": _np(dout)},
+            dq=_np(dq), dk=_np(dk), dv=_np(dv),
+        )  # fmt: skip
+        ref_kw = {"keep_mask": keep, "dropout_p": p}
+        for name, verdict in bwd_verdicts(_spec("bwd", "bf16", d, dropout=True), bres,
+                                          ref_kw).items():  # fmt: skip
+            assert verdict.passed, f"backward {name}: {verdict.message}"
+        masks.append(keep)
+        pairs.append(pair)
+    assert pairs[0] != pairs[1]
+    assert not np.array_equal(masks[0], masks[1])
+
+
+def test_return_attn_probs_with_dropout_under_capture_is_refused():
+    rng = np.random.default_rng(13)
     q, k, v = (_tensor(rng.standard_normal((1, 64, 2, 64)), "bf16") for _ in range(3))
     flash_attn_func(q, k, v, dropout_p=0.1)  # warm up outside the capture
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(UnsupportedCall, match="CUDA graph capture"):
         with torch.cuda.graph(graph):
-            flash_attn_func(q, k, v, dropout_p=0.1)
+            flash_attn_func(q, k, v, dropout_p=0.1, return_attn_probs=True)
 
 
 # -- the drop-in check: the same call through SDPA -------------------------------------------------

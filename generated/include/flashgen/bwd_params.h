@@ -63,6 +63,11 @@ typedef struct fg_bwd_params {
   /* dropout: the forward's Philox stream; keep iff philox word >= floor(p * 2^32) */
   double dropout_p;
   uint64_t seed, offset;
+  /* when philox_seed_ptr is not NULL: seed = *philox_seed_ptr, offset = *philox_offset_ptr +
+     philox_offset_add, read at run time (e.g. the forward's philox_seed_out / _offset_out) */
+  const uint64_t* philox_seed_ptr;
+  const uint64_t* philox_offset_ptr;
+  uint64_t philox_offset_add;
   uint8_t* keep_mask; /* debug only: (batch, heads, seqlen_q, seqlen_k), written */
 
   /* block sparsity (int32), the forward's layout transposed: per layout head and K/V tile,

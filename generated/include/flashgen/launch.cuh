@@ -43,6 +43,8 @@ const char* check_fwd_params(const fg_fwd_params& p) {
     return "cu_seqlens_q and cu_seqlens_k must be 4-byte aligned int32 arrays";
   if (C::kDropout && !(p.dropout_p >= 0.0 && p.dropout_p < 1.0))
     return "dropout_p must be in [0, 1)";
+  if (C::kDropout && (p.philox_seed_ptr == nullptr) != (p.philox_offset_ptr == nullptr))
+    return "philox_seed_ptr and philox_offset_ptr must be given together (or neither)";
   if (C::kKeepMaskOut && !p.keep_mask) return "debug_keep_mask needs a keep_mask buffer";
   if (C::kSparse) {
     if (!p.blk_full_count || !p.blk_full_idx || !p.blk_part_count || !p.blk_part_idx)

@@ -47,6 +47,16 @@ typedef struct fg_fwd_params {
   /* dropout: keep iff philox word >= floor(p * 2^32) */
   double dropout_p;
   uint64_t seed, offset;
+  /* graph-safe dropout (torch's at::PhiloxCudaState under CUDA-graph capture): when
+     philox_seed_ptr is not NULL the kernel ignores seed and offset and reads, at run time (each
+     graph replay), seed = *philox_seed_ptr and offset = *philox_offset_ptr + philox_offset_add */
+  const uint64_t* philox_seed_ptr;
+  const uint64_t* philox_offset_ptr;
+  uint64_t philox_offset_add;
+  /* when not NULL: the (seed, offset) the launch used, written once (one uint64 each); the
+     backward reads them back through its philox_seed_ptr / philox_offset_ptr */
+  uint64_t* philox_seed_out;
+  uint64_t* philox_offset_out;
   uint8_t* keep_mask; /* debug only: (batch, heads, seqlen_q, seqlen_k) */
 
   /* block sparsity (int32), per layout head: [layout_heads][num_q_tiles](...) */

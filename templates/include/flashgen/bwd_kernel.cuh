@@ -41,6 +41,7 @@
 #include "mask.cuh"
 #include "mask_mod.cuh"
 #include "philox.cuh"
+#include "philox_seed.cuh"
 #include "schedule.cuh"
 #include "score_mod.cuh"
 #include "tile_io.cuh"
@@ -280,6 +281,8 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
   using Mod = ScoreModOf<C, false>;  // the score stage (score_mod.cuh); the LSE holds the sink
   const Mod mod0(p.score, p.softmax_scale);
   const float drop_scale = C::kDropout ? static_cast<float>(1.0 / (1.0 - p.dropout_p)) : 1.f;
+  // the Philox stream's (seed, offset): by value, or read once here (philox_seed.cuh)
+  const PhiloxSeed philox = C::kDropout ? philox_seed(p) : PhiloxSeed{0, 0};
 
   if (cur.valid) {
     load_tile_async<C::kBlockN, C::kHeadDimPad, C::kThreads, C::kStride, C::kHeadDim>(
@@ -380,7 +383,8 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
 #pragma unroll
     for (int w = 0; w < (C::kSMT * C::kSNT * 4 + 31) / 32; ++w) keep_bits[w] = 0u;
     if (C::kDropout) {
-      const DropoutRng rng = make_dropout_rng(p.seed, p.offset, b * p.heads + h, p.dropout_p);
+      const DropoutRng rng =
+          make_dropout_rng(philox.seed, philox.offset, b * p.heads + h, p.dropout_p);
       dropout_frag<C::kSMT, C::kSNT>(
           rng, r0 + s_row0, c0 + s_col0, lane,
           [&](int mt, int n8, int e, bool keep, int64_t i, int64_t j) {

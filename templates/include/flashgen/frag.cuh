@@ -18,24 +18,9 @@
 
 namespace fg {
 
-// Scores of keys that row i may not see become -inf (so exp gives exactly 0).
-template <int kMT, int kNT>
-__device__ __forceinline__ void mask_frag(float (&acc)[kMT][kNT][4], const TileMask& tm,
-                                          int lane) {
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int il = mt * 16 + g + (e >> 1) * 8, jl = nt * 8 + 2 * t + (e & 1);
-        if (!tm.visible(il, jl)) acc[mt][nt][e] = -INFINITY;
-      }
-}
-
-// The same with the visibility of (il, jl), offsets from the warp's corner, given by a functor
-// (a spec's mask_mod: mask_mod.cuh).
+// Scores of keys that row i may not see become -inf (so exp gives exactly 0): the visibility
+// of (il, jl), offsets from the warp's corner, given by a functor (a spec's mask_mod:
+// mask_mod.cuh) ...
 template <int kMT, int kNT, class Visible>
 __device__ __forceinline__ void mask_frag_by(float (&acc)[kMT][kNT][4], int lane,
                                              Visible&& visible) {
@@ -49,6 +34,13 @@ __device__ __forceinline__ void mask_frag_by(float (&acc)[kMT][kNT][4], int lane
         const int il = mt * 16 + g + (e >> 1) * 8, jl = nt * 8 + 2 * t + (e & 1);
         if (!visible(il, jl)) acc[mt][nt][e] = -INFINITY;
       }
+}
+
+// ... or by the kernel's mask policy (mask.cuh's TileMask).
+template <int kMT, int kNT>
+__device__ __forceinline__ void mask_frag(float (&acc)[kMT][kNT][4], const TileMask& tm,
+                                          int lane) {
+  mask_frag_by(acc, lane, [&](int il, int jl) { return tm.visible(il, jl); });
 }
 
 // The same for fragments whose rows are not consecutive queries (decode packs the query heads

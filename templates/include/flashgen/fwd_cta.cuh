@@ -18,6 +18,7 @@
 #include "mask_mod.cuh"
 #include "params.h"
 #include "philox.cuh"
+#include "philox_seed.cuh"
 #include "schedule.cuh"
 #include "tile_io.cuh"
 
@@ -38,6 +39,13 @@ __device__ __forceinline__ FwdTileId fwd_tile_id(const fg_fwd_params& p) {
   id.b = bid / p.heads;
   id.qt = C::kCausal != Causal::kNone ? id.num_qt - 1 - qt_raw : qt_raw;
   return id;
+}
+
+// The (seed, offset) of this launch into p.philox_seed_out / _offset_out (philox_seed.cuh);
+// every forward body calls it first, before a CTA can leave.
+template <class C>
+__device__ __forceinline__ void fwd_record_philox(const fg_fwd_params& p) {
+  if constexpr (C::kDropout) record_philox_seed(p);
 }
 
 template <class C>
@@ -84,7 +92,8 @@ template <class C>
 __device__ __forceinline__ FwdDropout fwd_dropout(const fg_fwd_params& p, int64_t b, int64_t h) {
   FwdDropout d{DropoutRng{}, 1.f};
   if (C::kDropout) {
-    d.rng = make_dropout_rng(p.seed, p.offset, b * p.heads + h, p.dropout_p);
+    const PhiloxSeed s = philox_seed(p);
+    d.rng = make_dropout_rng(s.seed, s.offset, b * p.heads + h, p.dropout_p);
     d.scale = static_cast<float>(1.0 / (1.0 - p.dropout_p));
   }
   return d;

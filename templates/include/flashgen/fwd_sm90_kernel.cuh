@@ -149,6 +149,7 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
   Io<C::kInstrumentIo, FwdIo> io_setup;  // the setup's META reads (cu_seqlens, layout counts)
 
   // ---- which (query tile, head, batch) this CTA is (fwd_cta.cuh), and where its sequence lies
+  fwd_record_philox<C>(p);
   const FwdTileId id = fwd_tile_id<C>(p);
   if (id.b >= p.batch) return;  // a grid larger than the problem's (the launcher never makes one)
   const int64_t qt = id.qt, h = id.h, b = id.b;

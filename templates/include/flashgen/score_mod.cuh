@@ -100,8 +100,13 @@ struct Alibi {
 // int32: positions and lengths are below 2^31 (the masks' tile offsets are int32 already), and
 // four 32-bit registers stay live beside the accumulators where four 64-bit pairs spilled (the
 // Hopper backward); a score_mod widens them to int64 as it reads them.
+// fi, fj and fij are i, j and i - j as floats (exact below 2^24): a per-lane base plus a
+// compile-time offset once unrolled, read where a score_mod's float reads an int expression
+// linear in i and j (generator/usermod/emit.py, float positions), so that no score pays an
+// int-to-float conversion; dead code otherwise.
 struct ScorePos {
   int i, j, sq, sk;
+  float fi, fj, fij;
 };
 
 // A spec's score_mod (generator/usermod): `U` is the Spec's rendered `UserScore` (value, grad,
@@ -261,27 +266,43 @@ __device__ __forceinline__ int tile_dist0(int64_t i0, int64_t j0, int64_t shift)
 // A tile's corner (i0, j0) in its sequence, with the corner's diagonal distance and the
 // sequence's lengths (from the kernel's mask policy, mask.cuh): element (il, jl) is at
 // distance dist0 + jl - il and position pos(il, jl).
+// The corner's float positions (ScorePos) are converted once here, per tile and lane.
 struct TileAt {
   int dist0, i0, j0, sq, sk;
+  float fi0, fj0, fij0;
+  static __device__ __forceinline__ TileAt make(int dist0, int i0, int j0, int sq, int sk) {
+    return TileAt{dist0, i0, j0, sq, sk, static_cast<float>(i0), static_cast<float>(j0),
+                  static_cast<float>(i0 - j0)};
+  }
+  // the corner moved by (di, dj) (a lane's first element)
+  __device__ __forceinline__ TileAt moved(int di, int dj) const {
+    return make(dist0, i0 + di, j0 + dj, sq, sk);
+  }
   __device__ __forceinline__ ScorePos pos(int il, int jl) const {
-    return ScorePos{i0 + il, j0 + jl, sq, sk};
+    return ScorePos{i0 + il,
+                    j0 + jl,
+                    sq,
+                    sk,
+                    fi0 + static_cast<float>(il),
+                    fj0 + static_cast<float>(jl),
+                    fij0 + static_cast<float>(il - jl)};
   }
 };
 template <class Mask>
 __device__ __forceinline__ TileAt tile_at(int64_t i0, int64_t j0, const Mask& mask) {
-  return TileAt{tile_dist0(i0, j0, mask.shift), static_cast<int>(i0), static_cast<int>(j0),
-                static_cast<int>(mask.sq), static_cast<int>(mask.sk)};
+  return TileAt::make(tile_dist0(i0, j0, mask.shift), static_cast<int>(i0), static_cast<int>(j0),
+                      static_cast<int>(mask.sq), static_cast<int>(mask.sk));
 }
 
 // The stage on one warp's m16n8 fragments (frag.cuh's coordinates; the warp's corner `at`).
 // The lane's distances are one float base plus compile-time offsets once unrolled, and so
-// are its positions (an int64 base per lane).
+// are its positions (an int base and a float base per lane).
 template <class Mod, int kMT, int kNT>
 __device__ __forceinline__ void score_frag(float (&acc)[kMT][kNT][4], const Mod& mod,
                                            const TileAt& at, int lane) {
   if constexpr (Mod::kTransforms) {
     const float base = static_cast<float>(at.dist0 + 2 * (lane & 3) - (lane >> 2));
-    const TileAt lat = TileAt{at.dist0, at.i0 + (lane >> 2), at.j0 + 2 * (lane & 3), at.sq, at.sk};
+    const TileAt lat = at.moved(lane >> 2, 2 * (lane & 3));
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -303,7 +324,7 @@ __device__ __forceinline__ void score_frag(float (&acc)[kMT][kNT][4], const Mod&
   if constexpr (Mod::kHasGrad) {
     static_assert(kGM == kMT && kGN == kNT, "grad has the fragments' shape");
     const float base = static_cast<float>(at.dist0 + 2 * (lane & 3) - (lane >> 2));
-    const TileAt lat = TileAt{at.dist0, at.i0 + (lane >> 2), at.j0 + 2 * (lane & 3), at.sq, at.sk};
+    const TileAt lat = at.moved(lane >> 2, 2 * (lane & 3));
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
