@@ -581,6 +581,8 @@ def _parse_scalar(fld: str, v: Any, line: int, idx: str, err: Any) -> Any:
     if isinstance(v, (list, Mapping)):
         what = "a nested list" if idx and isinstance(v, list) else _kind(v)
         raise err(f"expected a single value, got {what}", shown, line)
+    if f.kind is FieldKind.ENUM and v is None and f.optional:
+        return None  # absent (kv_dtype: the q dtype)
     if f.kind is FieldKind.ENUM:
         allowed = ", ".join(f.enum.allowed())
         if not isinstance(v, str):

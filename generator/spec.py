@@ -38,6 +38,7 @@ __all__ = [
     "Causal",
     "Dtype",
     "KernelKind",
+    "KvDtype",
     "KernelSpec",
     "Mask",
     "SpecError",
@@ -181,6 +182,45 @@ class Dtype(_Spelled):
     @property
     def numpy_name(self) -> str:
         return self.value.numpy_name
+
+
+class _KvDtypeRow(NamedTuple):
+    yaml: str
+    short: str  # kernel-name part
+    cpp: str
+    nbytes: int
+    torch_name: str  # torch.<name>, the element type callers pass
+    min_cc: int  # the first compute capability with its conversion instructions
+
+
+class KvDtype(_Spelled):
+    """The element type of a decode kernel's K/V cache when it is not the q dtype
+    (`kv_dtype`; absent: K/V have the q dtype). e4m3: FP8 (OCP E4M3, torch.float8_e4m3fn,
+    max 448, NaN but no inf), dequantised as `k_descale * K` and `v_descale * V` with fp32
+    descales (docs/decode.md, "FP8 KV caches"). Converted to the q dtype on chip with
+    `cvt.rn.f16x2.e4m3x2`, which PTX has from sm_89."""
+
+    E4M3 = _KvDtypeRow("e4m3", "kve4m3", "__nv_fp8_e4m3", 1, "float8_e4m3fn", 89)
+
+    @property
+    def short(self) -> str:
+        return self.value.short
+
+    @property
+    def cpp(self) -> str:
+        return self.value.cpp
+
+    @property
+    def nbytes(self) -> int:
+        return self.value.nbytes
+
+    @property
+    def torch_name(self) -> str:
+        return self.value.torch_name
+
+    @property
+    def min_cc(self) -> int:
+        return self.value.min_cc
 
 
 class _CausalRow(NamedTuple):
@@ -457,6 +497,16 @@ FIELDS: tuple[Field, ...] = (
         feature="paged KV cache",
         kinds=(KernelKind.DECODE,),
     ),
+    Field(
+        "kv_dtype",
+        FieldKind.ENUM,
+        None,
+        KvDtype,
+        lambda k: k.short if k is not None else "",
+        kinds=(KernelKind.DECODE,),
+        doc="the K/V cache's element type when not the q dtype (e4m3: an FP8 cache)",
+        optional=True,
+    ),
     *(
         Field(
             f.name,
@@ -562,6 +612,8 @@ class KernelSpec:
     gqa: bool = False
     deterministic: bool = False
     paged: bool = False
+    # the K/V cache's element type, or None: the q dtype (decode only)
+    kv_dtype: KvDtype | None = None
     # score-stage features that are on (names of generator.features rows: softcap, alibi,
     # sink); spelled in YAML as top-level booleans
     features: frozenset[str] = frozenset()
@@ -591,7 +643,8 @@ class KernelSpec:
         for f in FIELDS:
             value = f.get(self)
             if f.kind is FieldKind.ENUM:
-                _check_enum(value, f.enum, f.path)
+                if not (f.optional and value is None):
+                    _check_enum(value, f.enum, f.path)
             elif f.kind is FieldKind.BOOL:
                 _check_bool(value, f.path)
             elif f.kind is FieldKind.INT and not (f.optional and value is None):
@@ -678,6 +731,11 @@ class KernelSpec:
         return max(self.head_dim, self.head_dim_vo)
 
     @property
+    def kv_nbytes(self) -> int:
+        """Bytes per K/V cache element: the q dtype's, or kv_dtype's."""
+        return self.dtype.nbytes if self.kv_dtype is None else self.kv_dtype.nbytes
+
+    @property
     def sparse(self) -> bool:
         return self.sparsity is Sparsity.BLOCK
 
@@ -696,6 +754,7 @@ class KernelSpec:
             or self.features
             or self.score_mod is not None
             or self.mask_mod is not None
+            or self.kv_dtype is not None
         )
 
     @property
@@ -939,6 +998,7 @@ def build_spec(values: dict[str, Any], *, tile_auto: bool = False, source: str =
         None if values.get("score_mod") is None else parse_user_mod(values["score_mod"], params)
     )
     top["mask_mod"] = parse_user_mod(values.get("mask_mod"), params, kind="mask_mod")
+    top["kv_dtype"] = values.get("kv_dtype")
     mask = Mask(**{f.sub: values[f.path] for f in FIELDS if f.top == "mask"})
     feats = [f for f in FIELDS if f.score_feature]
     for f in feats:

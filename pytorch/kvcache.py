@@ -62,6 +62,7 @@ from flashgen.generator.families.decode import WORKSPACE_HEADER
 from flashgen.generator.spec import Dtype, KernelKind
 from flashgen.runtime import DecodeLibrary
 from flashgen.torch import cache, interface, selection
+from flashgen.torch import kvcache_fp8 as _fp8
 from flashgen.torch import kvcache_prep as prep
 from flashgen.torch import kvcache_select as ks
 from flashgen.torch import ops as _ops
@@ -91,6 +92,7 @@ __all__ = [
 CHECK_ENV = "FLASHGEN_KVCACHE_CHECK"  # "1": check_inputs=True by default
 _TORCH_DTYPES = {Dtype.FP16: torch.float16, Dtype.BF16: torch.bfloat16}
 _HALF = (torch.float16, torch.bfloat16)
+_FP8 = torch.float8_e4m3fn
 _DECODE = (KernelKind.DECODE,)
 
 
@@ -503,6 +505,8 @@ def flash_attn_with_kvcache(
     *,
     check_inputs: Optional[bool] = None,
     learnable_sink: Optional[Tensor] = None,
+    k_descale: Union[Tensor, float, None] = None,
+    v_descale: Union[Tensor, float, None] = None,
 ) -> Result:
     """Attention of new queries over a KV cache, appending new keys first, as flash-attn 2.8's.
 
@@ -571,6 +575,12 @@ def flash_attn_with_kvcache(
         learnable_sink: None, or float32 `(heads,)` on q's device: attention sinks, as in
             flash_attn_func (`exp(sink_h)` joins each row's softmax denominator and its LSE; a
             row that sees no key gives O = 0 and LSE = sink_h). No gradient here.
+        k_descale, v_descale: FP8 caches (k_cache, v_cache `torch.float8_e4m3fn`, FA3's
+            `flash_attn_with_kvcache`): float32 `(batch, kv_heads)`, or a per-tensor scale (a
+            one-element float32 tensor or a float, as vLLM's k_scale / v_scale); the
+            attention uses `k_descale * k_cache` and `v_descale * v_cache`. Required with FP8
+            caches, refused otherwise; appended k, v are quantised with them (clamped to
+            +-448); `flashgen.torch.kvcache_fp8` lists what FP8 calls serve.
 
     Returns `out` `(batch, seqlen_q, heads, head_dim)` in q's dtype, or `(out, softmax_lse)`.
     No gradient: inputs are detached (inference only).
@@ -582,6 +592,28 @@ def flash_attn_with_kvcache(
     """
     if check_inputs is None:
         check_inputs = os.environ.get(CHECK_ENV, "") == "1"
+    if (  # FP8 caches (docs/decode.md): identity tests, cheap on the plain path's host time
+        k_descale is not None
+        or v_descale is not None
+        or getattr(k_cache, "dtype", None) is _FP8
+        or getattr(v_cache, "dtype", None) is _FP8
+    ):
+        given = {
+            "rotary_cos / rotary_sin": rotary_cos is not None or rotary_sin is not None,
+            "cache_batch_idx": cache_batch_idx is not None,
+            "cache_leftpad": cache_leftpad is not None,
+            "softcap": bool(softcap),
+            "alibi_slopes": alibi_slopes is not None,
+            "learnable_sink": learnable_sink is not None,
+            "seqlen_q > 16": q.dim() == 4 and q.shape[1] > ks.MAX_QUERIES,
+        }
+        out, lse = _fp8.fp8_decode(
+            q, k_cache, v_cache, k_descale, v_descale, cache_seqlens=cache_seqlens,
+            block_table=block_table, softmax_scale=softmax_scale, causal=causal,
+            window_size=window_size, num_splits=num_splits, check_inputs=bool(check_inputs),
+            unsupported=given, k=k, v=v,
+        )  # fmt: skip
+        return (out, lse) if return_softmax_lse else out
     if type(num_splits) is not int:  # (not int(): 1.7 would run as 1)
         if isinstance(num_splits, bool) or not hasattr(num_splits, "__index__"):
             raise UnsupportedCall(

@@ -46,6 +46,7 @@ from flashgen.generator.spec import (
     Dtype,
     KernelKind,
     KernelSpec,
+    KvDtype,
 )
 from flashgen.torch.selection import (
     DTYPES,
@@ -122,6 +123,7 @@ class DecodeCall:
     causal: Causal = Causal.NONE
     window: bool = False
     features: frozenset[str] = NO_FEATURES
+    kv_dtype: KvDtype | None = None  # an FP8 cache (flashgen.torch.kvcache_fp8)
 
 
 def decode_mask(
@@ -159,6 +161,7 @@ def decode_spec(call: DecodeCall) -> KernelSpec:
             "mask.window": call.window,
             "gqa": True,
             "paged": call.paged,
+            "kv_dtype": call.kv_dtype,
             **{f.name: f.name in call.features for f in FEATURES},
         },
     )

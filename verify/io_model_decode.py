@@ -5,13 +5,14 @@ kv_heads`, `rows = seqlen_q * group`, `bm`, `bn` the tile's block_m / block_n, `
 
 Main kernel, per CTA (row tile mt, split s, KV head, sequence b) of the grid
 `ceil(rows / bm) x splits x kv_heads x batch`:
-- SEQLENS: 4 (its sequence's cache_seqlens entry).
+- SEQLENS: 4 (its sequence's cache_seqlens entry); FP8 caches: 8 more (its (b, KV head)'s
+  k_descale and v_descale, counted in decode's meta counter like the score features' reads).
 - rows of the CTA: `valid = min(bm, rows - mt*bm)`, queries `q_lo = mt*bm // group` ..
   `q_hi = (mt*bm + valid - 1) // group`; `sk` = cache_seqlens[b] (clamped to the capacity).
 - key tiles: the mask's range for queries [q_lo, q_hi] (docs/conventions.md, "Tile
   schedule", with `shift = sk - seqlen_q`), cut into `splits` runs of `ceil(count / splits)`;
   the CTA takes run s, tiles [a, b).
-- when it has a tile: Q `valid * d * elt`; K and V `(min(b*bn, sk) - a*bn) * d * elt` each;
+- when it has a tile: Q `valid * d * elt`; K and V `(min(b*bn, sk) - a*bn) * d * kv_elt` each;
   paged: BLOCK_TABLE 4 bytes per page holding one of the run's keys below sk (each entry is
   read once per CTA, through 32-page windows).
 - always: splits == 1: O `valid * d * elt` and, when an LSE is asked for, LSE `valid * 4`;
@@ -99,6 +100,7 @@ def decode_bytes(
     (default 16).
     """
     d, elt = spec.head_dim, spec.dtype.nbytes
+    kv_elt = spec.kv_nbytes  # 1 for an FP8 (e4m3) cache
     bm, bn = spec.tile.block_m, spec.tile.block_n
     causal = spec.mask.causal.yaml
     if not spec.mask.window:
@@ -120,7 +122,7 @@ def decode_bytes(
             n_lo, n_hi = key_tile_range(causal, window, seqlen_q, sk, q_lo, q_hi, bn)
             for s in range(splits):
                 a, e = split_tiles(n_lo, n_hi, splits, s)
-                per_head = {"SEQLENS": 4}
+                per_head = {"SEQLENS": 4 + (8 if kv_elt == 1 else 0)}
                 if alibi:  # each valid row's head slope
                     per_head["SEQLENS"] += 4 * valid
                 if sink and splits == 1:  # the final LSE is formed here: each row's sink
@@ -128,7 +130,7 @@ def decode_bytes(
                 if e > a:
                     keys = min(e * bn, sk) - a * bn
                     per_head["Q"] = valid * d * elt
-                    per_head["K"] = per_head["V"] = keys * d * elt
+                    per_head["K"] = per_head["V"] = keys * d * kv_elt
                     if spec.paged:  # each page of the run's keys below sk, once
                         first, last = (a * bn) // ps, (min(e * bn, sk) - 1) // ps
                         per_head["BLOCK_TABLE"] = 4 * (last - first + 1)

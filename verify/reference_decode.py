@@ -17,6 +17,14 @@ decode sequence b, and its ALiBi distance `|i + cache_seqlens[b] - seqlen_q - j|
 bottom_right shift of that sequence, as the kernels define it. A spec's score_mod
 (`score_mod`, `score_params`) likewise: i is the new query (0 .. seqlen_q - 1), j the cache row
 (0 .. cache_seqlens[b] - 1), seqlen_k = cache_seqlens[b].
+
+FP8 caches (`kv_dtype: e4m3`): pass the caches as uint8 e4m3 codes (or their exact float
+values, `verify.fp8.decode`) with `k_descale` / `v_descale` (float32 `(batch, kv_heads)`, or
+a scalar: a per-tensor scale). The caches are dequantised in float64, `descale[b, hk] *
+value`, exactly (the product of an e4m3 value and a float32 is exact in float64), and the
+call proceeds as for a 16-bit cache; the baseline rounds the dequantised values to its dtype
+as it rounds every input (FlashAttention-3's FP8 tests: the reference and the baseline both
+run on the dequantised inputs).
 """
 
 from __future__ import annotations
@@ -27,7 +35,41 @@ from typing import Any
 import numpy as np
 from flashgen.verify import baseline, reference
 
-__all__ = ["decode_baseline", "decode_reference", "gather_pages", "merge_reference", "to_paged"]
+__all__ = [
+    "decode_baseline",
+    "decode_reference",
+    "dequantize",
+    "gather_pages",
+    "merge_reference",
+    "to_paged",
+]
+
+
+def dequantize(cache: Any, descale: Any) -> np.ndarray:
+    """float64 `descale[b, hk] * cache[b, :, hk, :]` of a contiguous `(batch, seqlen, kv_heads,
+    d)` FP8 cache given as uint8 e4m3 codes or their float values; `descale` float32
+    `(batch, kv_heads)` or a scalar (broadcast)."""
+    from flashgen.verify import fp8
+
+    c = np.asarray(cache)
+    vals = fp8.decode(c) if c.dtype == np.uint8 else c.astype(np.float64)
+    ds = np.asarray(descale, dtype=np.float32).astype(np.float64)
+    if ds.ndim == 0:
+        return vals * ds
+    if ds.shape != (vals.shape[0], vals.shape[2]):
+        raise ValueError(
+            f"descale has shape {ds.shape}; expected (batch, kv_heads) = "
+            f"{(vals.shape[0], vals.shape[2])} or a scalar"
+        )
+    return vals * ds[:, None, :, None]
+
+
+def _dequantized(k_cache: Any, v_cache: Any, k_descale: Any, v_descale: Any) -> tuple:
+    if (k_descale is None) != (v_descale is None):
+        raise ValueError("give both k_descale and v_descale (an FP8 cache), or neither")
+    if k_descale is None:
+        return np.asarray(k_cache), np.asarray(v_cache)
+    return dequantize(k_cache, k_descale), dequantize(v_cache, v_descale)
 
 
 def gather_pages(
@@ -136,14 +178,18 @@ def decode_reference(
     sinks: Any = None,
     score_mod: Any = None,
     score_params: Any = None,
+    k_descale: Any = None,
+    v_descale: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Float64 `(o, lse)` of a decode call over contiguous caches (see the module doc);
-    `softcap`, `alibi_slopes`, `sinks` as `verify.reference.attention_forward`."""
+    `softcap`, `alibi_slopes`, `sinks` as `verify.reference.attention_forward`; FP8 caches
+    with `k_descale`, `v_descale`."""
+    k_cache, v_cache = _dequantized(k_cache, v_cache, k_descale, v_descale)
     return _varlen_call(
         reference.attention_forward,
         np.asarray(q),
-        np.asarray(k_cache),
-        np.asarray(v_cache),
+        k_cache,
+        v_cache,
         cache_seqlens,
         **_mask_kwargs(
             causal, window, scale, softcap, alibi_slopes, sinks, score_mod, score_params
@@ -166,14 +212,18 @@ def decode_baseline(
     sinks: Any = None,
     score_mod: Any = None,
     score_params: Any = None,
+    k_descale: Any = None,
+    v_descale: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Standard attention in `dtype` for the same call (the pass rule's baseline), with the
-    same score-stage arguments (`verify.baseline` says where they round)."""
+    same score-stage arguments (`verify.baseline` says where they round); FP8 caches with
+    `k_descale`, `v_descale`, dequantised in float64 and then rounded to `dtype`."""
+    k_cache, v_cache = _dequantized(k_cache, v_cache, k_descale, v_descale)
     return _varlen_call(
         baseline.attention_forward,
         np.asarray(q),
-        np.asarray(k_cache),
-        np.asarray(v_cache),
+        k_cache,
+        v_cache,
         cache_seqlens,
         dtype=dtype,
         **_mask_kwargs(

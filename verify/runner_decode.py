@@ -19,6 +19,14 @@ refused for one without; slopes and sinks are uploaded as fp32 (`res.inputs` and
 hold what the device saw). `merge_states` takes no score arguments (its parts are finished
 partial results).
 
+FP8 caches (`kv_dtype: e4m3` specs): `k_cache`, `v_cache` are rounded to e4m3 on upload
+(`verify.fp8.encode`, NaN kept; `res.inputs["k"]` holds the e4m3 values) and `k_descale`,
+`v_descale` (float32 `(batch, kv_heads)`, or scalars: per-tensor, uploaded as one element
+read with strides 0; default 1) are the scales the kernel applies: the attention is that of
+`k_descale * k` and `v_descale * v` (`res.inputs["k_descale"]`, `["v_descale"]`, as
+`(batch, kv_heads)` arrays, for `reference_decode`). Row padding of an FP8 cache rounds up to
+16 elements (its strides must be multiples of 16).
+
 `DecodeLibrary` is the pointer-level API (torch tensors' `data_ptr()` work): `launch`,
 `check`, `workspace_bytes` as every `KernelLibrary`, plus `num_splits(values)` (what a launch
 picks) and `merge_states(values, stream)` / `merge_check(values)`.
@@ -34,6 +42,7 @@ import numpy as np
 from flashgen.generator.families.decode import ERR_PAGE_ID, ERR_SEQLEN, IO_KEYS
 from flashgen.runtime import LaunchError
 from flashgen.runtime.decode import DecodeLibrary
+from flashgen.verify import fp8
 from flashgen.verify.numerics import from_dtype_bits, to_dtype_bits
 from flashgen.verify.runner import (
     DeviceBuffer,
@@ -112,6 +121,8 @@ class DecodeKernel:
         sinks=None,
         score_mod=None,
         score_params=None,
+        k_descale=None,
+        v_descale=None,
     ) -> DecResult:
         """One decode call. `row_pad` extra elements (a multiple of 8) end every row of q, the
         caches and o (strided layouts); `overrides` replaces launch parameters after they are
@@ -141,22 +152,49 @@ class DecodeKernel:
             score_params=score_params,
         )
         dt = spec.dtype.yaml
-        bits = {"q": self._bits(q), "k": self._bits(k_cache), "v": self._bits(v_cache)}
-        inputs = {nm: from_dtype_bits(b_, dt) for nm, b_ in bits.items()}
+        fp8_cache = spec.kv_dtype is not None
+        if not fp8_cache and (k_descale is not None or v_descale is not None):
+            raise RunnerError("k_descale / v_descale are for FP8-cache specs (kv_dtype: e4m3)")
+        bits = {"q": self._bits(q)}
+        if fp8_cache:
+            for nm, x in (("k", k_cache), ("v", v_cache)):
+                bits[nm] = fp8.encode(np.asarray(x, dtype=np.float64))
+        else:
+            bits.update(k=self._bits(k_cache), v=self._bits(v_cache))
+        inputs = {
+            nm: (fp8.decode(b_) if fp8_cache and nm != "q" else from_dtype_bits(b_, dt))
+            for nm, b_ in bits.items()
+        }
         inputs.update(score_inputs(score))
+        descales = {}
+        if fp8_cache:
+            for nm, ds in (("k_descale", k_descale), ("v_descale", v_descale)):
+                arr = np.asarray(1.0 if ds is None else ds, dtype=np.float32)
+                if arr.ndim and arr.shape != (batch, kv_heads):
+                    raise RunnerError(
+                        f"{nm} must be a scalar or ({batch}, {kv_heads}), got {arr.shape}"
+                    )
+                descales[nm] = arr
+                inputs[nm] = np.broadcast_to(arr, (batch, kv_heads)).copy()
         gpu = self.gpu
         bufs: list[DeviceBuffer] = []
         try:
             params: dict[str, Any] = score_fields(gpu, score, heads, bufs)
+            for nm, arr in descales.items():
+                params[nm] = _upload(gpu, np.ascontiguousarray(arr.reshape(-1)), bufs).ptr
+                bs, hs = (kv_heads, 1) if arr.ndim else (0, 0)
+                params.update({f"{nm}_batch_stride": bs, f"{nm}_head_stride": hs})
             for nm in ("q", "k", "v"):
                 x = bits[nm]
-                store = np.full((*x.shape[:-1], d + row_pad), 0xFFFF, dtype=np.uint16)
+                pad = -(-row_pad // 16) * 16 if fp8_cache and nm != "q" else row_pad
+                fill = 0x7F if x.dtype == np.uint8 else 0xFFFF  # NaN in the row padding
+                store = np.full((*x.shape[:-1], d + pad), fill, dtype=x.dtype)
                 store[..., :d] = x
                 params[nm] = _upload(gpu, store, bufs).ptr
                 s0, s1, s2 = (
-                    x.shape[1] * x.shape[2] * (d + row_pad),
-                    x.shape[2] * (d + row_pad),
-                    d + row_pad,
+                    x.shape[1] * x.shape[2] * (d + pad),
+                    x.shape[2] * (d + pad),
+                    d + pad,
                 )
                 params.update(
                     {f"{nm}_batch_stride": s0, f"{nm}_row_stride": s1, f"{nm}_head_stride": s2}

@@ -29,7 +29,15 @@ from flashgen.generator.families import (
     Family,
     params_table,
 )
-from flashgen.generator.spec import Causal, Dtype, KernelKind, KernelSpec, Target, Tile
+from flashgen.generator.spec import (
+    Causal,
+    Dtype,
+    KernelKind,
+    KernelSpec,
+    KvDtype,
+    Target,
+    Tile,
+)
 from flashgen.generator.tiles import mma_head_dim
 
 # Every multiple of 8 up to 192; 8 * odd runs on the next multiple of 16 on chip
@@ -102,6 +110,14 @@ PARAMS = (
     i64 lse_parts_batch_stride
     i64 lse_parts_head_stride
     ptr io_counters
+    # FP8 caches (kv_dtype): fp32 descales (batch, kv_heads), strides in elements (0 for a
+    # per-tensor scalar broadcast); NULL without kv_dtype
+    ptr k_descale
+    ptr v_descale
+    i64 k_descale_batch_stride
+    i64 k_descale_head_stride
+    i64 v_descale_batch_stride
+    i64 v_descale_head_stride
     """
     )
     + SCORE_PARAM_FIELDS
@@ -170,19 +186,61 @@ def tile_problems(tile: Tile, head_dim: int) -> list[tuple[str, str]]:
     return out
 
 
+def kv_dtype_problems(spec: KernelSpec) -> list[tuple[str, str]]:
+    """What an FP8 cache (`kv_dtype: e4m3`) needs: a target with the e4m3 conversions
+    (`cvt.rn.f16x2.e4m3x2`, PTX on sm_89 and later) and rows of whole 16-byte chunks."""
+    kv = spec.kv_dtype
+    if kv is None:
+        return []
+    out = []
+    if spec.target.cc < kv.min_cc:
+        allowed = ", ".join(t.yaml for t in Target if t.cc >= kv.min_cc and not t.value.suffix)
+        out.append(
+            (
+                "kv_dtype",
+                f"{kv.yaml} needs the FP8 conversions of sm_{kv.min_cc} and later; target "
+                f"{spec.target.yaml} has none (allowed targets for kv_dtype {kv.yaml}: {allowed}; "
+                f"or omit kv_dtype for a {spec.dtype.yaml} cache)",
+            )
+        )
+    if spec.head_dim % 16:
+        out.append(
+            (
+                "head_dim",
+                f"{spec.head_dim} is not allowed with kv_dtype {kv.yaml}: FP8 rows load in "
+                "16-byte chunks (allowed: multiples of 16 in 16..192)",
+            )
+        )
+    elif (spec.tile.block_n * spec.head_dim // 16) % spec.tile.threads:
+        # DecConfig's static_assert: whole load passes keep the page shuffles converged
+        out.append(
+            (
+                "tile",
+                f"{spec.tile.short}: a {spec.tile.block_n}-key FP8 tile of head_dim "
+                f"{spec.head_dim} is {spec.tile.block_n * spec.head_dim // 16} 16-byte chunks, "
+                f"not a multiple of {spec.tile.threads} threads (take more keys or fewer warps)",
+            )
+        )
+    return out
+
+
 def swizzled(head_dim: int, paged: bool) -> bool:
     """K/V rows unpadded with XOR-swizzled 16-byte chunks (DecConfig::kSwizzle)."""
     return not paged and head_dim % 64 == 0
 
 
-def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype, paged: bool) -> int:
-    """Q rows plus `stages` K and V tiles, or the key warps' merge buffer."""
+def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype, paged: bool, kv_fp8: bool = False) -> int:
+    """Q rows plus `stages` K and V tiles, or the key warps' merge buffer. FP8 caches
+    (`kv_fp8`): `stages` K and V tiles of e4m3 bytes (unpadded rows) plus one converted
+    16-bit K and V slot the MMA reads (DecConfig::kRingBytes, kSlots)."""
     d = mma_head_dim(head_dim)
     kv_row = d if swizzled(head_dim, paged) else d + SMEM_ROW_PAD
-    tiles = tile.block_m * (d + SMEM_ROW_PAD) + 2 * tile.stages * tile.block_n * kv_row
+    slots = 1 if kv_fp8 else tile.stages
+    tiles = tile.block_m * (d + SMEM_ROW_PAD) + 2 * slots * tile.block_n * kv_row
+    ring = 2 * tile.stages * tile.block_n * head_dim if kv_fp8 else 0
     _, wn = warp_layout(tile)
     merge = wn * tile.block_m * (d + MERGE_ROW_PAD + 2) * 4
-    return max(tiles * dtype.nbytes, merge)
+    return max(tiles * dtype.nbytes + ring, merge)
 
 
 def default_tile(head_dim: int) -> Tile:
@@ -199,7 +257,9 @@ def default_tile(head_dim: int) -> Tile:
     return Tile(16, block_n, min(4, block_n // 16), 3)
 
 
-def fit(tile: Tile, target: Target, dtype: Dtype, head_dim: int, paged: bool) -> Tile:
+def fit(
+    tile: Tile, target: Target, dtype: Dtype, head_dim: int, paged: bool, kv_fp8: bool = False
+) -> Tile:
     """Fewer stages until the tile fits the target's shared memory, then half the keys (and
     two warps below 64 keys), down to 32 keys."""
     block_n = tile.block_n
@@ -207,7 +267,7 @@ def fit(tile: Tile, target: Target, dtype: Dtype, head_dim: int, paged: bool) ->
         warps = tile.warps if block_n >= 16 * tile.warps else min(tile.warps, block_n // 16)
         for stages in range(tile.stages, 1, -1):
             t = Tile(tile.block_m, block_n, warps, stages)
-            if smem_bytes(t, head_dim, dtype, paged) <= target.info.max_smem_per_block:
+            if smem_bytes(t, head_dim, dtype, paged, kv_fp8) <= target.info.max_smem_per_block:
                 return t
         if block_n <= 32:
             return Tile(tile.block_m, block_n, warps, 2)  # reported by validation
@@ -308,25 +368,37 @@ class Decode(Family):
         for fld, on in (("dropout", spec.dropout), ("sparsity", spec.sparse)):
             if on:
                 out.append((fld, "is not supported by decode kernels (allowed: off)"))
+        out.extend(kv_dtype_problems(spec))
         tile = tile_problems(spec.tile, spec.head_dim)
         out.extend(tile)
         if not out:
             kv_pad = "" if swizzled(spec.head_dim, spec.paged) else f" + {SMEM_ROW_PAD}"
+            fp8 = spec.kv_dtype is KvDtype.E4M3
+            slots = "1" if fp8 else "stages"
+            ring = " + 2*stages*block_n*head_dim" if fp8 else ""
             out.extend(
                 self.smem_problem(
                     spec,
-                    f"max((block_m * (head_dim + {SMEM_ROW_PAD}) + 2*stages*block_n * "
-                    f"(head_dim{kv_pad})) * {spec.dtype.nbytes}, key warps * block_m * (head_dim + "
-                    f"{MERGE_ROW_PAD + 2}) * 4)",
+                    f"max((block_m * (head_dim + {SMEM_ROW_PAD}) + 2*{slots}*block_n * "
+                    f"(head_dim{kv_pad})) * {spec.dtype.nbytes}{ring}, key warps * block_m * "
+                    f"(head_dim + {MERGE_ROW_PAD + 2}) * 4)",
                 )
             )
         return out
 
     def smem_bytes(self, spec: KernelSpec) -> int:
-        return smem_bytes(spec.tile, spec.head_dim, spec.dtype, spec.paged)
+        return smem_bytes(
+            spec.tile, spec.head_dim, spec.dtype, spec.paged, spec.kv_dtype is KvDtype.E4M3
+        )
 
     def auto_tile(self, target: Target, dtype: Dtype, head_dim: int, values: dict) -> Tile:
-        return fit(default_tile(head_dim), target, dtype, head_dim, bool(values.get("paged")))
+        fp8 = values.get("kv_dtype") is KvDtype.E4M3
+        tile = default_tile(head_dim)
+        if fp8:  # an e4m3 tile is half the bytes: one stage more keeps more of them in flight
+            tile = Tile(tile.block_m, tile.block_n, tile.warps, tile.stages + 1)
+            while tile.warps > 2 and (tile.block_n * head_dim // 16) % (32 * tile.warps):
+                tile = Tile(tile.block_m, tile.block_n, tile.warps // 2, tile.stages)
+        return fit(tile, target, dtype, head_dim, bool(values.get("paged")), fp8)
 
     def config(self, spec: KernelSpec) -> dict[str, Any]:
         return {
@@ -336,6 +408,7 @@ class Decode(Family):
             "debug_keep_mask": False,
             "sparse": False,
             "paged": spec.paged,
+            "kv_fp8": spec.kv_dtype is KvDtype.E4M3,
             "reference_sms": spec.target.info.sm_count,
         }
 

@@ -6,6 +6,12 @@ Drawn cases carry the values of the score-stage features the spec has (softcap, 
 of shape (heads,) or (batch, heads), sinks: verify.strategies.score_args); hand-picked cases
 use fixed ones (`fixed_score_args`), and IO counts include the slope and sink reads.
 
+FP8-cache specs (`kv_dtype: e4m3`) run every test here too: the caches are stored as e4m3
+codes of `k / k_descale` (descales drawn: ones, per (batch, kv head), per tensor), the
+reference takes the e4m3 values with the descales (dequantised in float64) and the pass rule
+is FlashAttention-3's FP8 one (`passrule.check_fp8_cache`); the FP8-only tests below compare
+an FP8 kernel with its 16-bit twin where the dequantised values are exact in 16 bits.
+
 One command: `python -m pytest -q tests/gpu/test_decode.py` (FLASHGEN_GPU_EXAMPLES examples
 per shipped spec). Failures print the kernel, the case and the pass rule's errors.
 """
@@ -18,15 +24,16 @@ import numpy as np
 import pytest
 from flashgen.generator.families.decode import ERR_PAGE_ID, ERR_SEQLEN
 from flashgen.generator.naming import kernel_name
-from flashgen.verify import passrule, reference_decode
+from flashgen.verify import fp8, passrule, reference_decode
 from flashgen.verify.io_model_decode import decode_bytes
+from flashgen.verify.numerics import round_to
 from flashgen.verify.runner import RunnerError
 from flashgen.verify.runner_decode import load_decode_kernel
 from flashgen.verify.strategies import fixed_score_args, score_args
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .conftest import CUBIN_DIR, shipped_specs
+from .conftest import CUBIN_DIR, ensure_cubins, shipped_specs
 
 EXAMPLES = int(os.environ.get("FLASHGEN_GPU_EXAMPLES", "200"))
 SPECS = [s for s in shipped_specs() if s.kernel.yaml == "decode"]
@@ -71,7 +78,51 @@ def decode_case(draw, spec, max_len: int = 700):
         else (-1, -1),
     }
     case["score"] = draw(score_args(spec, batch, case["heads"]))
+    if spec.kv_dtype is not None:
+        case["descale"] = draw(st.sampled_from(["ones", "per_head", "per_head", "scalar"]))
     return case
+
+
+def fp8_descales(spec, case):
+    """(k_descale, v_descale) of an FP8-cache case: float32 (batch, kv_heads) arrays or
+    scalars, from the case's seed; (None, None) for a 16-bit cache."""
+    if spec.kv_dtype is None:
+        return None, None
+    kind = case.get("descale", "per_head")
+    shape = (len(case["lens"]), case["kv_heads"])
+    rng = np.random.default_rng(case["seed"] + 7)
+    if kind == "ones":
+        return np.float32(1.0), np.float32(1.0)
+    if kind == "scalar":
+        return np.float32(rng.uniform(0.01, 4.0)), np.float32(rng.uniform(0.01, 4.0))
+    return (
+        rng.uniform(0.01, 4.0, shape).astype(np.float32),
+        rng.uniform(0.01, 4.0, shape).astype(np.float32),
+    )
+
+
+def _per_row(ds, shape):
+    """A descale broadcast over a cache `(batch, rows, kv_heads, d)`."""
+    ds = np.asarray(ds, dtype=np.float64)
+    return ds if ds.ndim == 0 else ds[:, None, :, None]
+
+
+def fp8_stored(spec, case, k, v):
+    """What the runner is given to store: k / k_descale, v / v_descale (FP8 caches), and the
+    descale arguments; the 16-bit caches as they are."""
+    kd, vd = fp8_descales(spec, case)
+    if kd is None:
+        return k, v, {}
+    k = (k / _per_row(kd, k.shape)).astype(np.float32)
+    v = (v / _per_row(vd, v.shape)).astype(np.float32)
+    return k, v, {"k_descale": kd, "v_descale": vd}
+
+
+def fp8_kwargs(res):
+    """The descales of a result for the reference (empty for a 16-bit cache)."""
+    if "k_descale" not in res.inputs:
+        return {}
+    return {"k_descale": res.inputs["k_descale"], "v_descale": res.inputs["v_descale"]}
 
 
 def case_score(spec, case):
@@ -97,6 +148,8 @@ def make_problem(spec, case):
 
 def run_case(kernel, spec, case, **extra):
     rng, q, k, v = make_problem(spec, case)
+    k, v, descales = fp8_stored(spec, case, k, v)
+    extra = {**descales, **extra}
     kw = dict(window=case["window"], num_splits=case["splits"], row_pad=case["row_pad"], **extra)
     kw.update(case_score(spec, case).kwargs())
     if spec.paged:
@@ -110,21 +163,38 @@ def run_case(kernel, spec, case, **extra):
     return kernel.run(q, k, v, case["lens"], **kw), q, k, v
 
 
+def _rule(spec):
+    """The pass rule of the spec's outputs: FA3's FP8 rule for FP8 caches (passrule docs)."""
+    if spec.kv_dtype is None:
+        return passrule.check
+
+    def rule(kernel_out, ref64, baseline, dtype, *, extra_floor=0.0):
+        return passrule.check_fp8_cache(
+            kernel_out, ref64, baseline, dtype, softcap=spec.has("softcap"),
+            extra_floor=extra_floor,
+        )  # fmt: skip
+
+    return rule
+
+
 def check_reference(spec, case, res, recorder, test):
     qi, ki, vi = res.inputs["q"], res.inputs["k"], res.inputs["v"]  # contiguous (see below)
     kw = dict(causal=spec.mask.causal.yaml, window=case["window"], **res.score.kwargs())
+    kw.update(fp8_kwargs(res))
     o64, lse64 = reference_decode.decode_reference(qi, ki, vi, case["lens"], **kw)
     ob, lseb = reference_decode.decode_baseline(
         qi, ki, vi, case["lens"], dtype=spec.dtype.yaml, **kw
     )
+    k_eff = ki if spec.kv_dtype is None else reference_decode.dequantize(ki, kw["k_descale"])
+    check = _rule(spec)
     found = {
-        "o": passrule.check(res.o, o64, ob, spec.dtype.yaml),
-        "lse": passrule.check(
+        "o": check(res.o, o64, ob, spec.dtype.yaml),
+        "lse": check(
             res.lse,
             lse64,
             lseb,
             "fp32",
-            extra_floor=passrule.score_floor(qi, np.nan_to_num(ki), 1 / np.sqrt(spec.head_dim))
+            extra_floor=passrule.score_floor(qi, np.nan_to_num(k_eff), 1 / np.sqrt(spec.head_dim))
             + passrule.alibi_floor(res.score.alibi_slopes, case["sq"] + max(case["lens"]))
             + passrule.softcap_floor(res.score.softcap)
             + passrule.usermod_floor(res.score.score_params, case["sq"] + max(case["lens"])),
@@ -143,11 +213,16 @@ def _reference_inputs(spec, case, res, q, k, v):
     from flashgen.verify.numerics import round_to
 
     dt = spec.dtype.yaml
+    if spec.kv_dtype is not None:  # the e4m3 values of k / k_descale (the runner's upload)
+        k, v, _ = fp8_stored(spec, case, k, v)
+        kr, vr = fp8.round_trip(k), fp8.round_trip(v)
+    else:
+        kr, vr = round_to(k, dt), round_to(v, dt)
     res.inputs = {
-        **res.inputs,  # the score-stage fp32 arrays, if any
+        **res.inputs,  # the score-stage fp32 arrays and the descales, if any
         "q": round_to(q, dt),
-        "k": round_to(k, dt),
-        "v": round_to(v, dt),
+        "k": kr,
+        "v": vr,
     }
     return res
 
@@ -270,10 +345,13 @@ def test_merge_states_of_split_parts_matches_the_unsplit_kernel(spec, recorder):
             v,
         )
         qi, ki, vi = whole.inputs["q"], whole.inputs["k"], whole.inputs["v"]
-        o64, lse64 = reference_decode.decode_reference(qi, ki, vi, [n] * b, **whole.score.kwargs())
+        o64, lse64 = reference_decode.decode_reference(
+            qi, ki, vi, [n] * b, **whole.score.kwargs(), **fp8_kwargs(whole)
+        )
+        check = _rule(spec)
         found = {
-            "o": passrule.check(o, o64, whole.o, spec.dtype.yaml),
-            "lse": passrule.check(lse, lse64, whole.lse, "fp32"),
+            "o": check(o, o64, whole.o, spec.dtype.yaml),
+            "lse": check(lse, lse64, whole.lse, "fp32"),
         }
         recorder.add(spec, found, "merge_states")
         for out, verdict in found.items():
@@ -284,7 +362,13 @@ def test_merge_states_of_split_parts_matches_the_unsplit_kernel(spec, recorder):
 
 def run_case_arrays(kernel, spec, case, q, k, v):
     """run_case with given arrays (no NaN rows past the lengths: the lengths are full)."""
-    score = case_score(spec, case).kwargs()
+    res = _run_arrays(kernel, spec, case, q, *fp8_stored(spec, case, k, v))
+    return _reference_inputs(spec, case, res, q, k, v)
+
+
+def _run_arrays(kernel, spec, case, q, k, v, descales):
+    """One run of stored arrays (FP8: already divided by the descales, which are passed)."""
+    score = {**case_score(spec, case).kwargs(), **descales}
     if spec.paged:
         rng = np.random.default_rng(case["seed"])
         kp, table = reference_decode.to_paged(k, case["lens"], case["page"], rng)
@@ -298,7 +382,7 @@ def run_case_arrays(kernel, spec, case, q, k, v):
         )
     else:
         res = kernel.run(q, k, v, case["lens"], num_splits=case["splits"], **score)
-    return _reference_inputs(spec, case, res, q, k, v)
+    return res
 
 
 @pytest.mark.parametrize("spec", [s for s in SPECS if s.instrument_io], ids=kernel_name)
@@ -435,3 +519,139 @@ def test_bad_parameters_are_refused_with_messages():
         with pytest.raises(RunnerError, match=message):
             run_case(kernel, spec, case, overrides=override)
         assert what
+
+
+# -- FP8 caches (kv_dtype: e4m3) ---------------------------------------------------------------
+
+FP8_SPECS = [s for s in SPECS if s.kv_dtype is not None]
+
+
+def _fp8_id(spec):
+    return kernel_name(spec) if spec is not None else "none"
+
+
+def _twin(spec):
+    """The shipped 16-bit-cache kernel that differs from an FP8 one only in kv_dtype (its tile
+    may differ: the auto tile of an FP8 cache has one stage more), or None."""
+
+    def key(s):
+        c = s.to_canonical()
+        for k in ("tile", "tile_auto", "kv_dtype"):
+            c.pop(k, None)
+        return c
+
+    for s in shipped_specs(sharded=False):
+        if s.kernel.yaml == "decode" and s.kv_dtype is None and key(s) == key(spec):
+            return s
+    return None
+
+
+def _fp8_case(seed, lens, window, splits=1):
+    return {
+        "seed": seed,
+        "lens": lens,
+        "sq": 2,
+        "heads": 8,
+        "kv_heads": 2,
+        "page": 64,
+        "capacity": max(lens) + 5,
+        "splits": splits,
+        "values": "normal",
+        "row_pad": 0,
+        "window": window,
+    }
+
+
+@pytest.mark.parametrize(
+    "spec", [s for s in FP8_SPECS if _twin(s) is not None] or [None], ids=_fp8_id
+)
+def test_fp8_cache_equals_its_16_bit_twin_on_power_of_two_descales(spec, specs):  # noqa: ARG001
+    """With descales that are powers of two, descale * e4m3 value is exact in fp16 and bf16,
+    and folding k_descale into the softmax scale (v_descale into O) only moves exponents: the
+    FP8 kernel's outputs equal bitwise those of the 16-bit kernel given the dequantised cache,
+    for the same split count."""
+    if spec is None:
+        pytest.skip("no FP8 spec with a shipped 16-bit twin in this shard")
+    ensure_cubins([_twin(spec)])  # (it may belong to another shard)
+    fp8_kernel, twin = _kernel(spec), _kernel(_twin(spec))
+    window = (100, 0) if spec.mask.window else (-1, -1)
+    for seed, splits in ((1, 1), (2, 3)):
+        case = _fp8_case(seed, [0, 1, 300, 257], window, splits)
+        rng, q, k, v = make_problem(spec, case)
+        kd = np.float32(2.0) ** rng.integers(-3, 4, (4, 2)).astype(np.float32)
+        vd = np.float32(2.0) ** rng.integers(-3, 4, (4, 2)).astype(np.float32)
+        k8, v8 = fp8.round_trip(k), fp8.round_trip(v)
+        args = dict(num_splits=splits, window=window)
+        deq_k, deq_v = k8 * _per_row(kd, k.shape), v8 * _per_row(vd, v.shape)
+        if spec.paged:
+            kp, table = reference_decode.to_paged(k8, case["lens"], 64, np.random.default_rng(0))
+            vp, _ = reference_decode.to_paged(v8, case["lens"], 64, np.random.default_rng(0))
+            dkp, _ = reference_decode.to_paged(deq_k, case["lens"], 64, np.random.default_rng(0))
+            dvp, _ = reference_decode.to_paged(deq_v, case["lens"], 64, np.random.default_rng(0))
+            a = fp8_kernel.run(
+                q, kp, vp, case["lens"], block_table=table, k_descale=kd, v_descale=vd, **args
+            )
+            b = twin.run(q, dkp, dvp, case["lens"], block_table=table, **args)
+        else:
+            a = fp8_kernel.run(q, k8, v8, case["lens"], k_descale=kd, v_descale=vd, **args)
+            b = twin.run(q, deq_k, deq_v, case["lens"], **args)
+        assert a.num_splits == b.num_splits == splits
+        assert np.array_equal(a.o.view(np.uint32), b.o.view(np.uint32)), case
+        assert np.array_equal(a.lse.view(np.uint32), b.lse.view(np.uint32)), case
+
+
+@pytest.mark.parametrize("spec", FP8_SPECS[:4] or [None], ids=_fp8_id)
+def test_fp8_descale_broadcast_equals_the_full_array(spec, specs):  # noqa: ARG001
+    """A per-tensor descale (one element, strides 0) and the (batch, kv_heads) array holding
+    the same value give bitwise equal outputs."""
+    if spec is None:
+        pytest.skip("no FP8 spec in this shard")
+    kernel = _kernel(spec)
+    case = _fp8_case(3, [40, 129], (50, 0) if spec.mask.window else (-1, -1), 2)
+    _, q, k, v = make_problem(spec, case)
+    k, v = np.nan_to_num(k), np.nan_to_num(v)
+    kw = dict(num_splits=2, window=case["window"])
+    if spec.paged:
+        kp, table = reference_decode.to_paged(k, case["lens"], 64, np.random.default_rng(0))
+        vp, _ = reference_decode.to_paged(v, case["lens"], 64, np.random.default_rng(0))
+        k, v = kp, vp
+        kw["block_table"] = table
+    one = kernel.run(q, k, v, case["lens"], k_descale=0.375, v_descale=1.5, **kw)
+    full = kernel.run(
+        q, k, v, case["lens"], k_descale=np.full((2, 2), 0.375, np.float32),
+        v_descale=np.full((2, 2), 1.5, np.float32), **kw,
+    )  # fmt: skip
+    assert np.array_equal(one.o.view(np.uint32), full.o.view(np.uint32))
+    assert np.array_equal(one.lse.view(np.uint32), full.lse.view(np.uint32))
+
+
+@pytest.mark.parametrize("spec", FP8_SPECS[:4] or [None], ids=_fp8_id)
+def test_fp8_nan_codes_propagate_as_nan_does_in_a_16_bit_cache(spec, specs):  # noqa: ARG001
+    """A NaN code (0x7F) in a key or value row a query sees makes exactly the rows of that
+    sequence and KV head's group NaN (as a NaN in a bf16 cache would: every query of the group
+    sees the row); the other sequences and heads stay finite. (e4m3fn has no inf: an inf
+    quantises to NaN or +-448, verify/fp8.py.)"""
+    if spec is None:
+        pytest.skip("no FP8 spec in this shard")
+    kernel = _kernel(spec)
+    case = _fp8_case(4, [64, 90], (-1, -1), 1)
+    case["sq"] = 1
+    _, q, k, v = make_problem(spec, case)
+    k, v = np.nan_to_num(k), np.nan_to_num(v)
+    for cache in ("k", "v"):
+        kk, vv = k.copy(), v.copy()
+        (kk if cache == "k" else vv)[1, 10, 0, 3] = np.nan  # sequence 1, KV head 0, key 10
+        o64, _ = reference_decode.decode_reference(
+            round_to(q, spec.dtype.yaml), fp8.round_trip(kk), fp8.round_trip(vv), case["lens"],
+            causal=spec.mask.causal.yaml, k_descale=1.0, v_descale=1.0,
+        )  # fmt: skip
+        want = np.isnan(o64).any(axis=-1)  # (batch, sq, heads): the reference's NaN rows
+        assert want[1, :, :4].all() and not want[0].any() and not want[1, :, 4:].any()
+        kw = {}
+        if spec.paged:
+            kk, table = reference_decode.to_paged(kk, case["lens"], 64, np.random.default_rng(0))
+            vv, _ = reference_decode.to_paged(vv, case["lens"], 64, np.random.default_rng(0))
+            kw["block_table"] = table
+        res = kernel.run(q, kk, vv, case["lens"], num_splits=1, **kw)
+        nan_rows = np.isnan(res.o).any(axis=-1)
+        assert np.array_equal(nan_rows, want), f"{cache}: NaN rows {np.argwhere(nan_rows)}"

@@ -1070,3 +1070,193 @@ def test_merge_states_refusals():
         merge_states(torch.randn(2, 1, 3, 4, 300, device=DEV).half(), lse)
     with pytest.raises(UnsupportedCall, match=r"lse_parts must be float32"):
         merge_states(o.half(), lse.half())
+
+
+# -- FP8 (e4m3) caches: FA3's k_descale / v_descale, vLLM's per-tensor scales ----------------------
+
+FP8_KINDS = [  # (dtype, head_dim, paged): specs/decode_fp8.yaml's serving kernels
+    ("bf16", 128, False),
+    ("bf16", 128, True),
+    ("fp16", 128, False),
+    ("fp16", 128, True),
+    ("bf16", 64, False),
+    ("fp16", 64, True),
+]
+
+
+def _fp8_cache(x: np.ndarray):
+    """x (already divided by its descale) as a float8_e4m3fn CUDA tensor, and the e4m3
+    values it holds (float64, NaN kept)."""
+    t = torch.tensor(x, dtype=torch.float32, device=DEV).to(torch.float8_e4m3fn)
+    return t, t.to(torch.float64).cpu().numpy()
+
+
+def _descales(kind: str, rng, batch: int, kv_heads: int):
+    if kind == "float":
+        return float(rng.uniform(0.05, 3.0)), float(rng.uniform(0.05, 3.0))
+    if kind == "scalar_tensor":
+        return tuple(
+            torch.tensor([rng.uniform(0.05, 3.0)], dtype=torch.float32, device=DEV) for _ in "kv"
+        )
+    return tuple(
+        torch.tensor(rng.uniform(0.05, 3.0, (batch, kv_heads)), dtype=torch.float32, device=DEV)
+        for _ in "kv"
+    )
+
+
+def _as_array(ds, batch, kv_heads) -> np.ndarray:
+    if isinstance(ds, float):
+        return np.full((batch, kv_heads), ds, np.float32)
+    host = ds.cpu().numpy().astype(np.float32)
+    if host.size == 1:
+        return np.full((batch, kv_heads), host.reshape(()), np.float32)
+    return host.reshape(batch, kv_heads)
+
+
+@pytest.mark.parametrize(("dtype", "d", "paged"), FP8_KINDS)
+def test_fp8_caches_match_the_reference_on_the_dequantised_cache(dtype, d, paged):
+    """flash_attn_with_kvcache over float8_e4m3fn caches with descales of every accepted
+    form, against the float64 reference of descale * e4m3 value by FA3's FP8 rule."""
+
+    @SETTINGS
+    @given(
+        # the shipped FP8 kinds: one query without a mask, or (bf16, d 128, paged) causal
+        # queries with a window
+        case=kv_case(paged, windows=[(70, -1), (3, 0), (0, -1)], causal=True)
+        if (dtype, d, paged) == ("bf16", 128, True)
+        else kv_case(paged, windows=[(-1, -1)], causal=False, sqs=(1,)),
+        kind=st.sampled_from(["per_head", "float", "scalar_tensor"]),
+    )
+    def prop(case, kind):
+        rng, q, k, v = make_problem(SimpleNamespace(head_dim=d), case)
+        b, kvh = len(case["lens"]), case["kv_heads"]
+        kd, vd = _descales(kind, rng, b, kvh)
+        kd_a, vd_a = _as_array(kd, b, kvh), _as_array(vd, b, kvh)
+        k_s = k / kd_a[:, None, :, None]
+        v_s = v / vd_a[:, None, :, None]
+        args = dict(
+            cache_seqlens=_lens(case["lens"]), causal=case["causal"],
+            window_size=case["window"], num_splits=case["splits"], return_softmax_lse=True,
+            check_inputs=True, k_descale=kd, v_descale=vd,
+        )  # fmt: skip
+        if paged:
+            kp, table = paged_copy(k_s, case)
+            vp, _ = paged_copy(v_s, case)
+            (kt, _), (vt, _) = _fp8_cache(kp), _fp8_cache(vp)
+            out, lse = flash_attn_with_kvcache(
+                _t(q, dtype), kt, vt, block_table=_lens(table), **args
+            )
+        else:
+            (kt, _), (vt, _) = _fp8_cache(k_s), _fp8_cache(v_s)
+            out, lse = flash_attn_with_kvcache(_t(q, dtype), kt, vt, **args)
+        assert out.dtype == DTYPES[dtype] and lse.dtype == torch.float32
+        k8, v8 = _fp8_cache(k_s)[1], _fp8_cache(v_s)[1]
+        qi = round_to(q, dtype)
+        kw = dict(
+            causal="bottom_right" if case["causal"] else "none", window=case["window"],
+            k_descale=kd_a, v_descale=vd_a,
+        )  # fmt: skip
+        o64, lse64 = reference_decode.decode_reference(qi, k8, v8, case["lens"], **kw)
+        ob, lseb = reference_decode.decode_baseline(qi, k8, v8, case["lens"], dtype=dtype, **kw)
+        deq = reference_decode.dequantize(np.nan_to_num(k8), kd_a)
+        floor = passrule.score_floor(qi, deq, 1 / np.sqrt(d))
+        found = {
+            "o": passrule.check_fp8_cache(_np(out), o64, ob, dtype),
+            "lse": passrule.check_fp8_cache(_np(lse), lse64, lseb, "fp32", extra_floor=floor),
+        }
+        for name, verdict in found.items():
+            assert verdict.passed, f"{name}: {verdict.message}; {case} {kind}"
+
+    prop()
+
+
+def test_fp8_refusals_name_what_is_wrong_and_what_is_allowed():
+    q = torch.randn(2, 1, 8, 128, device=DEV, dtype=torch.bfloat16)
+    k8 = torch.randn(2, 64, 2, 128, device=DEV).to(torch.float8_e4m3fn)
+    lens = _lens([10, 64])
+    ok = torch.ones(2, 2, device=DEV)
+    cases = [
+        (dict(k_cache=k8, v_cache=k8), "needs k_descale"),
+        (dict(k_cache=k8, v_cache=k8, k_descale=ok, v_descale=ok.half()), "dtype float16"),
+        (dict(k_cache=k8, v_cache=k8, k_descale=ok, v_descale=ok[:1]), r"shape \(1, 2\)"),
+        (dict(k_cache=k8, v_cache=k8.bfloat16(), k_descale=ok, v_descale=ok), "mixed"),
+        (dict(k_cache=k8.bfloat16(), v_cache=k8.bfloat16(), k_descale=ok, v_descale=ok),
+         "are for FP8 caches"),
+    ]  # fmt: skip
+    for kw, message in cases:
+        with pytest.raises(UnsupportedCall, match=message):
+            flash_attn_with_kvcache(q, cache_seqlens=lens, **kw)
+    new = torch.randn(2, 1, 2, 128, device=DEV, dtype=torch.float16)
+    before = k8.clone()
+    with pytest.raises(UnsupportedCall, match="k has dtype float16"):
+        flash_attn_with_kvcache(
+            q, k8, k8, k=new, v=new, cache_seqlens=lens, k_descale=ok, v_descale=ok
+        )
+    with pytest.raises(UnsupportedCall, match="rotary_cos / rotary_sin is not served"):
+        cos = torch.ones(64, 64, device=DEV, dtype=torch.bfloat16)
+        flash_attn_with_kvcache(
+            q, k8, k8, k=new.bfloat16(), v=new.bfloat16(), rotary_cos=cos, rotary_sin=cos,
+            cache_seqlens=lens, k_descale=ok, v_descale=ok,
+        )  # fmt: skip
+    assert torch.equal(k8.view(torch.uint8), before.view(torch.uint8))  # refused: untouched
+    with pytest.raises(UnsupportedCall, match="FP8 caches take q in float16 or bfloat16"):
+        flash_attn_with_kvcache(
+            q.to(torch.float8_e4m3fn), k8, k8, cache_seqlens=lens, k_descale=ok, v_descale=ok
+        )
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_appending_into_fp8_caches_quantises_with_the_descales(paged):
+    """k, v appended at cache_seqlens[b] + i are stored as the e4m3 codes of x / descale
+    (clamped to +-448; the torch cast rounds to nearest-even), other rows untouched, and the
+    call attends over the new lengths like the reference of the dequantised caches."""
+    rng = np.random.default_rng(12)
+    b, hk, h, d, cap, n = 3, 2, 8, 128, 256, 2
+    lens0 = [0, 100, 200]
+    kd = torch.tensor(rng.uniform(0.01, 0.05, (b, hk)), dtype=torch.float32, device=DEV)
+    vd = torch.tensor(rng.uniform(0.01, 0.05, (b, hk)), dtype=torch.float32, device=DEV)
+    k_all = torch.tensor(rng.standard_normal((b, cap, hk, d)), dtype=torch.float32, device=DEV)
+    v_all = torch.tensor(rng.standard_normal((b, cap, hk, d)), dtype=torch.float32, device=DEV)
+    k_new = torch.tensor(rng.standard_normal((b, n, hk, d)) * 20, device=DEV).bfloat16()
+    v_new = torch.tensor(rng.standard_normal((b, n, hk, d)), device=DEV).bfloat16()
+    k8 = (k_all / kd[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    v8 = (v_all / vd[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    want_k, want_v = k8.clone(), v8.clone()
+    for i, n0 in enumerate(lens0):
+        want_k[i, n0 : n0 + n] = (
+            (k_new[i].float() / kd[i][None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        )
+        want_v[i, n0 : n0 + n] = (
+            (v_new[i].float() / vd[i][None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        )
+    q = torch.tensor(rng.standard_normal((b, n, h, d)), device=DEV).bfloat16()
+    kw = dict(k=k_new, v=v_new, cache_seqlens=_lens(lens0), causal=True, k_descale=kd,
+              v_descale=vd, return_softmax_lse=True)  # fmt: skip
+    if paged:
+        page = 64
+        perm = torch.randperm(b * cap // page, device=DEV)
+        kp = torch.empty(b * cap // page, page, hk, d, device=DEV, dtype=torch.uint8)
+        vp = torch.empty_like(kp)
+        kp[perm] = k8.view(torch.uint8).reshape(-1, page, hk, d)
+        vp[perm] = v8.view(torch.uint8).reshape(-1, page, hk, d)
+        table = perm.view(b, cap // page).to(torch.int32)
+        kc, vc = kp.view(torch.float8_e4m3fn), vp.view(torch.float8_e4m3fn)
+        out, lse = flash_attn_with_kvcache(q, kc, vc, block_table=table, **kw)
+        got_k = kc.view(torch.uint8)[perm].reshape(b, cap, hk, d)
+        got_v = vc.view(torch.uint8)[perm].reshape(b, cap, hk, d)
+    else:
+        out, lse = flash_attn_with_kvcache(q, k8, v8, **kw)
+        got_k, got_v = k8.view(torch.uint8), v8.view(torch.uint8)
+    assert torch.equal(got_k, want_k.view(torch.uint8))
+    assert torch.equal(got_v, want_v.view(torch.uint8))
+    lens1 = [x + n for x in lens0]
+    kw_ref = dict(causal="bottom_right", k_descale=kd.cpu().numpy(), v_descale=vd.cpu().numpy())
+    qi = _np(q).astype(np.float64)
+    k64 = want_k.to(torch.float64).cpu().numpy()
+    v64 = want_v.to(torch.float64).cpu().numpy()
+    o64, lse64 = reference_decode.decode_reference(qi, k64, v64, lens1, **kw_ref)
+    ob, lseb = reference_decode.decode_baseline(qi, k64, v64, lens1, dtype="bf16", **kw_ref)
+    deq = reference_decode.dequantize(k64, kw_ref["k_descale"])
+    floor = passrule.score_floor(qi, deq, 1 / np.sqrt(d))
+    assert passrule.check_fp8_cache(_np(out), o64, ob, "bf16").passed
+    assert passrule.check_fp8_cache(_np(lse), lse64, lseb, "fp32", extra_floor=floor).passed

@@ -19,12 +19,21 @@
 //              K/V tile, fetched one tile ahead (one lookup per page per tile, overlapping
 //              the loads in flight); each row's source is a shuffle away
 //
+//   FP8 cache  (kKvFp8, spec kv_dtype: e4m3) K/V tiles land as e4m3 bytes in a `stages`-deep
+//              ring (half the HBM and smem bytes of a 16-bit tile), and each tile is converted
+//              once to the q dtype into one 16-bit K and V slot, which the MMA steps read as
+//              they read a 16-bit cache's slot; k_descale joins the softmax scale and
+//              v_descale multiplies O, so the maths is that of the dequantised cache
+//
 // The maths per tile is the forward's: S = Q K^T and acc_o += P V (warp_mma.cuh), the online
 // softmax (softmax.cuh), masks (mask.cuh, frag.cuh); loads and stores go through tile_io.cuh.
 #pragma once
 
 #include <math.h>
 #include <stdint.h>
+
+#include <cuda_fp8.h>
+#include <type_traits>
 
 #include "arch.cuh"
 #include "decode_params.h"
@@ -127,7 +136,15 @@ struct DecConfig : S {
   // has the time, and the registers go to the address arithmetic of the loads in flight.
   static constexpr bool kQInRegs = false;
   static constexpr int kElem = static_cast<int>(sizeof(Elem));
-  static constexpr int kTileBytes = (kBlockM * kQStride + 2 * kStages * kBlockN * kStride) * kElem;
+  // FP8 caches (S::kKvFp8): the ring holds e4m3 bytes (KvT), unpadded rows of kHeadDim, and
+  // the MMA reads one converted 16-bit slot each of K and V; otherwise the ring is the slots.
+  static constexpr bool kKvFp8 = S::kKvFp8;
+  using KvT = typename std::conditional<kKvFp8, uint8_t, Elem>::type;
+  static constexpr int kSlots = kKvFp8 ? 1 : kStages;          // 16-bit K (and V) slots
+  static constexpr int kRingStride = kKvFp8 ? kHeadDim : kStride;  // ring row, KvT elements
+  static constexpr int kRingBytes = kKvFp8 ? 2 * kStages * kBlockN * kHeadDim : 0;
+  static constexpr int kTileBytes =
+      (kBlockM * kQStride + 2 * kSlots * kBlockN * kStride) * kElem + kRingBytes;
   // The end-of-loop merge of the key warps reuses the tiles' memory: per warp, its rows'
   // accumulators (rows padded to d + 4 floats) and (m, l).
   static constexpr int kMergeStride = kHeadDimPad + 4;
@@ -154,7 +171,67 @@ struct DecConfig : S {
   static_assert(kBlockN / 16 <= 32, "page ids of a tile fit a warp");
   static_assert((2 * kBlockN) % kThreads == 0, "bulk loads: whole K/V rows per thread");
   static_assert(S::kCausal != Causal::kTopLeft, "decode aligns causal masks bottom_right");
+  static_assert(!kKvFp8 || kHeadDim % 16 == 0, "FP8 rows: whole 16-byte chunks");
+  static_assert(!kKvFp8 || (kBlockN * kHeadDim / 16) % kThreads == 0,
+                "FP8 tiles: whole 16-byte chunk passes (the page shuffle needs converged warps)");
 };
+
+// e4m3 -> the q dtype, two at a time: exact (every e4m3 value, NaN included, is an fp16 and a
+// bf16 value; e4m3fn has no inf). fp16: one cvt.rn.f16x2.e4m3x2 (sm_89+); bf16: through
+// fp32 (cvt.rn.bf16x2.f32 of exact values is exact).
+template <typename Elem>
+__device__ __forceinline__ uint32_t e4m3x2_to(uint16_t x) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x), __NV_E4M3);
+  if constexpr (std::is_same<Elem, __half>::value) {
+    return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+  } else {
+    const float2 f = __half22float2(__half2(h));
+    const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+    return *reinterpret_cast<const uint32_t*>(&b);
+  }
+}
+
+// An FP8 ring slot (rows of kHeadDim bytes) into the 16-bit slot the MMA steps read (padded
+// rows, or swizzled 16-byte chunks as dec_load_rows_swizzled writes them): 16 bytes in, 32
+// out per step, every thread of the CTA.
+template <class C>
+__device__ __forceinline__ void dec_convert_fp8(typename C::Elem* dst, const uint8_t* src) {
+  using Elem = typename C::Elem;
+  constexpr int kIn = C::kHeadDim / 16;  // 16-byte chunks of an FP8 row
+  constexpr int kChunks = C::kBlockN * kIn;
+#pragma unroll
+  for (int it = 0; it < (kChunks + C::kThreads - 1) / C::kThreads; ++it) {
+    const int c = it * C::kThreads + threadIdx.x;
+    if (kChunks % C::kThreads != 0 && c >= kChunks) break;
+    const int row = c / kIn, c16 = c % kIn;
+    const uint4 x = *reinterpret_cast<const uint4*>(src + row * C::kHeadDim + c16 * 16);
+    const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+    uint32_t o[8];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      o[2 * k] = e4m3x2_to<Elem>(static_cast<uint16_t>(w[k] & 0xffffu));
+      o[2 * k + 1] = e4m3x2_to<Elem>(static_cast<uint16_t>(w[k] >> 16));
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int chunk = 2 * c16 + half;  // 8-element chunk of the 16-bit row
+      const int col = (C::kSwizzle ? (chunk ^ (row & 7)) : chunk) * 8;
+      *reinterpret_cast<uint4*>(dst + row * C::kStride + col) =
+          make_uint4(o[4 * half], o[4 * half + 1], o[4 * half + 2], o[4 * half + 3]);
+    }
+  }
+}
+
+// The FP8 cache's descale of (b, hk), or 1 (other kernels read none).
+template <class C>
+__device__ __forceinline__ float dec_descale(const float* d, int64_t b, int64_t hk, int64_t bs,
+                                             int64_t hs) {
+  if constexpr (C::kKvFp8) {
+    return __ldg(d + b * bs + hk * hs);
+  } else {
+    return 1.f;
+  }
+}
 
 // The swizzled K/V slot (DecConfig::kSwizzle): 16-byte chunk c of row r sits at chunk
 // c ^ (r % 8) of the row. load_rows_async's chunk walk (tile_io.cuh), swizzled destinations.
@@ -230,7 +307,12 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
   Elem* sK = sQ + C::kBlockM * C::kQStride;
-  Elem* sV = sK + C::kStages * C::kBlockN * C::kStride;
+  Elem* sV = sK + C::kSlots * C::kBlockN * C::kStride;
+  using KvT = typename C::KvT;
+  // the ring the loads fill: the slots themselves, or (FP8) the e4m3 bytes after them
+  KvT* rK = C::kKvFp8 ? reinterpret_cast<KvT*>(sV + C::kSlots * C::kBlockN * C::kStride)
+                      : reinterpret_cast<KvT*>(sK);
+  KvT* rV = C::kKvFp8 ? rK + C::kStages * C::kBlockN * C::kRingStride : reinterpret_cast<KvT*>(sV);
   __shared__ uint64_t full[C::kStages];  // bulk loads: K/V tile of each slot landed
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -281,10 +363,10 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
     const int64_t gr = m0 + r, i = gr / group;
     return q_base + i * p.q_row_stride + (gr - i * group) * p.q_head_stride;
   };
-  const Elem* k_base = static_cast<const Elem*>(p.k) + hk * p.k_head_stride +
-                       (C::kPaged ? 0 : b * p.k_batch_stride);
-  const Elem* v_base = static_cast<const Elem*>(p.v) + hk * p.v_head_stride +
-                       (C::kPaged ? 0 : b * p.v_batch_stride);
+  const KvT* k_base = static_cast<const KvT*>(p.k) + hk * p.k_head_stride +
+                      (C::kPaged ? 0 : b * p.k_batch_stride);
+  const KvT* v_base = static_cast<const KvT*>(p.v) + hk * p.v_head_stride +
+                      (C::kPaged ? 0 : b * p.v_batch_stride);
   const int page_shift = C::kPaged ? __ffsll(p.page_size) - 1 : 0;
   const int32_t* bt = C::kPaged ? p.block_table + b * p.block_table_stride : nullptr;
   // Paged: the block-table entries of the split's pages [first_page, last_page] (those
@@ -321,8 +403,8 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
       }
       win_page0 = first_page + 32 * win;
     }
-    auto rows_of = [&](const Elem* base, int64_t row_stride, int64_t page_stride) {
-      return [&, base, row_stride, page_stride](int r) -> const Elem* {
+    auto rows_of = [&](const KvT* base, int64_t row_stride, int64_t page_stride) {
+      return [&, base, row_stride, page_stride](int r) -> const KvT* {
         if (C::kPaged) {
           const int64_t key = key0 + r;
           const int32_t id = __shfl_sync(0xffffffffu, ids_cur,
@@ -342,12 +424,12 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
       // thread arrives on the slot's barrier (count kThreads) announcing its own bytes first,
       // so the phase cannot end before every copy is announced. Rows past sk (or of a bad
       // page) are zeroed by plain stores instead, which the per-tile __syncthreads publishes.
-      constexpr uint32_t kRowBytes = C::kHeadDim * sizeof(Elem);
+      constexpr uint32_t kRowBytes = C::kHeadDim * sizeof(KvT);
       constexpr int kPerThread = 2 * C::kBlockN / C::kThreads;
       auto k_rows = rows_of(k_base, p.k_row_stride, p.k_batch_stride);
       auto v_rows = rows_of(v_base, p.v_row_stride, p.v_batch_stride);
-      const Elem* src[kPerThread];
-      Elem* dst[kPerThread];
+      const KvT* src[kPerThread];
+      KvT* dst[kPerThread];
       uint32_t bytes = 0;
 #pragma unroll
       for (int j = 0; j < kPerThread; ++j) {
@@ -355,7 +437,7 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
         const bool is_k = row < C::kBlockN;
         const int r = is_k ? row : row - C::kBlockN;
         src[j] = is_k ? k_rows(r) : v_rows(r);
-        dst[j] = (is_k ? sK : sV) + slot * C::kBlockN * C::kStride + r * C::kStride;
+        dst[j] = (is_k ? rK : rV) + slot * C::kBlockN * C::kRingStride + r * C::kRingStride;
         bytes += src[j] ? kRowBytes : 0;
       }
       sm90::mbar_arrive_expect_tx(&full[slot], bytes);
@@ -370,10 +452,24 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
             io.add(DecIo::kV, kRowBytes);
         } else {
 #pragma unroll
-          for (int c = 0; c < C::kHeadDim; c += 8)
+          for (int c = 0; c < C::kHeadDim; c += 16 / static_cast<int>(sizeof(KvT)))
             *reinterpret_cast<uint4*>(dst[j] + c) = make_uint4(0u, 0u, 0u, 0u);
         }
       }
+    } else if constexpr (C::kKvFp8) {
+      // e4m3 rows as 16-bit pairs: the same 16-byte cp.async chunks (16 keys' bytes each)
+      constexpr int kPairs = C::kHeadDim / 2;
+      auto pairs = [](auto rows) {
+        return [rows](int r) { return reinterpret_cast<const uint16_t*>(rows(r)); };
+      };
+      load_rows_async<C::kBlockN, kPairs, C::kThreads, kPairs, kPairs>(
+          reinterpret_cast<uint16_t*>(rK + slot * C::kBlockN * C::kRingStride),
+          pairs(rows_of(k_base, p.k_row_stride, p.k_batch_stride)),
+          reinterpret_cast<const uint16_t*>(k_base), io, DecIo::kK);
+      load_rows_async<C::kBlockN, kPairs, C::kThreads, kPairs, kPairs>(
+          reinterpret_cast<uint16_t*>(rV + slot * C::kBlockN * C::kRingStride),
+          pairs(rows_of(v_base, p.v_row_stride, p.v_batch_stride)),
+          reinterpret_cast<const uint16_t*>(v_base), io, DecIo::kV);
     } else if constexpr (C::kSwizzle) {
       dec_load_rows_swizzled<C>(sK + slot * C::kBlockN * C::kStride,
                                 rows_of(k_base, p.k_row_stride, p.k_batch_stride), k_base, io,
@@ -420,10 +516,19 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
   // The score stage of the thread's two rows (score_mod.cuh), each of its own head; a row's
   // slope read is counted once (t == 0 of the first key warp) when the row is valid.
   using Mod = ScoreModOf<C, false>;  // the sink joins where the row's LSE is formed, below
+  // FP8 caches: S = (q . K8) * k_descale, so k_descale joins the softmax scale; v_descale
+  // multiplies O where it is normalised (1 and the plain scale for other kernels)
+  const double qk_scale =
+      C::kKvFp8 ? p.softmax_scale * dec_descale<C>(p.k_descale, b, hk, p.k_descale_batch_stride,
+                                                   p.k_descale_head_stride)
+                : p.softmax_scale;
+  [[maybe_unused]] const float v_scale =
+      dec_descale<C>(p.v_descale, b, hk, p.v_descale_batch_stride, p.v_descale_head_stride);
+  if (C::kKvFp8 && tid == 0) io.add(DecIo::kMeta, 8);  // the two descales, once per CTA
   auto row_mod = [&](int r) {
     const int fr = warp_row0 + g + 8 * r;
     const int64_t gr = m0 + fr, i = gr / group;
-    return Mod(p.score, p.softmax_scale, b, hk * group + (gr - i * group), io,
+    return Mod(p.score, qk_scale, b, hk * group + (gr - i * group), io,
                t == 0 && wn == 0 && fr < valid_rows, DecIo::kMeta);
   };
   const Mod mods[2] = {row_mod(0), row_mod(1)};
@@ -479,7 +584,15 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
       if (next < n_iter) load_kv(next);
       cp_async_commit();
 
-      const int slot = it % C::kStages;
+      const int ring = it % C::kStages;
+      const int slot = C::kKvFp8 ? 0 : ring;  // the 16-bit slot the MMA steps read
+      if constexpr (C::kKvFp8) {  // every warp is past tile it - 1 (the barrier above)
+        dec_convert_fp8<C>(sK, reinterpret_cast<const uint8_t*>(rK) +
+                                   ring * C::kBlockN * C::kRingStride);
+        dec_convert_fp8<C>(sV, reinterpret_cast<const uint8_t*>(rV) +
+                                   ring * C::kBlockN * C::kRingStride);
+        __syncthreads();
+      }
       const int64_t n = sched.tile(it, io, false);
       float acc_s[1][C::kNT][4];
 #pragma unroll
@@ -562,6 +675,7 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
     } else {  // the combine adds the sink
       ScoreMod<false, false, false>::finalize_ml_plain(mx, l, inv_l, lse);
     }
+    if constexpr (C::kKvFp8) inv_l *= v_scale;  // O of v_descale * V
     if (splits == 1) {
       const uint4 packed = make_uint4(
           MmaT::pack(o[0] * inv_l, o[1] * inv_l), MmaT::pack(o[2] * inv_l, o[3] * inv_l),

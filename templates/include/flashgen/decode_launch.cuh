@@ -111,6 +111,31 @@ const char* check_decode_output(const fg_decode_params& p) {
   return nullptr;
 }
 
+// FP8 caches (C::kKvFp8, spec kv_dtype: e4m3): both descales given (fp32, (batch, kv_heads)
+// with the given strides; strides 0 broadcast a per-tensor scalar), and K/V strides in whole
+// 16-byte chunks (16 elements). Other kernels take no descales.
+template <class C>
+const char* check_kv_descale(const fg_decode_params& p) {
+  if (!C::kKvFp8)
+    return p.k_descale || p.v_descale
+               ? "k_descale / v_descale are for FP8 caches (spec kv_dtype: e4m3); this kernel's "
+                 "K/V have the q dtype: pass NULL"
+               : nullptr;
+  if (!p.k_descale || !p.v_descale)
+    return "FP8 cache (kv_dtype e4m3): k_descale and v_descale (float32, batch x kv_heads, or "
+           "strides 0 for a per-tensor scalar) must be non-null";
+  if (!dec_aligned(p.k_descale, 4) || !dec_aligned(p.v_descale, 4))
+    return "k_descale and v_descale must be 4-byte aligned float32 arrays";
+  if (p.k_descale_batch_stride < 0 || p.k_descale_head_stride < 0 ||
+      p.v_descale_batch_stride < 0 || p.v_descale_head_stride < 0)
+    return "k_descale / v_descale strides must be >= 0 (0: broadcast)";
+  const int64_t kv_strides[] = {p.k_batch_stride, p.k_row_stride, p.k_head_stride,
+                                p.v_batch_stride, p.v_row_stride, p.v_head_stride};
+  for (int64_t s : kv_strides)
+    if (s % 16 != 0) return "FP8 cache: k/v strides must be multiples of 16 elements (16 bytes)";
+  return nullptr;
+}
+
 // Returns nullptr when the parameters are acceptable, else what is wrong and what is allowed.
 template <class C>
 const char* check_decode_params(const fg_decode_params& p, int64_t splits) {
@@ -161,6 +186,7 @@ const char* check_decode_params(const fg_decode_params& p, int64_t splits) {
   if (p.batch > INT32_MAX || p.heads > INT32_MAX || mts * splits > INT32_MAX ||
       mts * splits * p.kv_heads > INT32_MAX || mts * splits * p.kv_heads * p.batch > INT32_MAX)
     return "grid too large: row tiles * splits * kv_heads * batch > 2^31-1";
+  if (const char* why = check_kv_descale<C>(p)) return why;
   return check_score_params<C>(p.score, /*backward=*/false);  // score_check.h
 }
 

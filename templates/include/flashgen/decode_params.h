@@ -82,6 +82,15 @@ typedef struct fg_decode_params {
   /* instrument_io: 9 uint64 counters (bytes), in the order of DecIo (decode_kernel.cuh) */
   unsigned long long* io_counters;
 
+  /* FP8 caches (spec kv_dtype: e4m3; K and V hold float8_e4m3fn): fp32 descales, element
+     (b, hk) at b * batch_stride + hk * head_stride; strides 0 broadcast a per-tensor scalar
+     (vLLM's k_scale / v_scale). The kernel computes with k_descale * K and v_descale * V:
+     k_descale joins the softmax scale, v_descale multiplies O. NULL for other kernels. */
+  const float* k_descale;
+  const float* v_descale;
+  int64_t k_descale_batch_stride, k_descale_head_stride;
+  int64_t v_descale_batch_stride, v_descale_head_stride;
+
   /* score-stage features (score_params.h, rendered from generator/features/) */
   fg_score_params score;
 
