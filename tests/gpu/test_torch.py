@@ -1264,14 +1264,15 @@ def _qkv(shape=(1, 16, 2, 64), dtype=torch.bfloat16, device=DEV, grad=False):
     [
         (lambda: _qkv(device="cpu"), "CUDA devices only"),
         (lambda: _qkv(dtype=torch.float32), "float16 or bfloat16"),
-        (lambda: _qkv(shape=(1, 16, 2, 128))[:2] + _qkv()[2:], "same shape"),
+        # (v's head dim may differ from q's and k's: d_v; its other dims may not)
+        (lambda: _qkv(shape=(1, 16, 2, 128))[:2] + _qkv(shape=(1, 17, 2, 64))[2:], "same shape"),
         (lambda: (_qkv(shape=(1, 16, 3, 64))[0], *_qkv()[1:]), "must divide"),
         (lambda: _qkv(shape=(1, 16, 2, 300)), r"head_dim 300: allowed 1\.\.256"),
         (lambda: _qkv(shape=(1, 16, 2, 300), grad=True), r"head_dim 300: allowed 1\.\.256"),
         (lambda: _qkv(shape=(1, 16, 2, 0)), r"head_dim 0: allowed 1\.\.256"),
         (lambda: (_qkv(shape=(1, 16, 2, 59))[0], *_qkv()[1:]), "head_dim 59 differs from k's 64"),
     ],
-    ids=["cpu", "fp32", "head-dims-differ", "kv-heads", "d300", "d300-grad", "d0", "d59-d64"],
+    ids=["cpu", "fp32", "v-keys-differ", "kv-heads", "d300", "d300-grad", "d0", "d59-d64"],
 )
 def test_unsupported_calls_raise_naming_what_is_supported(make, match):
     q, k, v = make()
