@@ -124,7 +124,12 @@ SUBSET = (
 # The debug builds at d 232 (240 on chip, the smallest debug tile): 12-48 bytes.
 KNOWN_SPILLS = (
     (Target.SM90, 240, "drop+dbg"),
-    (Target.SM90, 240, "cbr+gqa+drop+dbg"),
+    # the philox seed/offset pointers (dropout under CUDA-graph capture) moved these debug
+    # builds over the edge, 4-12 bytes (docs/tiles.md, Known spills); sm_90 d 240
+    # cbr+gqa+drop+dbg stopped spilling at the same change
+    (Target.SM80, 240, "window+varlen+drop+dbg"),
+    (Target.SM90, 208, "window+varlen+drop+dbg"),
+    (Target.SM90, 200, "cbr+window+varlen+gqa+drop+dbg+sparse+io"),
     (Target.SM80, 232, "cbr+window+varlen+gqa+drop+dbg+sparse+io"),
     (Target.SM90, 232, "cbr+window+varlen+gqa+drop+dbg+sparse+io"),
     (Target.SM90, 232, "window+drop+dbg+io"),
