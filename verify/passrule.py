@@ -6,7 +6,9 @@ attention in the kernel's precision (`verify.baseline`):
     kernel_err   = max |kernel - ref|
     baseline_err = max |baseline - ref|
     floor        = 2 * max |(r + 0.3 - 0.3) - r|,  r = ref rounded to the dtype, and the
-                   +0.3 and -0.3 each done in float32 then rounded to the dtype
+                   +0.3 and -0.3 each done in float32 then rounded to the dtype; for fp16 and
+                   bf16 at least half an ulp of max |r| (the output's own rounding), for the
+                   float32 LSE at least 8 float32 ulps of max(1, max |r|)
     passed       iff kernel_err <= 2 * baseline_err + floor
 
 The factor 2 on the baseline is FlashAttention's test rule; the floor is FlashAttention-3's
@@ -91,7 +93,15 @@ def noise_floor(ref: Any, dtype: Any) -> float:
     back = round_to_dtype(up - np.float32(0.3), dtype)
     diff = np.abs(back.astype(np.float64) - r.astype(np.float64))
     floor = 2.0 * float(diff.max(initial=0.0))
-    if dtype_name(dtype) == "fp32":
+    name = dtype_name(dtype)
+    if name in _MANTISSA_BITS:
+        # A 16-bit output is rounded once, to the nearest dtype value: an accurate float32 result
+        # a hair past a rounding midpoint lands one ulp from the reference's nearest value, an
+        # error of up to half an ulp that the rounding alone makes. The +-0.3 probe can round
+        # exactly at some magnitudes (fp16 returns to 1.0 exactly; a row of -135.7 likewise), so
+        # the floor is at least half an ulp at the output's largest magnitude.
+        floor = max(floor, 0.5 * _ulp(float(np.abs(r).max(initial=0.0)), name))
+    if name == "fp32":
         # A float32 output (the LSE) is the sum of a few float32 terms, each computed by the GPU's
         # special-function unit (ex2/lg2.approx: ~2 ulp): the +-0.3 probe can round exactly
         # (a one-element row gives floor 0), so the floor is at least 8 ulp at the output's
@@ -99,6 +109,16 @@ def noise_floor(ref: Any, dtype: Any) -> float:
         scale = max(1.0, float(np.abs(ref[np.isfinite(ref)]).max(initial=0.0)))
         floor = max(floor, 8.0 * float(np.finfo(np.float32).eps) * scale)
     return floor
+
+
+_MANTISSA_BITS = {"fp16": 10, "bf16": 7}  # explicit fraction bits of the 16-bit dtypes
+_MIN_NORMAL_EXP = {"fp16": -14, "bf16": -126}
+
+
+def _ulp(x: float, name: str) -> float:
+    """The spacing of `name`'s values at magnitude `x` (subnormal spacing below the normals)."""
+    exp = max(int(np.floor(np.log2(x))) if x > 0 else -1000, _MIN_NORMAL_EXP[name])
+    return 2.0 ** (exp - _MANTISSA_BITS[name])
 
 
 def _max_abs(a: np.ndarray, b: np.ndarray) -> float:

@@ -147,20 +147,12 @@ def make_problem(spec, case):
 
 
 def run_case(kernel, spec, case, **extra):
+    """One run of the case's problem; returns the result and the problem's q, k, v as drawn
+    (FP8: before the division by the descales that `fp8_stored` makes for the upload)."""
     rng, q, k, v = make_problem(spec, case)
-    k, v, descales = fp8_stored(spec, case, k, v)
-    extra = {**descales, **extra}
-    kw = dict(window=case["window"], num_splits=case["splits"], row_pad=case["row_pad"], **extra)
-    kw.update(case_score(spec, case).kwargs())
-    if spec.paged:
-        kp, table = reference_decode.to_paged(k, case["lens"], case["page"], rng)
-        vp = np.full_like(kp, np.nan)
-        for bi, n in enumerate(case["lens"]):
-            for p in range(-(-n // case["page"])):
-                rows = min(case["page"], n - p * case["page"])
-                vp[table[bi, p], :rows] = v[bi, p * case["page"] : p * case["page"] + rows]
-        return kernel.run(q, kp, vp, case["lens"], block_table=table, **kw), q, k, v
-    return kernel.run(q, k, v, case["lens"], **kw), q, k, v
+    kw = dict(window=case["window"], row_pad=case["row_pad"], **extra)
+    res = _run_arrays(kernel, spec, case, q, *fp8_stored(spec, case, k, v), rng=rng, **kw)
+    return res, q, k, v
 
 
 def _rule(spec):
@@ -366,23 +358,22 @@ def run_case_arrays(kernel, spec, case, q, k, v):
     return _reference_inputs(spec, case, res, q, k, v)
 
 
-def _run_arrays(kernel, spec, case, q, k, v, descales):
-    """One run of stored arrays (FP8: already divided by the descales, which are passed)."""
-    score = {**case_score(spec, case).kwargs(), **descales}
+def _run_arrays(kernel, spec, case, q, k, v, descales, rng=None, **kw):
+    """One run of stored arrays (FP8: already divided by the descales, which are passed);
+    a paged spec's pages are placed by `rng` (default: one seeded by the case)."""
+    args = {**case_score(spec, case).kwargs(), **descales, **kw}
     if spec.paged:
-        rng = np.random.default_rng(case["seed"])
+        rng = rng if rng is not None else np.random.default_rng(case["seed"])
         kp, table = reference_decode.to_paged(k, case["lens"], case["page"], rng)
         vp = np.full_like(kp, np.nan)
         for bi, n in enumerate(case["lens"]):
             for p in range(-(-n // case["page"])):
                 rows = min(case["page"], n - p * case["page"])
                 vp[table[bi, p], :rows] = v[bi, p * case["page"] : p * case["page"] + rows]
-        res = kernel.run(
-            q, kp, vp, case["lens"], block_table=table, num_splits=case["splits"], **score
+        return kernel.run(
+            q, kp, vp, case["lens"], block_table=table, num_splits=case["splits"], **args
         )
-    else:
-        res = kernel.run(q, k, v, case["lens"], num_splits=case["splits"], **score)
-    return res
+    return kernel.run(q, k, v, case["lens"], num_splits=case["splits"], **args)
 
 
 @pytest.mark.parametrize("spec", [s for s in SPECS if s.instrument_io], ids=kernel_name)
