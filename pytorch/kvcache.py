@@ -351,22 +351,36 @@ def _decode_impl(
         q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_left,
         window_right, num_splits, softcap, alibi_slopes, learnable_sink,
     )  # fmt: skip
-    device = q.device
     out, lse = _outputs(q, pb)
-    if out.numel() == 0:  # no sequence or no query
-        return out, lse
-    if k_cache.numel() == 0:  # a contiguous cache of capacity 0: no key anywhere
-        if check_inputs and bool((cache_seqlens != 0).any()):
-            raise CacheInputError(ks.describe_errors(ks.ERR_SEQLEN, 0, None))
-        out.zero_()
-        _empty_lse(lse, learnable_sink)  # -inf, or the head's sink
+    if _served_without_kernel(out, lse, k_cache, cache_seqlens, check_inputs, learnable_sink):
         return out, lse
     _check_aligned(q=q, k_cache=k_cache, v_cache=v_cache)
-    lib = _library(spec)
     params = _decode_params(
         q, k_cache, v_cache, cache_seqlens, block_table, out, lse, pb, window, softmax_scale,
         max_seqlen_k, num_splits, feats, softcap, alibi_slopes, learnable_sink,
     )  # fmt: skip
+    _launch(_library(spec), params, pb, q.device, check_inputs)
+    return out, lse
+
+
+def _served_without_kernel(out, lse, k_cache, cache_seqlens, check_inputs, learnable_sink):
+    """Fill (out, lse) of a call no kernel need run, and say so: no sequence or no query (empty
+    outputs), or a contiguous cache of capacity 0 (no key anywhere: O is 0, the LSE -inf or
+    the head's sink; with check_inputs, a non-zero length is the caller's error)."""
+    if out.numel() == 0:
+        return True
+    if k_cache.numel() != 0:
+        return False
+    if check_inputs and bool((cache_seqlens != 0).any()):
+        raise CacheInputError(ks.describe_errors(ks.ERR_SEQLEN, 0, None))
+    out.zero_()
+    _empty_lse(lse, learnable_sink)
+    return True
+
+
+def _launch(lib, params: dict, pb, device, check_inputs: bool) -> None:
+    """One decode launch on the current stream of `device`, with its workspace; with
+    check_inputs, the error word is read back (a sync) and raised as CacheInputError."""
     with torch.cuda.device(device):
         size = max(lib.workspace_bytes(params), WORKSPACE_HEADER)
         workspace = torch.empty(size, dtype=torch.uint8, device=device)
@@ -380,7 +394,6 @@ def _decode_impl(
             if word:
                 pages = pb.num_pages if pb.paged else None
                 raise CacheInputError(ks.describe_errors(word, pb.capacity, pages))
-    return out, lse
 
 
 # The compiled binding's decode plan (flashgen.torch.binding, csrc/binding.cpp): the struct of

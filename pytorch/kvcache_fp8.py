@@ -231,7 +231,6 @@ def fp8_decode(
     the caches as if they had q's dtype: strides and shapes are the same in elements), the
     `kv_dtype: e4m3` spec of the device, and one launch. Returns (out, lse)."""
     import torch
-    from flashgen.generator.families.decode import WORKSPACE_HEADER
     from flashgen.torch import kvcache as kc
     from flashgen.torch import kvcache_select as sel
     from flashgen.torch.ops import _meta
@@ -283,11 +282,10 @@ def fp8_decode(
         append_fp8(k_cache, v_cache, k.detach(), v.detach(), lens_before, block_table,
                    k_descale, v_descale)  # fmt: skip
         cache_seqlens = (lens_before + n_new).to(torch.int32)
-    if out.numel() == 0:
+    if kc._served_without_kernel(out, lse, k_cache, cache_seqlens, check_inputs, None):
         return out, lse
     kd = _descale_tensor(k_descale, q.device)
     vd = _descale_tensor(v_descale, q.device)
-    lib = kc._library(spec)
     params = kc._decode_params(
         q, k_cache, v_cache, cache_seqlens, block_table, out, lse, pb, runtime, scale, 0,
         num_splits, frozenset(), 0.0, None, None,
@@ -297,20 +295,7 @@ def fp8_decode(
         k_descale_batch_stride=kbs, k_descale_head_stride=khs,
         v_descale_batch_stride=vbs, v_descale_head_stride=vhs,
     )  # fmt: skip
-    device = q.device
-    with torch.cuda.device(device):
-        size = max(lib.workspace_bytes(params), WORKSPACE_HEADER)
-        workspace = torch.empty(size, dtype=torch.uint8, device=device)
-        if check_inputs:
-            workspace[:WORKSPACE_HEADER].zero_()
-        params["workspace"] = workspace.data_ptr()
-        params["workspace_size"] = size
-        lib.launch(params, torch.cuda.current_stream(device).cuda_stream)
-        if check_inputs:
-            word = int(workspace[:4].view(torch.int32).item())
-            if word:
-                pages = pb.num_pages if pb.paged else None
-                raise sel.CacheInputError(sel.describe_errors(word, pb.capacity, pages))
+    kc._launch(kc._library(spec), params, pb, q.device, check_inputs)
     # (kd, vd live until the launch is queued; the stream orders their later reuse)
     return out, lse
 
