@@ -17,6 +17,7 @@ def test_floor_is_twice_the_rounding_of_adding_and_removing_0_3_in_the_dtype():
     # fp16 returns to exactly 1.0: the floor is half an fp16 ulp at 1.0 (the output's rounding)
     assert noise_floor(np.array([1.0]), "fp16") == 2.0**-11
     assert noise_floor(np.array([-135.72]), "fp16") == 2.0**-4  # probe exact; ulp(128) = 1/8
+    assert noise_floor(np.array([1.0, -np.inf]), "bf16") == 2.0**-7  # -inf is ignored
 
 
 def test_an_output_one_rounding_off_passes_and_two_ulps_off_fails():
@@ -28,7 +29,6 @@ def test_an_output_one_rounding_off_passes_and_two_ulps_off_fails():
     near, far, farther = -135.75, -135.625, -135.5  # fp16 values: ulp 1/8 above 128
     assert check(np.array([far]), ref, np.array([near]), "fp16").passed
     assert not check(np.array([farther]), ref, np.array([near]), "fp16").passed
-    assert noise_floor(np.array([1.0, -np.inf]), "bf16") == 2.0**-7  # -inf is ignored
 
 
 def test_a_kernel_as_accurate_as_the_baseline_passes():

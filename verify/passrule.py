@@ -86,7 +86,8 @@ class Verdict:
 
 def noise_floor(ref: Any, dtype: Any) -> float:
     """FlashAttention-3's floor `2 * max |(r + 0.3 - 0.3) - r|` over the finite entries, r = ref
-    rounded to `dtype`, each operation rounded to the dtype."""
+    rounded to `dtype`, each operation rounded to the dtype; at least half an ulp of max |r|
+    for fp16 / bf16 and 8 float32 ulps of max(1, max |r|) for fp32 (module doc)."""
     ref = np.asarray(ref, dtype=np.float64)
     r = round_to_dtype(ref[np.isfinite(ref)], dtype)
     up = round_to_dtype(r + np.float32(0.3), dtype)
@@ -101,7 +102,7 @@ def noise_floor(ref: Any, dtype: Any) -> float:
         # exactly at some magnitudes (fp16 returns to 1.0 exactly; a row of -135.7 likewise), so
         # the floor is at least half an ulp at the output's largest magnitude.
         floor = max(floor, 0.5 * _ulp(float(np.abs(r).max(initial=0.0)), name))
-    if name == "fp32":
+    elif name == "fp32":
         # A float32 output (the LSE) is the sum of a few float32 terms, each computed by the GPU's
         # special-function unit (ex2/lg2.approx: ~2 ulp): the +-0.3 probe can round exactly
         # (a one-element row gives floor 0), so the floor is at least 8 ulp at the output's
