@@ -231,16 +231,16 @@ def swizzled(head_dim: int, paged: bool) -> bool:
 
 def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype, paged: bool, kv_fp8: bool = False) -> int:
     """Q rows plus `stages` K and V tiles, or the key warps' merge buffer. FP8 caches
-    (`kv_fp8`): `stages` K and V tiles of e4m3 bytes (unpadded rows) plus one converted
-    16-bit K and V slot the MMA reads (DecConfig::kRingBytes, kSlots)."""
+    (`kv_fp8`): the tiles are e4m3 bytes in unpadded rows, read into registers
+    (DecConfig::kTileBytes)."""
     d = mma_head_dim(head_dim)
     kv_row = d if swizzled(head_dim, paged) else d + SMEM_ROW_PAD
-    slots = 1 if kv_fp8 else tile.stages
-    tiles = tile.block_m * (d + SMEM_ROW_PAD) + 2 * slots * tile.block_n * kv_row
-    ring = 2 * tile.stages * tile.block_n * head_dim if kv_fp8 else 0
+    kv_row_bytes = head_dim if kv_fp8 else kv_row * dtype.nbytes
+    tiles = tile.block_m * (d + SMEM_ROW_PAD) * dtype.nbytes
+    tiles += 2 * tile.stages * tile.block_n * kv_row_bytes
     _, wn = warp_layout(tile)
     merge = wn * tile.block_m * (d + MERGE_ROW_PAD + 2) * 4
-    return max(tiles * dtype.nbytes + ring, merge)
+    return max(tiles, merge)
 
 
 def default_tile(head_dim: int) -> Tile:

@@ -20,10 +20,11 @@
 //              the loads in flight); each row's source is a shuffle away
 //
 //   FP8 cache  (kKvFp8, spec kv_dtype: e4m3) K/V tiles land as e4m3 bytes in a `stages`-deep
-//              ring (half the HBM and smem bytes of a 16-bit tile), and each tile is converted
-//              once to the q dtype into one 16-bit K and V slot, which the MMA steps read as
-//              they read a 16-bit cache's slot; k_descale joins the softmax scale and
-//              v_descale multiplies O, so the maths is that of the dequantised cache
+//              ring (half the HBM and smem bytes of a 16-bit tile); each lane reads its MMA
+//              fragments' bytes straight from the ring and converts them in registers
+//              (Fp8Kv below: K to the q dtype, V to fp16, P V in fp16); k_descale joins the
+//              softmax scale and v_descale multiplies O, so the maths is that of the
+//              dequantised cache
 //
 // The maths per tile is the forward's: S = Q K^T and acc_o += P V (warp_mma.cuh), the online
 // softmax (softmax.cuh), masks (mask.cuh, frag.cuh); loads and stores go through tile_io.cuh.
@@ -69,10 +70,11 @@ constexpr int kCombineThreads = 128;    // threads of a combine CTA
 // 1.8-3.2 TB/s, the bulk rows 3.7-4.1 with two CTAs per SM; contiguous, the chunks with one
 // CTA per SM led (3.9-4.2 TB/s, and 1.2-1.4x at 4k-32k at batch 1), while bulk rows stall
 // near 2.4 TB/s with one CTA per SM (about 19 GB/s per CTA, whatever the stages).
+// FP8 caches take the chunks on every target: their ring rows are XOR-swizzled (Fp8Kv).
 template <class C>
 __host__ __device__ constexpr bool decode_bulk_loads() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  return C::kPaged;
+  return C::kPaged && !C::kKvFp8;
 #else
   return false;
 #endif
@@ -136,15 +138,15 @@ struct DecConfig : S {
   // has the time, and the registers go to the address arithmetic of the loads in flight.
   static constexpr bool kQInRegs = false;
   static constexpr int kElem = static_cast<int>(sizeof(Elem));
-  // FP8 caches (S::kKvFp8): the ring holds e4m3 bytes (KvT), unpadded rows of kHeadDim, and
-  // the MMA reads one converted 16-bit slot each of K and V; otherwise the ring is the slots.
+  // FP8 caches (S::kKvFp8): the ring holds e4m3 bytes (KvT), unpadded swizzled rows of
+  // kHeadDim, which the MMA steps read through registers; otherwise the ring is the 16-bit
+  // slots ldmatrix reads.
   static constexpr bool kKvFp8 = S::kKvFp8;
   using KvT = typename std::conditional<kKvFp8, uint8_t, Elem>::type;
-  static constexpr int kSlots = kKvFp8 ? 1 : kStages;          // 16-bit K (and V) slots
   static constexpr int kRingStride = kKvFp8 ? kHeadDim : kStride;  // ring row, KvT elements
-  static constexpr int kRingBytes = kKvFp8 ? 2 * kStages * kBlockN * kHeadDim : 0;
   static constexpr int kTileBytes =
-      (kBlockM * kQStride + 2 * kSlots * kBlockN * kStride) * kElem + kRingBytes;
+      kBlockM * kQStride * kElem +
+      2 * kStages * kBlockN * kRingStride * static_cast<int>(sizeof(KvT));
   // The end-of-loop merge of the key warps reuses the tiles' memory: per warp, its rows'
   // accumulators (rows padded to d + 4 floats) and (m, l).
   static constexpr int kMergeStride = kHeadDimPad + 4;
@@ -176,12 +178,51 @@ struct DecConfig : S {
                 "FP8 tiles: whole 16-byte chunk passes (the page shuffle needs converged warps)");
 };
 
-// e4m3 -> the q dtype, two at a time: exact (every e4m3 value, NaN included, is an fp16 and a
+// FP8 caches: each lane reads its fragments' e4m3 bytes from the ring and converts them in
+// registers (no 16-bit copy of the tile, no second barrier per tile).
+//   K, S = Q K^T: lane (g, t) reads, of key row n = 8 nt + g, the 4-byte word k_word(kk, t)
+//     for k16 step kk; its bytes are the B fragment's k = 2t, 2t+1 (b0) and 2t+8, 2t+9 (b1).
+//     That reorders the head dim of K; Q's smem columns are reordered the same way once per
+//     CTA (dec_permute_q_fp8), so Q . K is the same sum taken in another order.
+//   V, O += P V (in fp16: P is in [0, 1] and every e4m3 value is an fp16 value): lane (g, t)
+//     reads byte v_byte(dt, g) of key rows 2t, 2t+1, 2t+8, 2t+9 of each k16 step for n8 tile
+//     dt, so O's column c of tile dt is the head dim's v_byte(dt, c), undone where the key
+//     warps merge.
+//   A lane's bytes of a row are whole vectors (up to 16 bytes), and the 16-byte chunks of a
+//   ring row are XOR-swizzled per buffer (k_chunk, v_chunk) so that the loads of a warp meet
+//   distinct banks when a row is a multiple of 128 bytes (8 lanes of one 16-byte phase: two
+//   K rows x four chunks, or four V rows x two chunks).
+template <class C>
+struct Fp8Kv {
+  static constexpr int kD = C::kHeadDim, kKS = C::kKS, kDT = C::kDT;
+  static constexpr int kChunks = kD / 16;  // 16-byte chunks of a ring row
+  static constexpr int kKVec = kKS % 4 == 0 ? 4 : kKS % 2 == 0 ? 2 : 1;  // K words per load
+  static constexpr int kVVec =  // V bytes per load
+      kDT % 16 == 0 ? 16 : kDT % 8 == 0 ? 8 : kDT % 4 == 0 ? 4 : 2;
+  static constexpr int kVWords = (kDT + 3) / 4;  // a lane's V bytes of one row, as words
+  __device__ static constexpr int k_word(int kk, int t) {
+    return kKVec * (4 * (kk / kKVec) + t) + kk % kKVec;
+  }
+  __device__ static constexpr int v_byte(int dt, int n) {
+    return kVVec * (8 * (dt / kVVec) + n) + dt % kVVec;
+  }
+  __device__ static constexpr int k_chunk(int r, int c) {
+    return kChunks % 8 == 0 ? c ^ ((r & 1) << 2) : c;
+  }
+  __device__ static constexpr int v_chunk(int r, int c) { return kChunks % 8 == 0 ? c ^ (r & 6) : c; }
+  // the ring offset of byte x of row r
+  __device__ static int k_at(int r, int x) { return r * kD + k_chunk(r, x >> 4) * 16 + (x & 15); }
+  __device__ static int v_at(int r, int x) { return r * kD + v_chunk(r, x >> 4) * 16 + (x & 15); }
+  static_assert(kD % 16 == 0, "FP8 rows: whole 16-byte chunks");
+};
+
+// e4m3 -> fp16 or bf16, two at a time: exact (every e4m3 value, NaN included, is an fp16 and a
 // bf16 value; e4m3fn has no inf). fp16: one cvt.rn.f16x2.e4m3x2 (sm_89+); bf16: through
 // fp32 (cvt.rn.bf16x2.f32 of exact values is exact).
 template <typename Elem>
-__device__ __forceinline__ uint32_t e4m3x2_to(uint16_t x) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x), __NV_E4M3);
+__device__ __forceinline__ uint32_t e4m3x2_to(uint32_t x) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x & 0xffffu), __NV_E4M3);
   if constexpr (std::is_same<Elem, __half>::value) {
     return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
   } else {
@@ -191,33 +232,127 @@ __device__ __forceinline__ uint32_t e4m3x2_to(uint16_t x) {
   }
 }
 
-// An FP8 ring slot (rows of kHeadDim bytes) into the 16-bit slot the MMA steps read (padded
-// rows, or swizzled 16-byte chunks as dec_load_rows_swizzled writes them): 16 bytes in, 32
-// out per step, every thread of the CTA.
+// kWords 4-byte words of shared memory (16-byte aligned for 4, 8 for 2).
+template <int kWords>
+__device__ __forceinline__ void lds_words(uint32_t* w, const uint8_t* p) {
+  if constexpr (kWords == 4) {
+    const uint4 x = *reinterpret_cast<const uint4*>(p);
+    w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
+  } else if constexpr (kWords == 2) {
+    const uint2 x = *reinterpret_cast<const uint2*>(p);
+    w[0] = x.x, w[1] = x.y;
+  } else {
+    static_assert(kWords == 1, "1, 2 or 4 words");
+    w[0] = *reinterpret_cast<const uint32_t*>(p);
+  }
+}
+
+// Q's columns in the order of Fp8Kv's K words: logical column (16 kk + 2j + e) of each row
+// takes the head dim's 4 k_word(kk, j % 4) + 2 (j / 4) + e, so ldmatrix reads the A fragment
+// that meets the lane's K bytes. In place, once per CTA, every thread of the CTA.
 template <class C>
-__device__ __forceinline__ void dec_convert_fp8(typename C::Elem* dst, const uint8_t* src) {
+__device__ __forceinline__ void dec_permute_q_fp8(typename C::Elem* sQ) {
+  using F = Fp8Kv<C>;
+  constexpr int kPairs = C::kHeadDim / 2, kTotal = C::kBlockM * kPairs;
+  constexpr int kPer = (kTotal + C::kThreads - 1) / C::kThreads;
+  uint32_t v[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int w = i * C::kThreads + threadIdx.x;
+    if (w < kTotal) {
+      const int row = w / kPairs, lp = w % kPairs, kk = lp / 8, j = lp % 8;
+      const int col = 4 * F::k_word(kk, j & 3) + 2 * (j >> 2);
+      v[i] = *reinterpret_cast<const uint32_t*>(sQ + row * C::kQStride + col);
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int w = i * C::kThreads + threadIdx.x;
+    if (w < kTotal)
+      *reinterpret_cast<uint32_t*>(sQ + (w / kPairs) * C::kQStride + 2 * (w % kPairs)) = v[i];
+  }
+  __syncthreads();
+}
+
+// S = Q K^T over an FP8 ring slot: the warp's keys start at ring row `row0`. K's words are
+// held for as many n8 tiles at a time as fit 32 registers, Q's A fragment re-read per group.
+template <class C>
+__host__ __device__ constexpr int fp8_k_group() {
+  int n = C::kNT;
+  while (n > 1 && (n * C::kKS > 32 || C::kNT % n != 0)) --n;
+  return n;
+}
+
+template <class C, class LoadA>
+__device__ __forceinline__ void dec_qk_fp8(float (&acc_s)[1][C::kNT][4], LoadA&& load_a,
+                                           const uint8_t* ring, int row0, int g, int t) {
+  using F = Fp8Kv<C>;
   using Elem = typename C::Elem;
-  constexpr int kIn = C::kHeadDim / 16;  // 16-byte chunks of an FP8 row
-  constexpr int kChunks = C::kBlockN * kIn;
+  using MmaT = Mma<Elem>;
+  constexpr int kGroup = fp8_k_group<C>();
 #pragma unroll
-  for (int it = 0; it < (kChunks + C::kThreads - 1) / C::kThreads; ++it) {
-    const int c = it * C::kThreads + threadIdx.x;
-    if (kChunks % C::kThreads != 0 && c >= kChunks) break;
-    const int row = c / kIn, c16 = c % kIn;
-    const uint4 x = *reinterpret_cast<const uint4*>(src + row * C::kHeadDim + c16 * 16);
-    const uint32_t w[4] = {x.x, x.y, x.z, x.w};
-    uint32_t o[8];
+  for (int n0 = 0; n0 < C::kNT; n0 += kGroup) {
+    uint32_t kw[kGroup][C::kKS];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      o[2 * k] = e4m3x2_to<Elem>(static_cast<uint16_t>(w[k] & 0xffffu));
-      o[2 * k + 1] = e4m3x2_to<Elem>(static_cast<uint16_t>(w[k] >> 16));
+    for (int j = 0; j < kGroup; ++j) {
+      const int row = row0 + 8 * (n0 + j) + g;
+#pragma unroll
+      for (int s = 0; s < C::kKS / F::kKVec; ++s)
+        lds_words<F::kKVec>(&kw[j][s * F::kKVec],
+                            ring + F::k_at(row, 4 * F::k_word(s * F::kKVec, t)));
     }
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int chunk = 2 * c16 + half;  // 8-element chunk of the 16-bit row
-      const int col = (C::kSwizzle ? (chunk ^ (row & 7)) : chunk) * 8;
-      *reinterpret_cast<uint4*>(dst + row * C::kStride + col) =
-          make_uint4(o[4 * half], o[4 * half + 1], o[4 * half + 2], o[4 * half + 3]);
+    for (int kk = 0; kk < C::kKS; ++kk) {
+      uint32_t a[4];
+      load_a(0, kk, a);
+#pragma unroll
+      for (int j = 0; j < kGroup; ++j)
+        MmaT::run(acc_s[0][n0 + j], a, e4m3x2_to<Elem>(kw[j][kk]),
+                  e4m3x2_to<Elem>(kw[j][kk] >> 16));
+    }
+  }
+}
+
+// O += P V over an FP8 ring slot (fp16 MMA; O's columns in Fp8Kv::v_byte order).
+template <class C>
+__device__ __forceinline__ void dec_pv_fp8(float (&acc_o)[1][C::kDT][4],
+                                           const float (&p)[1][C::kNT][4], const uint8_t* ring,
+                                           int row0, int g, int t) {
+  using F = Fp8Kv<C>;
+  using MmaH = Mma<__half>;
+#pragma unroll
+  for (int ks = 0; ks < C::kNT / 2; ++ks) {
+    uint32_t a[4];
+    a[0] = MmaH::pack(p[0][2 * ks][0], p[0][2 * ks][1]);
+    a[1] = MmaH::pack(p[0][2 * ks][2], p[0][2 * ks][3]);
+    a[2] = MmaH::pack(p[0][2 * ks + 1][0], p[0][2 * ks + 1][1]);
+    a[3] = MmaH::pack(p[0][2 * ks + 1][2], p[0][2 * ks + 1][3]);
+    uint32_t vw[4][F::kVWords];  // key rows 2t, 2t + 1, 2t + 8, 2t + 9 of the k16 step
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int row = row0 + 16 * ks + 2 * t + (q & 1) + 8 * (q >> 1);
+#pragma unroll
+      for (int s = 0; s < C::kDT / F::kVVec; ++s) {
+        const uint8_t* src = ring + F::v_at(row, F::v_byte(s * F::kVVec, g));
+        if constexpr (F::kVVec >= 4) {
+          lds_words<F::kVVec / 4>(&vw[q][s * F::kVVec / 4], src);
+        } else {  // two bytes: a half of word dt / 4
+          const uint32_t h = *reinterpret_cast<const uint16_t*>(src);
+          const int dt = 2 * s;
+          vw[q][dt / 4] = dt % 4 == 0 ? h : (vw[q][dt / 4] | (h << 16));
+        }
+      }
+    }
+#pragma unroll
+    for (int dq = 0; dq < C::kDT / 2; ++dq) {  // n8 tiles 2 dq and 2 dq + 1
+      const int w = dq / 2;
+      const uint32_t sel = (dq & 1) ? 0x7362u : 0x5140u;  // (row 2t, row 2t + 1) byte pairs
+      const uint32_t lo = __byte_perm(vw[0][w], vw[1][w], sel);
+      const uint32_t hi = __byte_perm(vw[2][w], vw[3][w], sel);
+      MmaH::run(acc_o[0][2 * dq], a, e4m3x2_to<__half>(lo), e4m3x2_to<__half>(hi));
+      MmaH::run(acc_o[0][2 * dq + 1], a, e4m3x2_to<__half>(lo >> 16),
+                e4m3x2_to<__half>(hi >> 16));
     }
   }
 }
@@ -233,22 +368,25 @@ __device__ __forceinline__ float dec_descale(const float* d, int64_t b, int64_t 
   }
 }
 
-// The swizzled K/V slot (DecConfig::kSwizzle): 16-byte chunk c of row r sits at chunk
-// c ^ (r % 8) of the row. load_rows_async's chunk walk (tile_io.cuh), swizzled destinations.
-template <class C, typename Elem, class RowPtr, class IoT>
-__device__ __forceinline__ void dec_load_rows_swizzled(Elem* smem, RowPtr&& row_ptr,
-                                                       const Elem* fallback, IoT& io, int tensor) {
-  constexpr int kChunksPerRow = C::kHeadDim / 8;
+// Rows of kRowElems elements (unpadded) in 16-byte chunks, chunk c of row r placed at chunk
+// swz(r, c) of the row: the swizzled 16-bit slot (DecConfig::kSwizzle, c ^ r % 8) and the
+// FP8 ring (Fp8Kv). load_rows_async's chunk walk (tile_io.cuh), swizzled destinations.
+template <class C, int kRowElems, typename T, class RowPtr, class IoT, class Swz>
+__device__ __forceinline__ void dec_load_rows_swizzled(T* smem, RowPtr&& row_ptr,
+                                                       const T* fallback, IoT& io, int tensor,
+                                                       Swz&& swz) {
+  constexpr int kPerChunk = 16 / static_cast<int>(sizeof(T));
+  constexpr int kChunksPerRow = kRowElems / kPerChunk;
   constexpr int kChunks = C::kBlockN * kChunksPerRow;
   static_assert(kChunks % C::kThreads == 0, "whole rows per pass");
 #pragma unroll
   for (int it = 0; it < kChunks / C::kThreads; ++it) {
     const int c = it * C::kThreads + threadIdx.x;
     const int row = c / kChunksPerRow, chunk = c % kChunksPerRow;
-    const Elem* src = row_ptr(row);
+    const T* src = row_ptr(row);
     const bool valid = src != nullptr;
-    cp_async_16(smem + row * C::kStride + ((chunk ^ (row & 7)) * 8),
-                valid ? src + chunk * 8 : fallback, valid);
+    cp_async_16(smem + row * kRowElems + swz(row, chunk) * kPerChunk,
+                valid ? src + chunk * kPerChunk : fallback, valid);
     io.add(tensor, valid ? 16 : 0);
   }
 }
@@ -306,13 +444,13 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
   using MmaT = Mma<Elem>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
-  Elem* sK = sQ + C::kBlockM * C::kQStride;
-  Elem* sV = sK + C::kSlots * C::kBlockN * C::kStride;
   using KvT = typename C::KvT;
-  // the ring the loads fill: the slots themselves, or (FP8) the e4m3 bytes after them
-  KvT* rK = C::kKvFp8 ? reinterpret_cast<KvT*>(sV + C::kSlots * C::kBlockN * C::kStride)
-                      : reinterpret_cast<KvT*>(sK);
-  KvT* rV = C::kKvFp8 ? rK + C::kStages * C::kBlockN * C::kRingStride : reinterpret_cast<KvT*>(sV);
+  // the K and V rings the loads fill, `stages` tiles each: 16-bit slots ldmatrix reads, or
+  // (FP8) e4m3 bytes read into registers
+  KvT* rK = reinterpret_cast<KvT*>(sQ + C::kBlockM * C::kQStride);
+  KvT* rV = rK + C::kStages * C::kBlockN * C::kRingStride;
+  Elem* sK = reinterpret_cast<Elem*>(rK);
+  Elem* sV = reinterpret_cast<Elem*>(rV);
   __shared__ uint64_t full[C::kStages];  // bulk loads: K/V tile of each slot landed
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -456,27 +594,22 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
             *reinterpret_cast<uint4*>(dst[j] + c) = make_uint4(0u, 0u, 0u, 0u);
         }
       }
-    } else if constexpr (C::kKvFp8) {
-      // e4m3 rows as 16-bit pairs: the same 16-byte cp.async chunks (16 keys' bytes each)
-      constexpr int kPairs = C::kHeadDim / 2;
-      auto pairs = [](auto rows) {
-        return [rows](int r) { return reinterpret_cast<const uint16_t*>(rows(r)); };
-      };
-      load_rows_async<C::kBlockN, kPairs, C::kThreads, kPairs, kPairs>(
-          reinterpret_cast<uint16_t*>(rK + slot * C::kBlockN * C::kRingStride),
-          pairs(rows_of(k_base, p.k_row_stride, p.k_batch_stride)),
-          reinterpret_cast<const uint16_t*>(k_base), io, DecIo::kK);
-      load_rows_async<C::kBlockN, kPairs, C::kThreads, kPairs, kPairs>(
-          reinterpret_cast<uint16_t*>(rV + slot * C::kBlockN * C::kRingStride),
-          pairs(rows_of(v_base, p.v_row_stride, p.v_batch_stride)),
-          reinterpret_cast<const uint16_t*>(v_base), io, DecIo::kV);
+    } else if constexpr (C::kKvFp8) {  // e4m3 rows, 16-byte chunks in Fp8Kv's swizzles
+      using F = Fp8Kv<C>;
+      dec_load_rows_swizzled<C, C::kHeadDim>(
+          rK + slot * C::kBlockN * C::kRingStride, rows_of(k_base, p.k_row_stride, p.k_batch_stride),
+          k_base, io, DecIo::kK, [](int r, int c) { return F::k_chunk(r, c); });
+      dec_load_rows_swizzled<C, C::kHeadDim>(
+          rV + slot * C::kBlockN * C::kRingStride, rows_of(v_base, p.v_row_stride, p.v_batch_stride),
+          v_base, io, DecIo::kV, [](int r, int c) { return F::v_chunk(r, c); });
     } else if constexpr (C::kSwizzle) {
-      dec_load_rows_swizzled<C>(sK + slot * C::kBlockN * C::kStride,
-                                rows_of(k_base, p.k_row_stride, p.k_batch_stride), k_base, io,
-                                DecIo::kK);
-      dec_load_rows_swizzled<C>(sV + slot * C::kBlockN * C::kStride,
-                                rows_of(v_base, p.v_row_stride, p.v_batch_stride), v_base, io,
-                                DecIo::kV);
+      auto swz = [](int r, int c) { return c ^ (r & 7); };
+      dec_load_rows_swizzled<C, C::kHeadDim>(sK + slot * C::kBlockN * C::kStride,
+                                             rows_of(k_base, p.k_row_stride, p.k_batch_stride),
+                                             k_base, io, DecIo::kK, swz);
+      dec_load_rows_swizzled<C, C::kHeadDim>(sV + slot * C::kBlockN * C::kStride,
+                                             rows_of(v_base, p.v_row_stride, p.v_batch_stride),
+                                             v_base, io, DecIo::kV, swz);
     } else {
       load_rows_async<C::kBlockN, C::kHeadDimPad, C::kThreads, C::kStride, C::kHeadDim>(
           sK + slot * C::kBlockN * C::kStride, rows_of(k_base, p.k_row_stride, p.k_batch_stride),
@@ -563,6 +696,7 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
     }
     cp_async_wait<C::kStages - 1>();  // the Q group
     __syncthreads();
+    if constexpr (C::kKvFp8) dec_permute_q_fp8<C>(sQ);
 
     uint32_t qf[C::kQInRegs ? C::kKS : 1][4];
     if (C::kQInRegs) {
@@ -584,15 +718,10 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
       if (next < n_iter) load_kv(next);
       cp_async_commit();
 
-      const int ring = it % C::kStages;
-      const int slot = C::kKvFp8 ? 0 : ring;  // the 16-bit slot the MMA steps read
-      if constexpr (C::kKvFp8) {  // every warp is past tile it - 1 (the barrier above)
-        dec_convert_fp8<C>(sK, reinterpret_cast<const uint8_t*>(rK) +
-                                   ring * C::kBlockN * C::kRingStride);
-        dec_convert_fp8<C>(sV, reinterpret_cast<const uint8_t*>(rV) +
-                                   ring * C::kBlockN * C::kRingStride);
-        __syncthreads();
-      }
+      const int slot = it % C::kStages;
+      // FP8: the slot's e4m3 bytes (unused otherwise)
+      const uint8_t* k8 = reinterpret_cast<const uint8_t*>(rK + slot * C::kBlockN * C::kRingStride);
+      const uint8_t* v8 = reinterpret_cast<const uint8_t*>(rV + slot * C::kBlockN * C::kRingStride);
       const int64_t n = sched.tile(it, io, false);
       float acc_s[1][C::kNT][4];
 #pragma unroll
@@ -607,7 +736,9 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
           ldmatrix_x4(a, q_lane + kk * 16 * kElemBytes);
         }
       };
-      if constexpr (C::kSwizzle)
+      if constexpr (C::kKvFp8)
+        dec_qk_fp8<C>(acc_s, load_q, k8, wn * C::kWarpKeys, g, t);
+      else if constexpr (C::kSwizzle)
         dec_qk_swizzled<C>(acc_s, load_q, k_row + slot * kSlotBytes, k_chunk);
       else
         warp_qk<Elem, 1, C::kNT, C::kKS, C::kStride>(acc_s, load_q, k_lane + slot * kSlotBytes);
@@ -622,7 +753,9 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
       float alpha[2];
       online_softmax_update(st, acc_s[0], scale_log2, alpha);
       scale_rows(acc_o[0], alpha);
-      if constexpr (C::kSwizzle)
+      if constexpr (C::kKvFp8)
+        dec_pv_fp8<C>(acc_o, acc_s, v8, wn * C::kWarpKeys, g, t);
+      else if constexpr (C::kSwizzle)
         dec_pv_swizzled<C>(acc_o, acc_s, v_row + slot * kSlotBytes, v_chunk);
       else
         warp_pv<Elem, 1, C::kNT, C::kDT, C::kStride>(acc_o, acc_s, v_lane + slot * kSlotBytes);
@@ -644,9 +777,16 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
       sL[row] = l;
     }
 #pragma unroll
-    for (int dt = 0; dt < C::kDT; ++dt)
-      *reinterpret_cast<float2*>(sO + row * C::kMergeStride + dt * 8 + 2 * t) =
-          make_float2(acc_o[0][dt][2 * r], acc_o[0][dt][2 * r + 1]);
+    for (int dt = 0; dt < C::kDT; ++dt) {
+      if constexpr (C::kKvFp8) {  // O's columns back in head-dim order (Fp8Kv::v_byte)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          sO[row * C::kMergeStride + Fp8Kv<C>::v_byte(dt, 2 * t + e)] = acc_o[0][dt][2 * r + e];
+      } else {
+        *reinterpret_cast<float2*>(sO + row * C::kMergeStride + dt * 8 + 2 * t) =
+            make_float2(acc_o[0][dt][2 * r], acc_o[0][dt][2 * r + 1]);
+      }
+    }
   }
   __syncthreads();
 
