@@ -97,14 +97,31 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="batch 8 and 64, context 16k, d 128")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "fp8_h200.json"))
+    ap.add_argument(
+        "--sweep-splits",
+        default="",
+        help="comma-separated split counts: also time each kernel at each (row key split_ms)",
+    )
+    ap.add_argument("--dims", default="", help="comma-separated head dims (default 128,64)")
     args = ap.parse_args(argv)
+    sweep = [int(x) for x in args.sweep_splits.split(",") if x.strip()]
+    if any(x < 1 or x > 128 for x in sweep):
+        ap.error(f"--sweep-splits takes split counts 1..128, got {args.sweep_splits!r}")
     calls, reps = (3, 3) if args.quick else (20, 7)
     dims = (128,) if args.quick else DIMS
+    if args.dims:
+        dims = tuple(int(x) for x in args.dims.split(","))
     batches = (8, 64) if args.quick else BATCHES
     contexts = (16384,) if args.quick else CONTEXTS
     dev = torch.device("cuda")
     free = torch.cuda.get_device_properties(0).total_memory
     rows, t0 = [], time.time()
+
+    def workspace(lib, values):
+        ws = torch.zeros(max(lib.workspace_bytes(values), 256), device=dev, dtype=torch.uint8)
+        values.update(workspace=ws.data_ptr(), workspace_size=ws.numel())
+        return ws
+
     for d in dims:
         # found in $FLASHGEN_BUILD_DIR, or compiled into the kernel cache on first use
         libs = {key: _library(spec) for key, spec in _specs(d).items()}
@@ -135,7 +152,7 @@ def main(argv=None) -> int:
                     pass
                 for page in PAGES:
                     perm = torch.randperm(batch * context // page, device=dev) if page else None
-                    t, names, splits = {}, {}, {}
+                    t, names, splits, split_ms = {}, {}, {}, {}
                     for kv, (kk, vv) in (("bf16", (k, v)), ("e4m3", (k8, v8))):
                         lib = libs[kv, page > 0]
                         cache, keep = _cache_values(kk, vv, batch, context, page, perm)
@@ -152,10 +169,7 @@ def main(argv=None) -> int:
                                 k_descale_batch_stride=KV_HEADS, k_descale_head_stride=1,
                                 v_descale_batch_stride=KV_HEADS, v_descale_head_stride=1,
                             )  # fmt: skip
-                        ws = torch.zeros(
-                            max(lib.workspace_bytes(values), 256), device=dev, dtype=torch.uint8
-                        )
-                        values.update(workspace=ws.data_ptr(), workspace_size=ws.numel())
+                        ws = workspace(lib, values)
 
                         def launch(lib=lib, values=values):
                             lib.launch(values, torch.cuda.current_stream().cuda_stream)
@@ -164,6 +178,12 @@ def main(argv=None) -> int:
                         t[key] = _time(launch, calls, reps)
                         names[key] = lib.name
                         splits[key] = lib.num_splits(values)
+                        for s in sweep:
+                            forced = dict(values, num_splits=s)
+                            ws_s = workspace(lib, forced)
+                            ms = _time(lambda lib=lib, f=forced: launch(lib, f), calls, reps)
+                            split_ms.setdefault(key, {})[str(s)] = ms * 1e3
+                            del ws_s
                         del keep, ws
                     if cudnn is not None:
                         t["CUDNN"] = cudnn
@@ -183,6 +203,8 @@ def main(argv=None) -> int:
                         "gbps": {nm: read[nm] / x / 1e9 for nm, x in t.items()},
                         "ms": {nm: x * 1e3 for nm, x in t.items()},
                     }
+                    if split_ms:
+                        row["split_ms"] = split_ms
                     rows.append(row)
                     tp = row["tokens_per_s"]
                     print(

@@ -89,12 +89,33 @@ def test_heuristic_splits_small_batches_to_fill_the_device(batch):
     ctas = batch * 8  # kv_heads 8, one row tile
     s = decode.num_splits(ctas, key_tiles=16384 // 64, sms=132, slots=264)
     assert s > 1 and ctas * s <= 132 < ctas * (s + 1)  # contiguous: one CTA per SM
-    s = decode.num_splits(ctas, key_tiles=16384 // 64, sms=132, slots=264, fill_slots=True)
-    assert ctas * s <= 264 < ctas * (s + 1)  # paged: every resident slot
+    s = decode.num_splits(ctas, key_tiles=16384 // 64, sms=132, slots=264, ctas_per_sm=2)
+    assert ctas * s <= 264 < ctas * (s + 1)  # contiguous FP8: two per SM
+    s = decode.num_splits(ctas, key_tiles=16384 // 64, sms=132, slots=396, ctas_per_sm=0)
+    assert ctas * s <= 396 < ctas * (s + 1)  # paged: every resident slot
+
+
+def test_heuristic_target_never_exceeds_the_slots():
+    # two per SM asked, one slot per SM held: the slots are the target
+    assert decode.num_splits(8, key_tiles=4096, sms=132, slots=132, ctas_per_sm=2) == 16
+
+
+def test_heuristic_splits_a_grid_of_one_cta_per_sm_when_the_target_is_two():
+    # batch 16 x 8 KV heads = 128 CTAs: 97% of the SMs, but half the slots of a paged kernel
+    assert decode.num_splits(128, key_tiles=256, sms=132, slots=264) == 1
+    assert decode.num_splits(128, key_tiles=256, sms=132, slots=264, ctas_per_sm=0) == 2
+
+
+def test_split_ctas_per_sm_by_cache_kind():
+    assert decode.split_ctas_per_sm(paged=True, kv_fp8=False) == 0
+    assert decode.split_ctas_per_sm(paged=True, kv_fp8=True) == 0
+    assert decode.split_ctas_per_sm(paged=False, kv_fp8=True) == 2
+    assert decode.split_ctas_per_sm(paged=False, kv_fp8=False) == 1
 
 
 def test_heuristic_leaves_full_grids_and_short_caches_alone():
     assert decode.num_splits(64 * 8, key_tiles=2048, sms=132, slots=264) == 1
+    assert decode.num_splits(64 * 8, key_tiles=2048, sms=132, slots=264, ctas_per_sm=0) == 1
     assert decode.num_splits(8, key_tiles=1, sms=132, slots=264) == 1
     assert decode.num_splits(0, key_tiles=100, sms=132, slots=264) == 1
 
@@ -228,7 +249,7 @@ def test_heuristic_mirrors_the_launchers_cpp(tmp_path):
         for c in (0, 1, 3, 8, 16, 40, 64, 100, 106, 512)
         for t in (1, 2, 5, 64, 2048)
         for sms, slots in ((132, 264), (108, 216), (132, 132), (16, 0), (132, 100))
-        for f in (False, True)
+        for f in (0, 1, 2, -1)
     ]
     src = tmp_path / "splits.cpp"
     src.write_text(
@@ -237,7 +258,7 @@ def test_heuristic_mirrors_the_launchers_cpp(tmp_path):
         "namespace fg { constexpr int kDecodeMaxQueries = 16, kDecodeMaxSplits = 128; }\n"
         '#include "decode_launch.cuh"\nint main() {\n'
         + "".join(
-            f'  printf("%lld\\n", (long long)fg::decode_num_splits({c}, {t}, {s}, {w}, {f:d}));\n'
+            f'  printf("%lld\\n", (long long)fg::decode_num_splits({c}, {t}, {s}, {w}, {f}));\n'
             for c, t, s, w, f in grid
         )
         + "  return 0;\n}\n"

@@ -274,21 +274,26 @@ def fit(
         block_n //= 2
 
 
-def num_splits(ctas: int, key_tiles: int, sms: int, slots: int, fill_slots: bool = False) -> int:
+def num_splits(ctas: int, key_tiles: int, sms: int, slots: int, ctas_per_sm: int = 1) -> int:
     """The split heuristic (mirror of `fg::decode_num_splits`, decode_launch.cuh).
 
     `ctas` = row tiles x kv_heads x batch, `key_tiles` = ceil(max cache length / block_n),
-    `sms` the device's SMs, `slots` the CTAs of the kernel it holds at once, `fill_slots`
-    true for paged caches. No split when the CTAs already fill 80% of the SMs; else as many
-    splits as give each SM one CTA (contiguous: cp.async chunks stream best so) or fill every
-    slot (paged: bulk row copies want two CTAs per SM), at most 128 and the key tiles
-    (docs/benchmarks.md, Decode v3)."""
-    if ctas <= 0 or key_tiles <= 1 or sms <= 0 or slots <= 0:
+    `sms` the device's SMs, `slots` the CTAs of the kernel it holds at once, `ctas_per_sm`
+    the target per SM (0: every slot; `split_ctas_per_sm` gives a kernel's). No split when
+    the CTAs already fill 80% of the target; else as many splits as reach it, at most 128 and
+    the key tiles (docs/benchmarks.md, Decode v3 and FP8 decode v3)."""
+    if ctas <= 0 or key_tiles <= 1 or sms <= 0 or slots <= 0 or ctas_per_sm < 0:
         return 1
-    if ctas * 5 >= sms * 4:
+    target = slots if ctas_per_sm == 0 or slots < ctas_per_sm * sms else ctas_per_sm * sms
+    if ctas * 5 >= target * 4:
         return 1
-    target = slots if fill_slots or slots < sms else sms
     return max(1, min(target // ctas, key_tiles, MAX_SPLITS))
+
+
+def split_ctas_per_sm(paged: bool, kv_fp8: bool) -> int:
+    """The heuristic's CTAs per SM (mirror of `fg::decode_split_ctas_per_sm`): every slot
+    for paged caches (0), two for contiguous FP8 caches, one for contiguous 16-bit ones."""
+    return 0 if paged else 2 if kv_fp8 else 1
 
 
 def split_tiles(lo: int, hi: int, splits: int, split: int) -> tuple[int, int]:

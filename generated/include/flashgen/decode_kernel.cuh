@@ -368,9 +368,36 @@ __device__ __forceinline__ float dec_descale(const float* d, int64_t b, int64_t 
   }
 }
 
+// The swizzled 16-bit slot's layout (DecConfig::kSwizzle): chunk c of row r sits at chunk
+// c ^ (r % 8) of the row. The loads place chunks by it, and the MMA readers take a lane's
+// chunk from it: XOR is linear, so chunk(r, c ^ x) = chunk(r, c) ^ x lets a reader add the
+// k16 step's chunk offset x to the lane's chunk with one XOR.
+struct DecSlotSwizzle {
+  __host__ __device__ static constexpr int chunk(int r, int c) { return c ^ (r & 7); }
+};
+
+// A lane's ldmatrix start in a 16-bit K/V slot, for its row r and column c of the warp's
+// 16 x 16 block: the padded layout's linear address (chunk 0), or the swizzled layout's row
+// start and the lane's chunk (DecSlotSwizzle). FP8 kernels read the e4m3 ring (Fp8Kv): none.
+struct DecSlotLane {
+  uint32_t addr, chunk;
+};
+template <class C>
+__device__ __forceinline__ DecSlotLane dec_slot_lane(const typename C::Elem* slot, int r, int c) {
+  constexpr uint32_t kBytes = sizeof(typename C::Elem);
+  if constexpr (C::kKvFp8) {
+    return {0u, 0u};
+  } else if constexpr (C::kSwizzle) {
+    return {smem_addr(slot) + r * C::kStride * kBytes,
+            static_cast<uint32_t>(DecSlotSwizzle::chunk(r, c >> 3))};
+  } else {
+    return {smem_addr(slot) + (r * C::kStride + c) * kBytes, 0u};
+  }
+}
+
 // Rows of kRowElems elements (unpadded) in 16-byte chunks, chunk c of row r placed at chunk
-// swz(r, c) of the row: the swizzled 16-bit slot (DecConfig::kSwizzle, c ^ r % 8) and the
-// FP8 ring (Fp8Kv). load_rows_async's chunk walk (tile_io.cuh), swizzled destinations.
+// swz(r, c) of the row: the swizzled 16-bit slot (DecSlotSwizzle) and the FP8 ring (Fp8Kv).
+// load_rows_async's chunk walk (tile_io.cuh), swizzled destinations.
 template <class C, int kRowElems, typename T, class RowPtr, class IoT, class Swz>
 __device__ __forceinline__ void dec_load_rows_swizzled(T* smem, RowPtr&& row_ptr,
                                                        const T* fallback, IoT& io, int tensor,
@@ -603,7 +630,7 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
           rV + slot * C::kBlockN * C::kRingStride, rows_of(v_base, p.v_row_stride, p.v_batch_stride),
           v_base, io, DecIo::kV, [](int r, int c) { return F::v_chunk(r, c); });
     } else if constexpr (C::kSwizzle) {
-      auto swz = [](int r, int c) { return c ^ (r & 7); };
+      auto swz = [](int r, int c) { return DecSlotSwizzle::chunk(r, c); };
       dec_load_rows_swizzled<C, C::kHeadDim>(sK + slot * C::kBlockN * C::kStride,
                                              rows_of(k_base, p.k_row_stride, p.k_batch_stride),
                                              k_base, io, DecIo::kK, swz);
@@ -636,16 +663,9 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
   constexpr uint32_t kSlotBytes = C::kBlockN * C::kStride * kElemBytes;
   const uint32_t q_lane =
       smem_addr(sQ) + ((warp_row0 + lo.a_row) * C::kQStride + lo.a_col) * kElemBytes;
-  const uint32_t k_lane =
-      smem_addr(sK) + ((wn * C::kWarpKeys + lo.b_row) * C::kStride + lo.b_col) * kElemBytes;
-  const uint32_t v_lane =
-      smem_addr(sV) + ((wn * C::kWarpKeys + lo.a_row) * C::kStride + lo.a_col) * kElemBytes;
-  // Swizzled slots: the lane's row start, and the 3-bit XOR of its 16-byte chunks (its
-  // column's chunk parity ^ row % 8; the warp's key rows start at a multiple of 8).
-  const uint32_t k_row = smem_addr(sK) + (wn * C::kWarpKeys + lo.b_row) * C::kStride * kElemBytes;
-  const uint32_t v_row = smem_addr(sV) + (wn * C::kWarpKeys + lo.a_row) * C::kStride * kElemBytes;
-  const uint32_t k_chunk = static_cast<uint32_t>((lo.b_col >> 3) ^ (lo.b_row & 7));
-  const uint32_t v_chunk = static_cast<uint32_t>((lo.a_col >> 3) ^ (lo.a_row & 7));
+  // the lane's K (B operand) and V (trans) ldmatrix starts in slot 0
+  const DecSlotLane k_lane = dec_slot_lane<C>(sK, wn * C::kWarpKeys + lo.b_row, lo.b_col);
+  const DecSlotLane v_lane = dec_slot_lane<C>(sV, wn * C::kWarpKeys + lo.a_row, lo.a_col);
   // The score stage of the thread's two rows (score_mod.cuh), each of its own head; a row's
   // slope read is counted once (t == 0 of the first key warp) when the row is valid.
   using Mod = ScoreModOf<C, false>;  // the sink joins where the row's LSE is formed, below
@@ -739,9 +759,10 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
       if constexpr (C::kKvFp8)
         dec_qk_fp8<C>(acc_s, load_q, k8, wn * C::kWarpKeys, g, t);
       else if constexpr (C::kSwizzle)
-        dec_qk_swizzled<C>(acc_s, load_q, k_row + slot * kSlotBytes, k_chunk);
+        dec_qk_swizzled<C>(acc_s, load_q, k_lane.addr + slot * kSlotBytes, k_lane.chunk);
       else
-        warp_qk<Elem, 1, C::kNT, C::kKS, C::kStride>(acc_s, load_q, k_lane + slot * kSlotBytes);
+        warp_qk<Elem, 1, C::kNT, C::kKS, C::kStride>(acc_s, load_q,
+                                                     k_lane.addr + slot * kSlotBytes);
       {
         const int64_t j0 = n * C::kBlockN + wn * C::kWarpKeys;
         const TileAt at[2] = {tile_at(q_row_g, j0, mask), tile_at(q_row_g8, j0, mask)};
@@ -756,9 +777,10 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
       if constexpr (C::kKvFp8)
         dec_pv_fp8<C>(acc_o, acc_s, v8, wn * C::kWarpKeys, g, t);
       else if constexpr (C::kSwizzle)
-        dec_pv_swizzled<C>(acc_o, acc_s, v_row + slot * kSlotBytes, v_chunk);
+        dec_pv_swizzled<C>(acc_o, acc_s, v_lane.addr + slot * kSlotBytes, v_lane.chunk);
       else
-        warp_pv<Elem, 1, C::kNT, C::kDT, C::kStride>(acc_o, acc_s, v_lane + slot * kSlotBytes);
+        warp_pv<Elem, 1, C::kNT, C::kDT, C::kStride>(acc_o, acc_s,
+                                                     v_lane.addr + slot * kSlotBytes);
     }
   }
 

@@ -25,23 +25,36 @@ inline bool dec_aligned(const void* ptr, uintptr_t n) {
 inline int64_t dec_round256(int64_t n) { return (n + 255) / 256 * 256; }
 constexpr int64_t kDecodeErrorBytes = 256;
 
-// The split heuristic: no split when the CTAs already fill 80% of the SMs; otherwise as many
-// splits as give each SM one CTA (contiguous caches) or fill every resident slot (paged,
-// `fill_slots`), at most 128 and the key tiles. Measured on the H200 (docs/benchmarks.md,
-// "Decode v3"), batch 1, 8 KV heads: a contiguous cache's cp.async chunks stream best with one
-// CTA per SM (16 splits: 3.9 TB/s at 128k, 1.5 TB/s at 4k; 33 splits, two per SM: 3.8 and
-// 1.2; FlashAttention's wave-efficiency rule picked 29, 1.76 per SM: 3.5), a paged cache's
-// bulk row copies with two (33 splits: 3.7 TB/s at 128k; 16: 2.3).
+// The split heuristic: no split when the CTAs already fill 80% of the target; otherwise as
+// many splits as reach the target, at most 128 and the key tiles. The target is
+// `ctas_per_sm` CTAs on each SM, or every resident slot when it is 0, and never more than
+// the slots. Measured on the H200 (docs/benchmarks.md, "Decode v3" and "FP8 decode v3"):
+// - a contiguous 16-bit cache's cp.async chunks stream best with one CTA per SM (batch 1,
+//   8 KV heads, 16 splits: 3.9 TB/s at 128k, 1.5 TB/s at 4k; 33 splits, two per SM: 3.8
+//   and 1.2; FlashAttention's wave-efficiency rule picked 29, 1.76 per SM: 3.5);
+// - a paged cache's bulk row copies want every slot (33 splits: 3.7 TB/s at 128k; 16: 2.3),
+//   and so do FP8 paged caches (batch 16, d 128: 2 splits 0.23 ms, 1 split 0.38);
+// - a contiguous FP8 cache wants two CTAs per SM (batch 8, d 128, 16k: 4 splits 0.077 ms,
+//   2 splits 0.096; every slot, d 64: 6 splits, 2-8% slower than 2).
+// The 80% rule counts against the target, so a paged grid of one CTA per SM splits too
+// (batch 16: 1.7x faster than unsplit).
 // generator/families/decode.py:num_splits mirrors it (tested).
 inline int64_t decode_num_splits(int64_t ctas, int64_t key_tiles, int64_t sms, int64_t slots,
-                                 bool fill_slots) {
-  if (ctas <= 0 || key_tiles <= 1 || sms <= 0 || slots <= 0) return 1;
-  if (ctas * 5 >= sms * 4) return 1;
-  const int64_t target = fill_slots || slots < sms ? slots : sms;
+                                 int64_t ctas_per_sm) {
+  if (ctas <= 0 || key_tiles <= 1 || sms <= 0 || slots <= 0 || ctas_per_sm < 0) return 1;
+  const int64_t target =
+      ctas_per_sm == 0 || slots < ctas_per_sm * sms ? slots : ctas_per_sm * sms;
+  if (ctas * 5 >= target * 4) return 1;
   int64_t s = target / ctas;
   if (s > key_tiles) s = key_tiles;
   if (s > 128) s = 128;
   return s < 1 ? 1 : s;
+}
+
+// The heuristic's CTAs per SM for a kernel (0: every resident slot), as measured above.
+template <class C>
+constexpr int64_t decode_split_ctas_per_sm() {
+  return C::kPaged ? 0 : C::kKvFp8 ? 2 : 1;
 }
 
 template <class C>
@@ -63,7 +76,7 @@ int64_t decode_splits(const fg_decode_params& p, int64_t sms, int64_t slots) {
   const int64_t bound = p.max_seqlen_k > 0 && p.max_seqlen_k < cap ? p.max_seqlen_k : cap;
   const int64_t key_tiles = (bound + C::kBlockN - 1) / C::kBlockN;
   return decode_num_splits(decode_row_tiles<C>(p) * p.kv_heads * p.batch, key_tiles, sms, slots,
-                           C::kPaged);
+                           decode_split_ctas_per_sm<C>());
 }
 
 template <class C>
