@@ -16,30 +16,27 @@
 // softcap: false
 // alibi: false
 // sink: false
-// score_mod: s + bias[h, min(abs(i - j) // 8, 31)]
+// score_mod: s + bias[h, where(j > i, 16, 0) + where(abs(j - i) < 8, abs(j - i), min(8
+//   + floor(log(abs(j - i) / 8) * 2.8853900817779268 + 0.001), 15))]
 // params:
 //   bias: table
 // instrument_io: false
 // tile:
 //   block_m: 64
-//   block_n: 128
+//   block_n: 64
 //   warps: 8
 //   stages: 2
 // tile_auto: true
-// target: sm_90a
-// allow_spills: true
+// target: sm_90
+// allow_spills: false
 //
-// Glossary (docs/conventions.md): block_n = 64 keys per consumer warpgroup, block_m query rows
-// per step, stages Q/dO tiles in the TMA ring; head_dim padded to 128 (64-column
-// SW128 boxes); LSE natural log (the forward's); dq_accum/dsum fp32 workspace. The preprocess
-// and dQ conversion are the backward family's (bwd_kernel.cuh).
+// Glossary (docs/conventions.md): block_n keys per CTA, block_m query rows per step, stages
+// query-side buffers in flight; LSE natural log (the forward's); dq_accum/dsum fp32 workspace.
 #include <cuda_runtime.h>
 
-#include "fa_bwd_d128_bf16_um30387fa8_m64n128w8s2_sm90a_1ca12559.h"
+#include "fa_bwd_d128_bf16_um6548f622_m64n64w8s2_sm90_48bd18b7.h"
 #include "include/flashgen/bwd_kernel.cuh"
 #include "include/flashgen/bwd_launch.cuh"
-#include "include/flashgen/bwd_sm90_kernel.cuh"
-#include "include/flashgen/bwd_sm90_launch.cuh"
 #include "include/flashgen/host.h"
 
 namespace {
@@ -49,7 +46,7 @@ struct Spec {
   // kHeadDimPad, kHeadDimVPad: on chip, zero-filled past the dim (Family.chip_head_dim)
   static constexpr int kHeadDim = 128, kHeadDimPad = 128;
   static constexpr int kHeadDimV = 128, kHeadDimVPad = 128;
-  static constexpr int kBlockM = 64, kBlockN = 128;
+  static constexpr int kBlockM = 64, kBlockN = 64;
   static constexpr int kWarps = 8, kStages = 2;
   static constexpr fg::Causal kCausal = fg::Causal::kNone;
   static constexpr bool kWindow = false, kVarlen = false, kGqa = false;
@@ -57,26 +54,48 @@ struct Spec {
   static constexpr bool kSparse = false, kInstrumentIo = false;
   // score-stage features (generator/features/, score_mod.cuh)
   static constexpr bool kSoftcap = false, kAlibi = false, kSink = false;
-  // score_mod: s + bias[h, min(abs(i - j) // 8, 31)]
+  // score_mod: s + bias[h, where(j > i, 16, 0) + where(abs(j - i) < 8, abs(j - i), min(8 + floor(log(abs(j - i) / 8) * 2.8853900817779268 + 0.001), 15))]
   // (generator/usermod; s = scale * q.k, i and j 0-based in the sequence: docs/usermod.md)
   struct UserScore {
     static constexpr bool kOn = true, kHasGrad = false;
+    // int32 helpers (generator/usermod/emit.py: int32 arithmetic)
+    static FG_USERMOD_FN int32_t fg_imin32(int32_t a, int32_t b) { return a < b ? a : b; }
+    static FG_USERMOD_FN int32_t fg_iabs32(int32_t a) { return a < 0 ? -a : a; }
+    static FG_USERMOD_FN int32_t fg_floor_int32(float x) {
+    #if defined(__CUDA_ARCH__)
+      return __float2int_rd(x);
+    #else
+      if (!(x == x)) return 0;
+      const float f = floorf(x);
+      if (f >= 2147483648.0f) return INT32_MAX;
+      if (f < -2147483648.0f) return INT32_MIN;
+      return static_cast<int32_t>(f);
+    #endif
+    }
+    static FG_USERMOD_FN int32_t fg_clamp_last32(int32_t k, int32_t last) {
+      return k < 0 ? 0 : (k > last ? last : k);
+    }
+    static FG_USERMOD_FN int32_t fg_last32(int64_t n) {
+      return static_cast<int32_t>(n - 1 < INT32_MAX ? n - 1 : INT32_MAX);
+    }
     struct Vals {
       int64_t b, h;
       const float* v_bias;  // row h of the (heads, n_bias) table bias
       int64_t n_bias;
+      int32_t l_bias;  // its last column, at most 2^31 - 1
     };
     static __device__ __forceinline__ void load(const fg_score_params& sp, int64_t b,
                                                 int64_t h, Vals& v) {
       v.b = b;
       v.h = h;
       v.n_bias = sp.user_i0;
+      v.l_bias = fg_last32(v.n_bias);
       v.v_bias = static_cast<const float*>(sp.user_ptr0) + h * v.n_bias;
     }
     static __device__ __forceinline__ float value(float s, const Vals& p,
                                                   const fg::ScorePos& q) {
       (void)s, (void)p, (void)q;
-      return (static_cast<float>(s) + static_cast<float>(__ldg(p.v_bias + fg_clamp_index(fg_imin(fg_floordiv(fg_iabs((static_cast<int64_t>(q.i) - static_cast<int64_t>(q.j))), 8ll), 31ll), p.n_bias))));
+      return (static_cast<float>(s) + static_cast<float>(__ldg(p.v_bias + fg_clamp_last32((((static_cast<int32_t>(q.j) > static_cast<int32_t>(q.i)) ? 16 : 0) + ((fg_iabs32((static_cast<int32_t>(q.j) - static_cast<int32_t>(q.i))) < 8) ? fg_iabs32((static_cast<int32_t>(q.j) - static_cast<int32_t>(q.i))) : fg_imin32((8 + fg_floor_int32(((fg_log((fabsf((-q.fij)) / static_cast<float>(8))) * 2.88539004f) + 0.00100000005f))), 15))), p.l_bias))));
     }
     // the launch check of the parameter slots (fg_score_params.user_*)
     static const char* check(const fg_score_params& sp) {
@@ -97,68 +116,69 @@ struct Spec {
     }
   };
   using UserMask = fg::NoUserMask;  // no mask_mod
+  static constexpr bool kDeterministic = false;
+  static constexpr int kSRows = 4;
+  static constexpr int kKvRows = 2;
+  static constexpr int kQRows = 2;
+  static constexpr bool kPScratch = false;
 };
-using Cfg = fg::BwdSm90Config<Spec>;
-static_assert(Cfg::kThreads == 384, "generator and kernel disagree on threads");
-static_assert(Cfg::kSmemBytes == 165888, "generator and kernel disagree on smem");
-constexpr bool kBf16 = true;
+using Cfg = fg::BwdConfig<Spec>;
+static_assert(Cfg::kThreads == 256, "generator and kernel disagree on threads");
+static_assert(Cfg::kSmemBytes == 123904, "generator and kernel disagree on smem");
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(384, 1)
-fa_bwd_d128_bf16_um30387fa8_m64n128w8s2_sm90a_1ca12559_kernel(const __grid_constant__ fg_bwd_params params,
-                  const __grid_constant__ fg::BwdSm90Maps maps) {
-  fg::bwd_sm90_kernel_body<Cfg>(params, maps);
+extern "C" __global__ void __launch_bounds__(256, 1)
+fa_bwd_d128_bf16_um6548f622_m64n64w8s2_sm90_48bd18b7_kernel(const __grid_constant__ fg_bwd_params params) {
+  fg::bwd_kernel_body<Cfg>(params);
 }
 
 extern "C" __global__ void __launch_bounds__(fg::kRowWarps * 32)
-fa_bwd_d128_bf16_um30387fa8_m64n128w8s2_sm90a_1ca12559_preprocess(const __grid_constant__ fg_bwd_params params) {
+fa_bwd_d128_bf16_um6548f622_m64n64w8s2_sm90_48bd18b7_preprocess(const __grid_constant__ fg_bwd_params params) {
   fg::bwd_preprocess_body<Cfg>(params);
 }
 
 extern "C" __global__ void __launch_bounds__(fg::kRowWarps * 32)
-fa_bwd_d128_bf16_um30387fa8_m64n128w8s2_sm90a_1ca12559_convert_dq(const __grid_constant__ fg_bwd_params params) {
+fa_bwd_d128_bf16_um6548f622_m64n64w8s2_sm90_48bd18b7_convert_dq(const __grid_constant__ fg_bwd_params params) {
   fg::bwd_convert_body<Cfg>(params);
 }
 
-extern "C" const char* fa_bwd_d128_bf16_um30387fa8_m64n128w8s2_sm90a_1ca12559_check(const fg_bwd_params* params) {
+extern "C" const char* fa_bwd_d128_bf16_um6548f622_m64n64w8s2_sm90_48bd18b7_check(const fg_bwd_params* params) {
   if (!params) return "params must be non-null";
   if (const char* msg = fg::check_bwd_params<Cfg>(*params)) return msg;
-  if (const char* msg = fg::check_bwd_sm90_params<Cfg>(*params)) return msg;  // TMA's rules
   if (params->head_dim != 128 || params->head_dim_v != 128)
     return "head_dim and head_dim_v must both be 128: the head dims this kernel was generated for";
 
   return nullptr;
 }
 
-extern "C" size_t fa_bwd_d128_bf16_um30387fa8_m64n128w8s2_sm90a_1ca12559_workspace_bytes(const fg_bwd_params* params) {
+extern "C" size_t fa_bwd_d128_bf16_um6548f622_m64n64w8s2_sm90_48bd18b7_workspace_bytes(const fg_bwd_params* params) {
   if (!params || params->batch < 0 || params->seqlen_q < 0 || params->heads < 0) return 0;
   return static_cast<size_t>(fg::bwd_workspace_bytes<Cfg>(*params));
 }
 
-extern "C" cudaError_t fa_bwd_d128_bf16_um30387fa8_m64n128w8s2_sm90a_1ca12559_launch(const fg_bwd_params* params, cudaStream_t stream) {
-  if (fa_bwd_d128_bf16_um30387fa8_m64n128w8s2_sm90a_1ca12559_check(params) != nullptr) return cudaErrorInvalidValue;
+extern "C" cudaError_t fa_bwd_d128_bf16_um6548f622_m64n64w8s2_sm90_48bd18b7_launch(const fg_bwd_params* params, cudaStream_t stream) {
+  if (fa_bwd_d128_bf16_um6548f622_m64n64w8s2_sm90_48bd18b7_check(params) != nullptr) return cudaErrorInvalidValue;
   const fg_bwd_params& p = *params;
-  // The call's tensor maps: four host-side encodes, or the kernel's cached ones.
-  fg::BwdSm90Maps maps{};  // unused when no query row exists (every CTA writes zeros)
-  const int64_t grid = fg::bwd_grid<Cfg>(p);
-  if (grid > 0 && p.seqlen_q > 0 && fg::bwd_sm90_maps<Cfg, kBf16>(p, &maps) != nullptr)
-    return cudaErrorInvalidValue;
+  // Exactly the bytes the kernels use (the workspace's 256-byte padding stays untouched).
   cudaError_t err = cudaMemsetAsync(p.dq_accum, 0, fg::bwd_dq_accum_used<Cfg>(p), stream);
+  if (err == cudaSuccess && Cfg::kDeterministic)
+    err = cudaMemsetAsync(p.dq_sem, 0, fg::bwd_sem_used<Cfg>(p), stream);
   if (err != cudaSuccess) return err;
   const int64_t rows = fg::bwd_row_grid<Cfg>(p);
   if (rows > 0) {
-    fa_bwd_d128_bf16_um30387fa8_m64n128w8s2_sm90a_1ca12559_preprocess<<<static_cast<unsigned>(rows), fg::kRowWarps * 32, 0, stream>>>(p);
+    fa_bwd_d128_bf16_um6548f622_m64n64w8s2_sm90_48bd18b7_preprocess<<<static_cast<unsigned>(rows), fg::kRowWarps * 32, 0, stream>>>(p);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
+  const int64_t grid = fg::bwd_grid<Cfg>(p);
   if (grid > 0) {
     static std::atomic<unsigned long long> smem_opted_in{0};  // per device, see host.h
-    if ((err = fg::opt_in_smem(fa_bwd_d128_bf16_um30387fa8_m64n128w8s2_sm90a_1ca12559_kernel, Cfg::kSmemBytes, smem_opted_in)) != cudaSuccess)
+    if ((err = fg::opt_in_smem(fa_bwd_d128_bf16_um6548f622_m64n64w8s2_sm90_48bd18b7_kernel, Cfg::kSmemBytes, smem_opted_in)) != cudaSuccess)
       return err;
-    fa_bwd_d128_bf16_um30387fa8_m64n128w8s2_sm90a_1ca12559_kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);
+    fa_bwd_d128_bf16_um6548f622_m64n64w8s2_sm90_48bd18b7_kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (rows > 0) {
-    fa_bwd_d128_bf16_um30387fa8_m64n128w8s2_sm90a_1ca12559_convert_dq<<<static_cast<unsigned>(rows), fg::kRowWarps * 32, 0, stream>>>(p);
+    fa_bwd_d128_bf16_um6548f622_m64n64w8s2_sm90_48bd18b7_convert_dq<<<static_cast<unsigned>(rows), fg::kRowWarps * 32, 0, stream>>>(p);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   return cudaSuccess;
