@@ -38,6 +38,7 @@ from flashgen.generator.usermod import (
 )
 
 __all__ = [
+    "KERNEL_INT_BOUNDS",
     "SLOT_FIELDS",
     "TOKEN_KINDS",
     "slot_checks",
@@ -102,7 +103,7 @@ _FLOAT_POSITIONS = {"i": "q.fi", "j": "q.fj", "i-j": "q.fij"}
 # per_batch_int vector is int32. Other scores (the rows past a sequence, masked) may see
 # wrapped int32 values, which no int32 operation traps on (the helpers guard `// 0` and
 # `// -1`). scalar_int parameters are int64 (`user_i<k>`): unbounded, so they keep int64.
-_INT_BOUNDS: dict[str | ParamKind, tuple[int, int]] = {
+KERNEL_INT_BOUNDS: dict[str | ParamKind, tuple[int, int]] = {
     "i": (0, 2**31 - 2),
     "j": (0, 2**31 - 2),
     "seqlen_q": (0, 2**31 - 1),
@@ -215,7 +216,7 @@ def user_score_cpp(mod: UserMod, indent: str = "  ") -> str:
     emit = dict(
         access=VALS_ACCESS,
         float_positions=_FLOAT_POSITIONS,
-        int32_bounds=_INT_BOUNDS,
+        int32_bounds=KERNEL_INT_BOUNDS,
         table_int32_access=_TABLE_INT32,
     )
     value = emit_cpp(mod.tree, _NAMES, **emit)
