@@ -10,8 +10,11 @@ The rendered struct (`user_score_cpp`):
 
 - `Vals`: what the functor reads once per (batch b, head h): b and h, every scalar (fp32 or
   int64), the per_head / per_batch values at h / b, and a table's row h (a pointer) with its
-  column count; parameter `name` is member `v_name` and a table's columns `n_name`, so no
-  two members clash whatever the names (`bias` beside `bias_cols`, or `Vals`);
+  column count; parameter `name` is member `v_name`, a table's columns `n_name` and its last
+  column as int32 `l_name` (the int32 column clamp), so no two members clash whatever the
+  names (`bias` beside `bias_cols`, or `Vals`);
+- the int32 helpers the expression calls (`usermod.cpp_helpers_int32`), as static members:
+  `value` computes in int32 the ints that `KERNEL_INT_BOUNDS` proves fit;
 - `load(sp, b, h, v)`: fills `Vals` from the slots (`__ldg` reads of the vectors);
 - `value(s, p, q)`: the expression (`usermod.emit_cpp`) of s = scale * x, the `Vals` p and the
   position q (`fg::ScorePos`: i, j, seqlen_q, seqlen_k);

@@ -2,8 +2,9 @@
 functor, plus the helpers it calls (`CPP_HELPERS`).
 
 Types: ints are `int64_t` (every int variable and parameter is converted on read, so `i * j`
-cannot overflow 32 bits), floats are `float` (fp32), bools `bool`; an int operand of a float
-operation is converted with `static_cast<float>`. Literals: ints as `5ll`, floats rounded to
+cannot overflow 32 bits) except where bounds prove int32 exact (int32 arithmetic, below),
+floats are `float` (fp32), bools `bool`; an int operand of a float operation is converted
+with `static_cast<float>`. Literals: ints as `5ll`, floats rounded to
 float32 and written with 9 significant digits and an `f` suffix, negative ones parenthesised.
 
 Calls: `//` and `%` are `fg_floordiv` / `fg_mod` (floor semantics, 0 for a zero divisor);
@@ -27,7 +28,20 @@ halved the Hopper forward's throughput (bench/usermod_bench.py). The value is th
 expression's exactly while every term is below 2^24 in magnitude (at coefficient 1: sequences
 of 16M tokens, as the built-in ALiBi's float distance); beyond, within a few fp32 ulps.
 Coefficients or constants of 2^24 or more keep the int path. Int contexts (comparisons of
-ints, `//`, `%`, table columns, `min`/`max` of ints) always keep exact int64 arithmetic.
+ints, `//`, `%`, table columns, `min`/`max` of ints) keep exact integer arithmetic.
+
+Int32 arithmetic (`int32_bounds`, the kernels' score stage: generator/features/user.py): given
+bounds on the variables and int parameter kinds, blocks.py's interval analysis bounds every
+node (`node_bounds`; a `where` whose condition compares its branch, `where(abs(j - i) < 8,
+abs(j - i), ..)`, is narrowed by it), and an int node whose value and whose int operands'
+values all provably fit int32 is computed in `int32_t` (`int32_nodes`): literals without the
+`ll`, reads cast to `int32_t`, the `fg_*32` helpers (`cpp_helpers_int32`: the same floor `//`,
+`%`, clamps and NaN rule as the int64 ones, so the value is the int64 one), and a plain C `/`
+or `%` where the dividend is provably >= 0 and the divisor >= 1. A float reads such an int
+through a conversion from s32, and an int64 context widens it. The GPU emulates 64-bit
+integer division, min, compares and conversions with several instructions each; a T5 bucket
+(`abs(j - i)`, `min`, `floor(log(..))`, a table column) then costs no 64-bit operation but
+its table address.
 """
 
 from __future__ import annotations
@@ -161,17 +175,14 @@ _HELPERS_INT32: dict[str, str] = {
     "fg_imin32": "FG_USERMOD_FN int32_t fg_imin32(int32_t a, int32_t b) { return a < b ? a : b; }",
     "fg_imax32": "FG_USERMOD_FN int32_t fg_imax32(int32_t a, int32_t b) { return a < b ? b : a; }",
     "fg_iabs32": "FG_USERMOD_FN int32_t fg_iabs32(int32_t a) { return a < 0 ? -a : a; }",
-    # cvt.rmi.s32.f32: floor, saturated to int32, NaN to 0 (fg_floor_int's clamp)
+    # (the same code on the device: __float2int_rd, one cvt.rmi.s32.f32, made ptxas spill in
+    # the Hopper backward of T5's buckets)
     "fg_floor_int32": """FG_USERMOD_FN int32_t fg_floor_int32(float x) {
-#if defined(__CUDA_ARCH__)
-  return __float2int_rd(x);
-#else
   if (!(x == x)) return 0;
   const float f = floorf(x);
   if (f >= 2147483648.0f) return INT32_MAX;
   if (f < -2147483648.0f) return INT32_MIN;
   return static_cast<int32_t>(f);
-#endif
 }""",
     # a table column clamped to [0, last] (last: the last column, at most INT32_MAX)
     "fg_clamp_last32": """FG_USERMOD_FN int32_t fg_clamp_last32(int32_t k, int32_t last) {

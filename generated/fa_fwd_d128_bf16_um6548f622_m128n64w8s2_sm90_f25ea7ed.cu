@@ -23,21 +23,19 @@
 // instrument_io: false
 // tile:
 //   block_m: 128
-//   block_n: 128
+//   block_n: 64
 //   warps: 8
-//   stages: 3
+//   stages: 2
 // tile_auto: true
-// target: sm_90a
+// target: sm_90
 // allow_spills: false
 //
-// Glossary (docs/conventions.md): block_m = 64 query rows per consumer warpgroup, block_n
-// keys per K/V tile, stages K/V tiles in the TMA ring; head_dim padded to 128
-// (64-column SW128 boxes); LSE natural log; empty rows give O = 0 and LSE = -inf.
+// Glossary (docs/conventions.md): block_m query rows per CTA, block_n keys per K/V tile,
+// stages K/V tiles in flight, LSE natural log, empty rows give O = 0 and LSE = -inf.
 #include <cuda_runtime.h>
 
-#include "fa_fwd_d128_bf16_um6548f622_m128n128w8s3_sm90a_4dd2363c.h"
-#include "include/flashgen/fwd_sm90_kernel.cuh"
-#include "include/flashgen/fwd_sm90_launch.cuh"
+#include "fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_f25ea7ed.h"
+#include "include/flashgen/fwd_kernel.cuh"
 #include "include/flashgen/host.h"
 #include "include/flashgen/launch.cuh"
 
@@ -48,8 +46,8 @@ struct Spec {
   // kHeadDimPad, kHeadDimVPad: on chip, zero-filled past the dim (Family.chip_head_dim)
   static constexpr int kHeadDim = 128, kHeadDimPad = 128;
   static constexpr int kHeadDimV = 128, kHeadDimVPad = 128;
-  static constexpr int kBlockM = 128, kBlockN = 128;
-  static constexpr int kWarps = 8, kStages = 3;
+  static constexpr int kBlockM = 128, kBlockN = 64;
+  static constexpr int kWarps = 8, kStages = 2;
   static constexpr fg::Causal kCausal = fg::Causal::kNone;
   static constexpr bool kWindow = false, kVarlen = false, kGqa = false;
   static constexpr bool kDropout = false, kKeepMaskOut = false;
@@ -64,15 +62,11 @@ struct Spec {
     static FG_USERMOD_FN int32_t fg_imin32(int32_t a, int32_t b) { return a < b ? a : b; }
     static FG_USERMOD_FN int32_t fg_iabs32(int32_t a) { return a < 0 ? -a : a; }
     static FG_USERMOD_FN int32_t fg_floor_int32(float x) {
-    #if defined(__CUDA_ARCH__)
-      return __float2int_rd(x);
-    #else
       if (!(x == x)) return 0;
       const float f = floorf(x);
       if (f >= 2147483648.0f) return INT32_MAX;
       if (f < -2147483648.0f) return INT32_MIN;
       return static_cast<int32_t>(f);
-    #endif
     }
     static FG_USERMOD_FN int32_t fg_clamp_last32(int32_t k, int32_t last) {
       return k < 0 ? 0 : (k > last ? last : k);
@@ -119,40 +113,32 @@ struct Spec {
   };
   using UserMask = fg::NoUserMask;  // no mask_mod
 };
-using Cfg = fg::FwdSm90Config<Spec>;
-static_assert(Cfg::kThreads == 384, "generator and kernel disagree on threads");
-static_assert(Cfg::kSmemBytes == 230400, "generator and kernel disagree on smem");
-constexpr bool kBf16 = true;
+using Cfg = fg::FwdConfig<Spec>;
+static_assert(Cfg::kThreads == 256, "generator and kernel disagree on threads");
+static_assert(Cfg::kSmemBytes == 104448, "generator and kernel disagree on smem");
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(384, 1)
-fa_fwd_d128_bf16_um6548f622_m128n128w8s3_sm90a_4dd2363c_kernel(const __grid_constant__ fg_fwd_params params,
-                  const __grid_constant__ fg::FwdSm90Maps maps) {
-  fg::fwd_sm90_kernel_body<Cfg>(params, maps);
+extern "C" __global__ void __launch_bounds__(256, 1)
+fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_f25ea7ed_kernel(const __grid_constant__ fg_fwd_params params) {
+  fg::fwd_kernel_body<Cfg>(params);
 }
 
-extern "C" const char* fa_fwd_d128_bf16_um6548f622_m128n128w8s3_sm90a_4dd2363c_check(const fg_fwd_params* params) {
+extern "C" const char* fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_f25ea7ed_check(const fg_fwd_params* params) {
   if (!params) return "params must be non-null";
   if (const char* msg = fg::check_fwd_params<Cfg>(*params)) return msg;
-  if (const char* msg = fg::check_fwd_sm90_params<Cfg>(*params)) return msg;  // TMA's rules
   if (params->head_dim != 128 || params->head_dim_v != 128)
     return "head_dim and head_dim_v must both be 128: the head dims this kernel was generated for";
 
   return nullptr;
 }
 
-extern "C" cudaError_t fa_fwd_d128_bf16_um6548f622_m128n128w8s3_sm90a_4dd2363c_launch(const fg_fwd_params* params, cudaStream_t stream) {
-  if (fa_fwd_d128_bf16_um6548f622_m128n128w8s3_sm90a_4dd2363c_check(params) != nullptr) return cudaErrorInvalidValue;
-  const fg_fwd_params& p = *params;
-  const int64_t grid = fg::fwd_grid<Cfg>(p);
+extern "C" cudaError_t fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_f25ea7ed_launch(const fg_fwd_params* params, cudaStream_t stream) {
+  if (fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_f25ea7ed_check(params) != nullptr) return cudaErrorInvalidValue;
+  const int64_t grid = fg::fwd_grid<Cfg>(*params);
   if (grid == 0) return cudaSuccess;  // nothing to compute
-  // The call's tensor maps: three host-side encodes, or the kernel's cached ones for a shape
-  // and buffers seen before (fwd_sm90_launch.cuh).
-  fg::FwdSm90Maps maps;
-  if (fg::fwd_sm90_maps<Cfg, kBf16>(p, &maps) != nullptr) return cudaErrorInvalidValue;
   static std::atomic<unsigned long long> smem_opted_in{0};  // per device, see host.h
-  const cudaError_t err = fg::opt_in_smem(fa_fwd_d128_bf16_um6548f622_m128n128w8s3_sm90a_4dd2363c_kernel, Cfg::kSmemBytes, smem_opted_in);
+  const cudaError_t err = fg::opt_in_smem(fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_f25ea7ed_kernel, Cfg::kSmemBytes, smem_opted_in);
   if (err != cudaSuccess) return err;
-  fa_fwd_d128_bf16_um6548f622_m128n128w8s3_sm90a_4dd2363c_kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);
+  fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_f25ea7ed_kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(*params);
   return cudaGetLastError();
 }

@@ -23,20 +23,20 @@
 // instrument_io: false
 // tile:
 //   block_m: 128
-//   block_n: 64
+//   block_n: 128
 //   warps: 8
-//   stages: 2
+//   stages: 3
 // tile_auto: true
-// target: sm_90
+// target: sm_90a
 // allow_spills: false
 //
 // C ABI of one flashgen forward kernel. Layouts and conventions: docs/conventions.md.
-//   fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_a2cca341_launch: checks the parameters (cudaErrorInvalidValue when they are unusable:
-//     call fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_a2cca341_check for the reason), then launches on `stream`.
-//   Tile: block_m=128, block_n=64, 256 threads,
-//     104448 bytes of dynamic shared memory, built for sm_90.
-#ifndef FA_FWD_D128_BF16_UM6548F622_M128N64W8S2_SM90_A2CCA341_H
-#define FA_FWD_D128_BF16_UM6548F622_M128N64W8S2_SM90_A2CCA341_H
+//   fa_fwd_d128_bf16_um6548f622_m128n128w8s3_sm90a_ea12937e_launch: checks the parameters (cudaErrorInvalidValue when they are unusable:
+//     call fa_fwd_d128_bf16_um6548f622_m128n128w8s3_sm90a_ea12937e_check for the reason), then launches on `stream`.
+//   Tile: block_m=128, block_n=128, 384 threads,
+//     230400 bytes of dynamic shared memory, built for sm_90.
+#ifndef FA_FWD_D128_BF16_UM6548F622_M128N128W8S3_SM90A_EA12937E_H
+#define FA_FWD_D128_BF16_UM6548F622_M128N128W8S3_SM90A_EA12937E_H
 
 #include <cuda_runtime.h>
 
@@ -47,10 +47,10 @@ extern "C" {
 #endif
 
 /* NULL when the parameters are acceptable, else a message naming what is wrong. */
-const char* fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_a2cca341_check(const fg_fwd_params* params);
-cudaError_t fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_a2cca341_launch(const fg_fwd_params* params, cudaStream_t stream);
+const char* fa_fwd_d128_bf16_um6548f622_m128n128w8s3_sm90a_ea12937e_check(const fg_fwd_params* params);
+cudaError_t fa_fwd_d128_bf16_um6548f622_m128n128w8s3_sm90a_ea12937e_launch(const fg_fwd_params* params, cudaStream_t stream);
 
 #ifdef __cplusplus
 }
 #endif
-#endif /* FA_FWD_D128_BF16_UM6548F622_M128N64W8S2_SM90_A2CCA341_H */
+#endif /* FA_FWD_D128_BF16_UM6548F622_M128N128W8S3_SM90A_EA12937E_H */
