@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flashgen.generator import usermod as U
-from flashgen.generator.usermod import Binary, Call, Const, Param, Type, Var, negate
+from flashgen.generator.features.user import KERNEL_INT_BOUNDS, TOKEN_KINDS
+from flashgen.generator.usermod import Binary, Call, Const, Param, ParamKind, Type, Var, negate
 from flashgen.verify import reference as R
 from flashgen.verify import score_mods as M
 from hypothesis import HealthCheck, assume, given, settings
@@ -1205,11 +1206,40 @@ FLOAT_LOCALS = (
 )
 
 
-def functors(exprs: list[U.Expr], float_positions: bool = False) -> str:
+# int32 arithmetic (emit_cpp's int32_bounds): None (int64 everywhere), the kernels' bounds
+# (positions below 2^31: mostly int64 here, where products and sums of positions may not fit)
+# or the host grid's own (nearly every int in int32, the helpers' negative operands included).
+INT32_MODES = {
+    "int64": None,
+    "kernel": KERNEL_INT_BOUNDS,
+    "grid": {
+        "i": (0, SQ - 1),
+        "j": (0, SK - 1),
+        "b": (0, B - 1),
+        "h": (0, H - 1),
+        "seqlen_q": (SQ, SQ),
+        "seqlen_k": (SK, SK),
+        ParamKind.SCALAR_INT: (-8, 8),  # n
+        **{k: (-(2**31), 2**31 - 1) for k in (ParamKind.PER_BATCH_INT, *TOKEN_KINDS)},
+    },
+}
+# a table at an int32 column, through the int32 clamp
+TABLE_INT32 = (
+    "{p}.{name}[({index}) * {p}.{name}_cols + fg_clamp_last32({k}, fg_last32({p}.{name}_cols))]"
+)
+
+
+def functors(exprs: list[U.Expr], float_positions: bool = False, int32: str = "int64") -> str:
     out = []
     for k, tree in enumerate(exprs):
         fpos = FLOAT_POSITIONS if float_positions else None
-        body = U.emit_cpp(tree, NAMES, float_positions=fpos)
+        body = U.emit_cpp(
+            tree,
+            NAMES,
+            float_positions=fpos,
+            int32_bounds=INT32_MODES[int32],
+            table_int32_access=TABLE_INT32,
+        )
         out.append(
             f"struct F{k} {{\n  FG_USERMOD_FN {CPP_TYPE[tree.type]} operator(){SIGNATURE} {{\n"
             f"{FLOAT_LOCALS if float_positions else ''}    return {body};\n  }}\n}};\n"
@@ -1247,8 +1277,11 @@ def emitted_corpus() -> list[U.Expr]:
 
 @pytest.mark.nvcc
 @needs_nvcc
-@pytest.mark.parametrize("float_positions", [False, True])
-def test_emitted_cpp_compiles_as_device_functors(tmp_path, float_positions):
+@pytest.mark.parametrize(
+    ("float_positions", "int32"),
+    [(False, "int64"), (True, "int64"), (True, "kernel"), (False, "grid")],
+)
+def test_emitted_cpp_compiles_as_device_functors(tmp_path, float_positions, int32):
     exprs = emitted_corpus()
     assert len(exprs) >= 300
     calls = "\n".join(
@@ -1257,8 +1290,9 @@ def test_emitted_cpp_compiles_as_device_functors(tmp_path, float_positions):
     )
     source = (
         U.CPP_HELPERS
+        + U.CPP_HELPERS_INT32
         + CPP_PARAMS
-        + functors(exprs, float_positions)
+        + functors(exprs, float_positions, int32)
         + "__global__ void run_all(Params p, float* out) {\n"
         + "  const float x = out[0];\n"
         + "  const int64_t bb = blockIdx.y, hh = blockIdx.z, qi = threadIdx.x, kj = threadIdx.y;\n"
@@ -1268,6 +1302,111 @@ def test_emitted_cpp_compiles_as_device_functors(tmp_path, float_positions):
     )
     (tmp_path / "usermods.cu").write_text(source)
     nvcc("-arch=sm_90", "-c", "usermods.cu", "-o", "usermods.o", cwd=tmp_path)
+
+
+# int trees at the kernels' extreme positions (i, j up to 2^31 - 2, lengths 2^31 - 1): each
+# with whether the kernels' bounds put its root in int32. Sums and products of positions, and
+# a product with the int64 scalar n, must keep int64 (here n = 2^40).
+EXTREME_INTS = [
+    ("i * j", False),
+    ("i + j", False),
+    ("i * n", False),
+    ("i + seqlen_k - seqlen_q - j", False),
+    ("2 * j + 1", False),
+    ("i - j", True),
+    ("-i - j + j", False),
+    ("abs(j - i)", True),
+    ("abs(i - j) // 8", True),
+    ("(i - j) // -7 % 5", True),
+    ("(j - i) // 3 - (i - j) % 11", True),
+    ("min(i, j) - max(i, j)", True),
+    ("max(i - j, 0) // (j + 1)", True),
+    ("where(i > j, i - j, j - i) + 16", False),
+    ("where(i > j, i - j, j - i) // 2 + 16", True),
+    ("where(abs(j - i) < 8, abs(j - i), 5) + 2147483640", True),
+    ("where(abs(j - i) <= 8, abs(j - i), 5) + 2147483640", False),
+    ("where(i - j >= 0, i - j, 0) * 1", True),
+    ("floor(log(abs(j - i) / 8) * 2.8853900817779268 + 0.001) + 8", True),
+    ("seqlen_q - i - 1", True),
+    ("(seqlen_q - i) * 2", False),
+]
+EXTREME_POS = [0, 1, 2, 7, 8, 9, 2**31 - 9, 2**31 - 3, 2**31 - 2]
+EXTREME_LEN = 2**31 - 1
+
+
+def test_kernel_bounds_choose_int32_only_where_every_value_fits():
+    for text, narrow in EXTREME_INTS:
+        tree = U.parse_expr(text, {"n": "scalar_int"}) if "n" in text else U.parse_expr(text)
+        assert tree.type is INT
+        ids, _ = U.int32_nodes(tree, KERNEL_INT_BOUNDS)
+        assert (id(tree) in ids) is narrow, text
+        # an int32 node's int operands are int32 too
+        for node in U.walk(tree):
+            if id(node) in ids and not isinstance(node, Call):
+                assert all(id(k) in ids for k in node.children() if k.type is INT), text
+
+
+@pytest.mark.nvcc
+@needs_nvcc
+def test_int32_arithmetic_is_exact_at_the_kernels_extreme_positions(tmp_path):
+    exprs = [
+        U.parse_expr(t, {"n": "scalar_int"}) if "n" in t else U.parse_expr(t)
+        for t, _ in EXTREME_INTS
+    ]
+    pos = ", ".join(str(v) for v in EXTREME_POS)
+    printers = "\n".join(
+        f'  EACH(printf("%lld\\n", (long long)F{k}{{}}(p, 0.f, 0, 0, qi, kj, sq, sq)));'
+        for k in range(len(exprs))
+    )
+    main = f"""
+static const int64_t pos[] = {{{pos}}};
+#define EACH(stmt) \\
+  for (int a = 0; a < {len(EXTREME_POS)}; ++a) for (int c = 0; c < {len(EXTREME_POS)}; ++c) \\
+  {{ const int64_t qi = pos[a], kj = pos[c], sq = {EXTREME_LEN}; stmt; }}
+int main() {{
+  Params p = {{}};
+  p.n = INT64_C(1) << 40;
+{printers}
+  return 0;
+}}
+"""
+    source = (
+        "#include <cstdio>\n"
+        + U.CPP_HELPERS
+        + U.CPP_HELPERS_INT32
+        + CPP_PARAMS
+        + functors(exprs, int32="kernel")
+        + main
+    )
+    (tmp_path / "extreme.cu").write_text(source)
+    nvcc("-o", "extreme", "extreme.cu", cwd=tmp_path)
+    run = subprocess.run(["./extreme"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert run.returncode == 0, run.stderr
+    got = np.array([int(t) for t in run.stdout.split()]).reshape(len(exprs), -1)
+    env = {
+        "i": np.array(EXTREME_POS).reshape(-1, 1),
+        "j": np.array(EXTREME_POS).reshape(1, -1),
+        "seqlen_q": EXTREME_LEN,
+        "seqlen_k": EXTREME_LEN,
+    }
+    for k, tree in enumerate(exprs):
+        want = U.evaluate(tree, env, {"n": 2**40}, dtype=np.float32).ravel()
+        assert (got[k] == want).all(), (EXTREME_INTS[k][0], got[k][got[k] != want][:4])
+
+
+def test_t5_buckets_are_computed_in_int32():
+    from flashgen.generator.features.user import user_score_cpp
+
+    for name in ("t5_bias", "t5_decoder_bias", "bucketed_bias"):
+        mod = U.EXAMPLE_BY_NAME[name].parse()
+        column = mod.tree.right.index[1]  # s + bias[h, column]
+        ids, _ = U.int32_nodes(mod.tree, KERNEL_INT_BOUNDS)
+        ints = [n for n in U.walk(column) if n.type is INT]
+        assert ints and all(id(n) in ids for n in ints), name
+        cpp = user_score_cpp(mod)
+        value = cpp[cpp.index("float value(") : cpp.index("// the launch check")]
+        assert "int64_t" not in value and "fg_clamp_last32(" in value, name
+        assert "static FG_USERMOD_FN int32_t fg_iabs32" in cpp or name == "t5_decoder_bias"
 
 
 def host_exact_corpus() -> list[U.Expr]:
@@ -1291,10 +1430,17 @@ def c_array(ctype: str, values: np.ndarray) -> str:
 
 @pytest.mark.nvcc
 @needs_nvcc
-@pytest.mark.parametrize("float_positions", [False, True])
-def test_emitted_cpp_runs_on_the_host_like_the_float32_evaluator(tmp_path, float_positions):
-    # with float positions too, bit for bit: every term here is far below 2^24
+@pytest.mark.parametrize(
+    ("float_positions", "int32"),
+    [(False, "int64"), (True, "int64"), (False, "kernel"), (True, "kernel"), (False, "grid")],
+)
+def test_emitted_cpp_runs_on_the_host_like_the_float32_evaluator(tmp_path, float_positions, int32):
+    # with float positions too, bit for bit: every term here is far below 2^24; and with int32
+    # arithmetic wherever the mode's bounds prove it exact
     exprs = host_exact_corpus()
+    if int32 != "int64":
+        narrow = sum(len(U.int32_nodes(t, INT32_MODES[int32])[0]) for t in exprs)
+        assert narrow > (1000 if int32 == "kernel" else 1500)
     printers = []
     for k, tree in enumerate(exprs):
         fmt = {FLOAT: '"%a\\n", (double)', INT: '"%lld\\n", (long long)', BOOL: '"%d\\n", (int)'}[
@@ -1322,7 +1468,12 @@ int main() {{
 }}
 """
     source = (
-        "#include <cstdio>\n" + U.CPP_HELPERS + CPP_PARAMS + functors(exprs, float_positions) + main
+        "#include <cstdio>\n"
+        + U.CPP_HELPERS
+        + U.CPP_HELPERS_INT32
+        + CPP_PARAMS
+        + functors(exprs, float_positions, int32)
+        + main
     )
     (tmp_path / "host.cu").write_text(source)
     nvcc("-o", "host", "host.cu", cwd=tmp_path)

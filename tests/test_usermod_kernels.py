@@ -155,7 +155,7 @@ def test_the_functor_s_members_are_distinct_whatever_the_parameter_names():
     body = cpp.split("struct Vals {", 1)[1].split("};", 1)[0]
     members = re.findall(r"(\w+);", body.replace("int64_t b, h;", "int64_t b; int64_t h;"))
     assert sorted(members) == sorted(
-        ["b", "h", "v_bias", "n_bias", "v_bias_cols", "v_Vals", "v_b_"]
+        ["b", "h", "v_bias", "n_bias", "l_bias", "v_bias_cols", "v_Vals", "v_b_"]
     )
 
 

@@ -10,8 +10,11 @@ The rendered struct (`user_score_cpp`):
 
 - `Vals`: what the functor reads once per (batch b, head h): b and h, every scalar (fp32 or
   int64), the per_head / per_batch values at h / b, and a table's row h (a pointer) with its
-  column count; parameter `name` is member `v_name` and a table's columns `n_name`, so no
-  two members clash whatever the names (`bias` beside `bias_cols`, or `Vals`);
+  column count; parameter `name` is member `v_name`, a table's columns `n_name` and its last
+  column as int32 `l_name` (the int32 column clamp), so no two members clash whatever the
+  names (`bias` beside `bias_cols`, or `Vals`);
+- the int32 helpers the expression calls (`usermod.cpp_helpers_int32`), as static members:
+  `value` computes in int32 the ints that `KERNEL_INT_BOUNDS` proves fit;
 - `load(sp, b, h, v)`: fills `Vals` from the slots (`__ldg` reads of the vectors);
 - `value(s, p, q)`: the expression (`usermod.emit_cpp`) of s = scale * x, the `Vals` p and the
   position q (`fg::ScorePos`: i, j, seqlen_q, seqlen_k);
@@ -33,10 +36,12 @@ from flashgen.generator.usermod import (
     Const,
     ParamKind,
     UserMod,
+    cpp_helpers_int32,
     emit_cpp,
 )
 
 __all__ = [
+    "KERNEL_INT_BOUNDS",
     "SLOT_FIELDS",
     "TOKEN_KINDS",
     "slot_checks",
@@ -93,6 +98,26 @@ _NAMES = {
 # float i, j and i - j of fg::ScorePos (usermod/emit.py: float positions)
 _FLOAT_POSITIONS = {"i": "q.fi", "j": "q.fj", "i-j": "q.fij"}
 
+# What the kernels guarantee of the ints a score_mod reads, for the int32 arithmetic of
+# usermod/emit.py. fg::ScorePos holds i, j, seqlen_q and seqlen_k as int32 (score_mod.cuh:
+# positions and lengths below 2^31), so a score that counts (0 <= i < seqlen_q, 0 <= j <
+# seqlen_k) reads positions in [0, 2^31 - 2]; the launchers refuse batch or heads over
+# 2^31 - 1 (launch.cuh, bwd_launch.cuh, decode_launch.cuh), so b, h are below 2^31 - 1; a
+# per_batch_int vector is int32. Other scores (the rows past a sequence, masked) may see
+# wrapped int32 values, which no int32 operation traps on (the helpers guard `// 0` and
+# `// -1`). scalar_int parameters are int64 (`user_i<k>`): unbounded, so they keep int64.
+KERNEL_INT_BOUNDS: dict[str | ParamKind, tuple[int, int]] = {
+    "i": (0, 2**31 - 2),
+    "j": (0, 2**31 - 2),
+    "seqlen_q": (0, 2**31 - 1),
+    "seqlen_k": (0, 2**31 - 1),
+    "b": (0, 2**31 - 2),
+    "h": (0, 2**31 - 2),
+    ParamKind.PER_BATCH_INT: (-(2**31), 2**31 - 1),
+}
+# a table read at an int32 column: clamped to [0, l_name], its last column as int32
+_TABLE_INT32 = "__ldg({p}.v_{name} + fg_clamp_last32({k}, {p}.l_{name}))"
+
 
 def user_slots(mod: UserMod) -> list[tuple[int, str, ParamKind]]:
     """(slot, name, kind) of each declared parameter: slot k is the k-th by name."""
@@ -112,6 +137,8 @@ def slot_vals(mod: UserMod) -> list[str]:
         elif kind is ParamKind.TABLE:
             out.append(f"const float* v_{name};  // row h of the (heads, n_{name}) table {name}")
             out.append(f"int64_t n_{name};")
+            if mod.kind == "score_mod":  # the int32 column clamp's bound
+                out.append(f"int32_t l_{name};  // its last column, at most 2^31 - 1")
         elif kind in (ParamKind.SCALAR_INT, ParamKind.PER_BATCH_INT):
             out.append(f"int64_t v_{name};")
         else:
@@ -142,6 +169,8 @@ def slot_loads(mod: UserMod) -> list[str]:
             out.append(f"v.v_{name} = __ldg(static_cast<const int32_t*>({ptr}) + b);")
         elif kind is ParamKind.TABLE:
             out.append(f"v.n_{name} = sp.user_i{k};")
+            if mod.kind == "score_mod":
+                out.append(f"v.l_{name} = fg_last32(v.n_{name});")
             out.append(f"v.v_{name} = static_cast<const float*>({ptr}) + h * v.n_{name};")
         else:  # refused by the spec (generator.spec._KINDS_NOT_SERVED)
             raise ValueError(f"parameter kind {kind.value} has no slot reading")
@@ -187,19 +216,29 @@ def slot_checks(mod: UserMod) -> list[str]:
 
 def user_score_cpp(mod: UserMod, indent: str = "  ") -> str:
     """The C++ of `struct UserScore` for `mod` (module doc), indented by `indent`."""
-    value = emit_cpp(mod.tree, _NAMES, access=VALS_ACCESS, float_positions=_FLOAT_POSITIONS)
+    emit = dict(
+        access=VALS_ACCESS,
+        float_positions=_FLOAT_POSITIONS,
+        int32_bounds=KERNEL_INT_BOUNDS,
+        table_int32_access=_TABLE_INT32,
+    )
+    value = emit_cpp(mod.tree, _NAMES, **emit)
     grad_tree = mod.derivative
     has_grad = not (isinstance(grad_tree, Const) and grad_tree.value == 1.0)
-    grad_cpp = (
-        emit_cpp(grad_tree, _NAMES, access=VALS_ACCESS, float_positions=_FLOAT_POSITIONS)
-        if has_grad
-        else ""
-    )
+    grad_cpp = emit_cpp(grad_tree, _NAMES, **emit) if has_grad else ""
+    loads = "\n".join(slot_loads(mod))
+    helpers = cpp_helpers_int32(f"{value}\n{grad_cpp}\n{loads}", member=True)
     lines = [
         f"// score_mod: {mod.canonical}",
         "// (generator/usermod; s = scale * q.k, i and j 0-based in the sequence: docs/usermod.md)",
         "struct UserScore {",
         f"  static constexpr bool kOn = true, kHasGrad = {'true' if has_grad else 'false'};",
+        *(
+            ["  // int32 helpers (generator/usermod/emit.py: int32 arithmetic)"]
+            + [f"  {line}" for line in helpers.splitlines()]
+            if helpers
+            else []
+        ),
         "  struct Vals {",
         *(f"    {line}" for line in slot_vals(mod)),
         "  };",

@@ -11,10 +11,11 @@ flashgen needs, independently of the kernels:
   `UserModError(message, column)`;
 - `canonical` (`tree.py`): one text per tree, for kernel names (`UserMod.digest`);
 - `derivative`, `simplify` (`calculus.py`): d(score_mod)/ds for the backward;
-- `emit_cpp`, `CPP_HELPERS` (`emit.py`): a C++ expression for a device functor, and the
-  helpers it calls;
+- `emit_cpp`, `CPP_HELPERS`, `cpp_helpers_int32` (`emit.py`): a C++ expression for a device
+  functor, and the helpers it calls (int32 ones where bounds prove that an int fits);
 - `evaluate` (`numeric.py`): numpy in float64 (the reference) or float32 (the baseline);
-- `classify_block`, `block_map` (`blocks.py`): FULL / EMPTY / PARTIAL tiles of a mask, soundly;
+- `classify_block`, `block_map` (`blocks.py`): FULL / EMPTY / PARTIAL tiles of a mask,
+  soundly, from interval bounds (`bounds`, `node_bounds`);
 - `EXAMPLES` (`examples.py`).
 
 docs/usermod.md documents the grammar, the types, the integer semantics, what is
@@ -24,9 +25,18 @@ pastes it into C++, and nothing imports the rest of the project.
 
 from __future__ import annotations
 
-from .blocks import Block, Interval, block_map, bounds, classify_block
+from .blocks import Block, Interval, block_map, bounds, classify_block, node_bounds
 from .calculus import derivative, simplify
-from .emit import CPP_HELPERS, DEFAULT_ACCESS, cpp_float_literal, emit_cpp, linear_form
+from .emit import (
+    CPP_HELPERS,
+    CPP_HELPERS_INT32,
+    DEFAULT_ACCESS,
+    cpp_float_literal,
+    cpp_helpers_int32,
+    emit_cpp,
+    int32_nodes,
+    linear_form,
+)
 from .examples import EXAMPLE_BY_NAME, EXAMPLES, Example
 from .numeric import evaluate, floor_int, floordiv, modulo
 from .parse import ALLOWED, UserMod, check_params, parse_expr, parse_mask_mod, parse_score_mod
@@ -57,6 +67,7 @@ __all__ = [
     "Binary",
     "Block",
     "CPP_HELPERS",
+    "CPP_HELPERS_INT32",
     "Call",
     "Const",
     "DEFAULT_ACCESS",
@@ -84,14 +95,17 @@ __all__ = [
     "check_params",
     "classify_block",
     "cpp_float_literal",
+    "cpp_helpers_int32",
     "derivative",
     "emit_cpp",
+    "int32_nodes",
     "linear_form",
     "evaluate",
     "floor_int",
     "floordiv",
     "modulo",
     "negate",
+    "node_bounds",
     "parse_expr",
     "parse_mask_mod",
     "parse_score_mod",

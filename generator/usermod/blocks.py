@@ -44,7 +44,7 @@ from .tree import (
     Var,
 )
 
-__all__ = ["Block", "Interval", "block_map", "bounds", "classify_block"]
+__all__ = ["Block", "Interval", "block_map", "bounds", "classify_block", "node_bounds"]
 
 INF = math.inf
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -472,6 +472,99 @@ def bounds(
     ivs = {k: _range_input(v, k) for k, v in (variables or {}).items()}
     out = _Bounder(ivs, dict(params or {}))(tree)
     return (out.true, out.false) if isinstance(out, _Tri) else out
+
+
+class _Recorder(_Bounder):
+    """A `_Bounder` that keeps every node's bounds (by `id`), visits what `_Bounder` may skip
+    (a parameter's indices, the branch of a `where` its condition rules out) and takes float
+    variables (the score s) as any float."""
+
+    def __init__(self, variables: Mapping[str, Interval], params: Mapping[str, Any]) -> None:
+        super().__init__(variables, params)
+        self.seen: dict[int, Interval | _Tri] = {}
+
+    def __call__(self, node: Expr) -> Interval | _Tri:
+        if id(node) in self.seen:
+            return self.seen[id(node)]
+        if isinstance(node, Var) and node.type is Type.FLOAT:
+            out: Interval | _Tri = _TOP_NAN
+        else:
+            out = super().__call__(node)
+        if isinstance(node, Param):
+            for index in node.index:
+                self(index)
+        elif isinstance(node, Call) and node.func == "where":
+            for arg in node.args:
+                self(arg)
+            if node.type is Type.INT:
+                out = self._where_refined(node, out)
+        self.seen[id(node)] = out
+        return out
+
+    def _where_refined(self, node: Call, out: Interval) -> Interval:
+        """An int `where(c, a, b)` whose condition compares a branch itself with something
+        (`where(abs(j - i) < 8, abs(j - i), ...)`): that branch is taken only where the
+        comparison holds (or fails), so its part of the hull is narrowed to match."""
+        c, a, b = node.args
+        tri = self(c)
+        parts = []
+        for branch, truth, take in ((a, True, tri.true), (b, False, tri.false)):
+            if take:
+                iv = self.seen[id(branch)]
+                parts.append(_refine(c, truth, branch, iv, self) or iv)
+        if not parts:
+            return out
+        hull = _hull(parts)
+        lo, hi = max(hull.lo, out.lo), min(hull.hi, out.hi)
+        return Interval(lo, hi) if lo <= hi else out
+
+
+_FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "=="}
+_NOT = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}
+
+
+def _refine(cond: Expr, truth: bool, expr: Expr, iv: Interval, bound: _Bounder) -> Interval | None:
+    """`iv` (expr's bounds) narrowed by the int comparison `cond` having value `truth`, where
+    one side of `cond` is `expr` (structurally); None where nothing narrows (an empty result,
+    a branch never taken, is left to the hull)."""
+    if not (isinstance(cond, Binary) and cond.op in _NOT):
+        return None
+    if not (cond.left.type is Type.INT and cond.right.type is Type.INT):
+        return None
+    op = cond.op if truth else _NOT[cond.op]
+    if cond.left == expr:
+        other = bound(cond.right)
+    elif cond.right == expr:
+        other, op = bound(cond.left), _FLIP.get(op, op)
+    else:
+        return None
+    lo, hi = iv.lo, iv.hi
+    if op == "<":
+        hi = min(hi, other.hi - 1)
+    elif op == "<=":
+        hi = min(hi, other.hi)
+    elif op == ">":
+        lo = max(lo, other.lo + 1)
+    elif op == ">=":
+        lo = max(lo, other.lo)
+    elif op == "==":
+        lo, hi = max(lo, other.lo), min(hi, other.hi)
+    return Interval(lo, hi) if lo <= hi else None
+
+
+def node_bounds(
+    tree: Expr,
+    variables: Mapping[str, Any] | None = None,
+    params: Mapping[str, Any] | None = None,
+) -> dict[int, Interval | tuple[bool, bool]]:
+    """Sound bounds of every node of `tree` (as `bounds` gives the root's; variables and
+    parameters likewise), keyed by the node's `id`; a score_mod's s is any float. Each node's
+    bounds hold wherever the tree is evaluated, whatever its context (a `where` branch that
+    its condition rules out is bounded too)."""
+    ivs = {k: _range_input(v, k) for k, v in (variables or {}).items()}
+    rec = _Recorder(ivs, dict(params or {}))
+    rec(tree)
+    return {k: (v.true, v.false) if isinstance(v, _Tri) else v for k, v in rec.seen.items()}
 
 
 def classify_block(

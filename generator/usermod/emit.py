@@ -2,8 +2,9 @@
 functor, plus the helpers it calls (`CPP_HELPERS`).
 
 Types: ints are `int64_t` (every int variable and parameter is converted on read, so `i * j`
-cannot overflow 32 bits), floats are `float` (fp32), bools `bool`; an int operand of a float
-operation is converted with `static_cast<float>`. Literals: ints as `5ll`, floats rounded to
+cannot overflow 32 bits) except where bounds prove int32 exact (int32 arithmetic, below),
+floats are `float` (fp32), bools `bool`; an int operand of a float operation is converted
+with `static_cast<float>`. Literals: ints as `5ll`, floats rounded to
 float32 and written with 9 significant digits and an `f` suffix, negative ones parenthesised.
 
 Calls: `//` and `%` are `fg_floordiv` / `fg_mod` (floor semantics, 0 for a zero divisor);
@@ -27,7 +28,20 @@ halved the Hopper forward's throughput (bench/usermod_bench.py). The value is th
 expression's exactly while every term is below 2^24 in magnitude (at coefficient 1: sequences
 of 16M tokens, as the built-in ALiBi's float distance); beyond, within a few fp32 ulps.
 Coefficients or constants of 2^24 or more keep the int path. Int contexts (comparisons of
-ints, `//`, `%`, table columns, `min`/`max` of ints) always keep exact int64 arithmetic.
+ints, `//`, `%`, table columns, `min`/`max` of ints) keep exact integer arithmetic.
+
+Int32 arithmetic (`int32_bounds`, the kernels' score stage: generator/features/user.py): given
+bounds on the variables and int parameter kinds, blocks.py's interval analysis bounds every
+node (`node_bounds`; a `where` whose condition compares its branch, `where(abs(j - i) < 8,
+abs(j - i), ..)`, is narrowed by it), and an int node whose value and whose int operands'
+values all provably fit int32 is computed in `int32_t` (`int32_nodes`): literals without the
+`ll`, reads cast to `int32_t`, the `fg_*32` helpers (`cpp_helpers_int32`: the same floor `//`,
+`%`, clamps and NaN rule as the int64 ones, so the value is the int64 one), and a plain C `/`
+or `%` where the dividend is provably >= 0 and the divisor >= 1. A float reads such an int
+through a conversion from s32, and an int64 context widens it. The GPU emulates 64-bit
+integer division, min, compares and conversions with several instructions each; a T5 bucket
+(`abs(j - i)`, `min`, `floor(log(..))`, a table column) then costs no 64-bit operation but
+its table address.
 """
 
 from __future__ import annotations
@@ -36,6 +50,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from .blocks import Interval, node_bounds
 from .tree import (
     COMPARISONS,
     KIND_INFO,
@@ -53,10 +68,13 @@ from .tree import (
 
 __all__ = [
     "CPP_HELPERS",
+    "CPP_HELPERS_INT32",
     "DEFAULT_ACCESS",
     "FLOAT_EXACT",
     "cpp_float_literal",
+    "cpp_helpers_int32",
     "emit_cpp",
+    "int32_nodes",
     "linear_form",
 ]
 
@@ -138,6 +156,118 @@ FG_USERMOD_FN float fg_tanh(float x) { return tanhf(x); }
 """
 
 
+# The int32 forms of the helpers (module doc: int32 arithmetic), called only where every value
+# fits int32, so each returns what its int64 form does. Not part of CPP_HELPERS (a header every
+# kernel includes): `cpp_helpers_int32` gives the ones an expression calls, which its caller
+# renders beside it (generator/features/user.py: static members of the functor).
+_HELPERS_INT32: dict[str, str] = {
+    "fg_floordiv32": """FG_USERMOD_FN int32_t fg_floordiv32(int32_t a, int32_t b) {
+  if (b == 0) return 0;
+  if (b == -1) return static_cast<int32_t>(0u - static_cast<uint32_t>(a));
+  const int32_t q = a / b;  // truncates toward zero
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}""",
+    "fg_mod32": """FG_USERMOD_FN int32_t fg_mod32(int32_t a, int32_t b) {
+  if (b == 0 || b == -1) return 0;
+  const int32_t r = a % b;  // takes a's sign
+  return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}""",
+    "fg_imin32": "FG_USERMOD_FN int32_t fg_imin32(int32_t a, int32_t b) { return a < b ? a : b; }",
+    "fg_imax32": "FG_USERMOD_FN int32_t fg_imax32(int32_t a, int32_t b) { return a < b ? b : a; }",
+    "fg_iabs32": "FG_USERMOD_FN int32_t fg_iabs32(int32_t a) { return a < 0 ? -a : a; }",
+    # (the same code on the device: __float2int_rd, one cvt.rmi.s32.f32, made ptxas spill in
+    # the Hopper backward of T5's buckets)
+    "fg_floor_int32": """FG_USERMOD_FN int32_t fg_floor_int32(float x) {
+  if (!(x == x)) return 0;
+  const float f = floorf(x);
+  if (f >= 2147483648.0f) return INT32_MAX;
+  if (f < -2147483648.0f) return INT32_MIN;
+  return static_cast<int32_t>(f);
+}""",
+    # a table column clamped to [0, last] (last: the last column, at most INT32_MAX)
+    "fg_clamp_last32": """FG_USERMOD_FN int32_t fg_clamp_last32(int32_t k, int32_t last) {
+  return k < 0 ? 0 : (k > last ? last : k);
+}""",
+    # the last column of n >= 1 as int32 (columns past INT32_MAX are never read by an int32 k)
+    "fg_last32": """FG_USERMOD_FN int32_t fg_last32(int64_t n) {
+  return static_cast<int32_t>(n - 1 < INT32_MAX ? n - 1 : INT32_MAX);
+}""",
+}
+
+
+def cpp_helpers_int32(text: str | None = None, *, member: bool = False) -> str:
+    """The int32 helpers that the C++ `text` calls (all of them for None), one per line group;
+    `member` makes them static members of a struct (no include guard)."""
+    names = [n for n in _HELPERS_INT32 if text is None or f"{n}(" in text]
+    if not names:
+        return ""
+    body = "\n".join(_HELPERS_INT32[n] for n in names)
+    if member:
+        return body.replace("FG_USERMOD_FN ", "static FG_USERMOD_FN ")
+    return (
+        "#ifndef FLASHGEN_USERMOD_HELPERS_INT32\n#define FLASHGEN_USERMOD_HELPERS_INT32\n"
+        f"{body}\n#endif  // FLASHGEN_USERMOD_HELPERS_INT32\n"
+    )
+
+
+CPP_HELPERS_INT32 = cpp_helpers_int32()
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def _fits_int32(iv: object) -> bool:
+    return isinstance(iv, Interval) and _INT32_MIN <= iv.lo and iv.hi <= _INT32_MAX
+
+
+def int32_nodes(
+    tree: Expr, bounds: Mapping[str | ParamKind, tuple[int, int]]
+) -> tuple[set[int], dict[int, object]]:
+    """The ids of the int nodes of `tree` that int32 arithmetic evaluates exactly (the node's
+    and every int operand's value below it provably in int32), and every node's bounds, given
+    `bounds`: an inclusive (lo, hi) per variable (i, j, b, h, seqlen_q, seqlen_k) and per int
+    parameter kind; absent ones are unbounded."""
+    variables = {k: v for k, v in bounds.items() if isinstance(k, str)}
+    kinds = {ParamKind(k): v for k, v in bounds.items() if not isinstance(k, str)}
+    params = {
+        n.name: Interval(*kinds[n.kind])
+        for n in walk(tree)
+        if isinstance(n, Param) and n.kind in kinds and KIND_INFO[n.kind].type is Type.INT
+    }
+    ivs = node_bounds(tree, variables, params)
+    out: set[int] = set()
+    memo: dict[int, bool] = {}
+
+    def visit(node: Expr) -> bool:
+        if id(node) not in memo:
+            kids = {id(c): visit(c) for c in list(node.children())}
+            ok = (
+                node.type is Type.INT
+                and _fits_int32(ivs.get(id(node)))
+                and all(kids[id(c)] for c in _operands(node))
+            )
+            memo[id(node)] = ok
+            if ok:
+                out.add(id(node))
+        return memo[id(node)]
+
+    visit(tree)
+    return out, ivs
+
+
+def _operands(node: Expr) -> list[Expr]:
+    """The int operands whose values an int node's arithmetic takes (not a `where`'s
+    condition, a parameter's indices or a float `floor` argument)."""
+    if node.type is not Type.INT:
+        return []
+    if isinstance(node, Call) and node.func == "where":
+        return list(node.args[1:])
+    if isinstance(node, Call) and node.func == "floor" and node.args[0].type is Type.FLOAT:
+        return []
+    if isinstance(node, Param):
+        return []
+    return list(node.children())
+
+
 def cpp_float_literal(value: float) -> str:
     """`value` rounded to float32, as a C++ float literal (9 significant digits: the float32
     reads back exactly); negative literals are parenthesised."""
@@ -197,6 +327,12 @@ def _times(k: int, text: str) -> str:
     return f"({cpp_float_literal(float(k))} * {text})"
 
 
+def _int32_literal(value: int) -> str:
+    if value == _INT32_MIN:
+        return "(-2147483647 - 1)"
+    return f"({value})" if value < 0 else str(value)
+
+
 class _Emitter:
     def __init__(
         self,
@@ -204,11 +340,39 @@ class _Emitter:
         params: str,
         access: Mapping[ParamKind, str],
         float_positions: Mapping[str, str] | None = None,
+        narrow: set[int] | None = None,
+        ivs: Mapping[int, object] | None = None,
+        table_int32: str | None = None,
     ):
         self.names = names
         self.p = params
         self.access = access
         self.fpos = float_positions
+        self.narrow = narrow or set()
+        self.ivs = ivs or {}
+        self.table_int32 = table_int32
+
+    def is32(self, node: Expr) -> bool:
+        """Whether `node` is an int evaluated in int32 (module doc: int32 arithmetic)."""
+        return id(node) in self.narrow
+
+    def i64(self, node: Expr) -> str:
+        """An int node's text as int64_t (an int32 node widened)."""
+        if not self.is32(node):
+            return self(node)
+        if isinstance(node, (Const, Var, Param)):  # read as int64_t directly
+            return _Emitter(self.names, self.p, self.access, self.fpos, ivs=self.ivs)(node)
+        return f"static_cast<int64_t>({self(node)})"
+
+    def ints(self, node: Expr, *operands: Expr) -> list[str]:
+        """The operands of int node `node` (or of a comparison, `node` None) at one width:
+        int32 where `node` is (or, for a comparison, where every operand is), else int64."""
+        narrow = self.is32(node) if node is not None else all(self.is32(x) for x in operands)
+        return [self(x) if narrow else self.i64(x) for x in operands]
+
+    def nonneg(self, node: Expr, least: int) -> bool:
+        iv = self.ivs.get(id(node))
+        return isinstance(iv, Interval) and iv.lo >= least
 
     def flt(self, node: Expr) -> str:
         if node.type is Type.INT and self.fpos is not None:
@@ -253,21 +417,29 @@ class _Emitter:
             if node.type is Type.BOOL:
                 return "true" if node.value else "false"
             if node.type is Type.INT:
-                return _int_literal(node.value)
+                return _int32_literal(node.value) if self.is32(node) else _int_literal(node.value)
             return cpp_float_literal(node.value)
         if isinstance(node, Var):
             name = self.names[node.name]
-            cast = "float" if node.type is Type.FLOAT else "int64_t"
+            cast = self.ctype(node)
             return f"static_cast<{cast}>({name})"
         if isinstance(node, Param):
             return self.param(node)
         if isinstance(node, Unary):
-            return f"(-{self(node.arg)})" if node.op == "-" else f"(!{self(node.arg)})"
+            if node.op == "not":
+                return f"(!{self(node.arg)})"
+            arg = self.ints(node, node.arg)[0] if node.type is Type.INT else self(node.arg)
+            return f"(-{arg})"
         if isinstance(node, Binary):
             return self.binary(node)
         if isinstance(node, Call):
             return self.call(node)
         raise TypeError(f"not an expression node: {node!r}")
+
+    def ctype(self, node: Expr) -> str:
+        if node.type is Type.FLOAT:
+            return "float"
+        return "int32_t" if self.is32(node) else "int64_t"
 
     def param(self, node: Param) -> str:
         info = KIND_INFO[node.kind]
@@ -275,20 +447,32 @@ class _Emitter:
         if info.index:
             fields["index"] = self(node.index[0])
             fields["var"] = node.index[0].name  # the index variable (i, j, h or b)
+        template = self.access[node.kind]
         if info.column:
-            fields["k"] = self(node.index[1])
-        read = self.access[node.kind].format(**fields)
-        cast = "float" if info.type is Type.FLOAT else "int64_t"
-        return f"static_cast<{cast}>({read})"
+            column = node.index[1]
+            if self.is32(column) and self.table_int32 is not None:
+                template, fields["k"] = self.table_int32, self(column)
+            else:
+                fields["k"] = self.i64(column)
+        read = template.format(**fields)
+        return f"static_cast<{self.ctype(node)}>({read})"
 
     def binary(self, node: Binary) -> str:
         op, a, b = node.op, node.left, node.right
         if op in ("and", "or"):
             return f"({self(a)} {'&&' if op == 'and' else '||'} {self(b)})"
         if op in ("//", "%"):
-            return f"{'fg_floordiv' if op == '//' else 'fg_mod'}({self(a)}, {self(b)})"
+            left, right = self.ints(node, a, b)
+            if not self.is32(node):
+                return f"{'fg_floordiv' if op == '//' else 'fg_mod'}({left}, {right})"
+            if self.nonneg(a, 0) and self.nonneg(b, 1):  # floor is truncation here
+                return f"({left} {'/' if op == '//' else '%'} {right})"
+            return f"{'fg_floordiv32' if op == '//' else 'fg_mod32'}({left}, {right})"
         ints = a.type is Type.INT and b.type is Type.INT and op != "/"
-        left, right = (self(a), self(b)) if ints else (self.flt(a), self.flt(b))
+        if ints:
+            left, right = self.ints(node if node.type is Type.INT else None, a, b)
+        else:
+            left, right = self.flt(a), self.flt(b)
         assert op in COMPARISONS or op in ("+", "-", "*", "/")
         return f"({left} {op} {right})"
 
@@ -298,17 +482,25 @@ class _Emitter:
             c, a, b = args
             if node.type is Type.FLOAT:
                 return f"({self(c)} ? {self.flt(a)} : {self.flt(b)})"
+            if node.type is Type.INT:
+                a_text, b_text = self.ints(node, a, b)
+                return f"({self(c)} ? {a_text} : {b_text})"
             return f"({self(c)} ? {self(a)} : {self(b)})"
+        w = "32" if self.is32(node) else ""
         if f in ("min", "max"):
             a, b = args
             if node.type is Type.INT:
-                return f"fg_i{f}({self(a)}, {self(b)})"
+                return f"fg_i{f}{w}({', '.join(self.ints(node, a, b))})"
             return f"f{f}f({self.flt(a)}, {self.flt(b)})"
         (x,) = args
         if f == "abs":
-            return f"fg_iabs({self(x)})" if x.type is Type.INT else f"fabsf({self(x)})"
+            if x.type is Type.INT:
+                return f"fg_iabs{w}({self.ints(node, x)[0]})"
+            return f"fabsf({self(x)})"
         if f == "floor":
-            return self(x) if x.type is Type.INT else f"fg_floor_int({self(x)})"
+            if x.type is Type.INT:
+                return self.ints(node, x)[0]
+            return f"fg_floor_int{w}({self(x)})"
         return f"fg_{f}({self.flt(x)})"  # exp, log, tanh
 
 
@@ -319,6 +511,8 @@ def emit_cpp(
     params: str = "p",
     access: Mapping[ParamKind | str, str] | None = None,
     float_positions: Mapping[str, str] | None = None,
+    int32_bounds: Mapping[str | ParamKind, tuple[int, int]] | None = None,
+    table_int32_access: str | None = None,
 ) -> str:
     """The C++ expression of `tree` (module doc), fully parenthesised.
 
@@ -326,7 +520,13 @@ def emit_cpp(
     'kj', 'h': 'head'}`); `params` is the C++ name of the parameter object; `access` overrides
     `DEFAULT_ACCESS` for some kinds (keys `ParamKind` or their YAML spelling);
     `float_positions` maps "i", "j" and "i-j" to float C++ text of those values (module doc),
-    None for exact int arithmetic everywhere."""
+    None for exact int arithmetic everywhere.
+
+    `int32_bounds` gives what the caller guarantees of the ints (an inclusive (lo, hi) per
+    variable and per int parameter kind, see `int32_nodes`): the int subexpressions proven to
+    stay in int32 are then evaluated in int32 (module doc), all in int64 for None.
+    `table_int32_access` reads a table at an int32 column `{k}` (default: the table's
+    `access` with the column widened)."""
     if float_positions is not None:
         missing = [k for k in FLOAT_POSITION_KEYS if not float_positions.get(k)]
         if missing:
@@ -338,4 +538,5 @@ def emit_cpp(
     table = dict(DEFAULT_ACCESS)
     for kind, template in (access or {}).items():
         table[ParamKind(kind)] = template
-    return _Emitter(names, params, table, float_positions)(tree)
+    narrow, ivs = int32_nodes(tree, int32_bounds) if int32_bounds is not None else (set(), {})
+    return _Emitter(names, params, table, float_positions, narrow, ivs, table_int32_access)(tree)

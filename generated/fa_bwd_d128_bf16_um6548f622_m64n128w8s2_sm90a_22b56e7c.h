@@ -31,17 +31,17 @@
 // allow_spills: false
 //
 // C ABI of one flashgen backward kernel. Layouts and conventions: docs/conventions.md.
-//   fa_bwd_d128_bf16_um6548f622_m64n128w8s2_sm90a_f8a84404_workspace_bytes: bytes of fp32 workspace the call needs; pass its first
+//   fa_bwd_d128_bf16_um6548f622_m64n128w8s2_sm90a_22b56e7c_workspace_bytes: bytes of fp32 workspace the call needs; pass its first
 //     part as dq_accum and the rest, from byte ceil256(batch*seqlen_q*heads*head_dim*4), as
 //     dsum (or any two 16-byte aligned buffers of those sizes); deterministic builds take a
 //     third part, from byte ceil256(...) + ceil256(batch*seqlen_q*heads*4), as dq_sem.
-//   fa_bwd_d128_bf16_um6548f622_m64n128w8s2_sm90a_f8a84404_launch: checks the parameters (cudaErrorInvalidValue when they are unusable:
-//     call fa_bwd_d128_bf16_um6548f622_m64n128w8s2_sm90a_f8a84404_check for the reason), then on `stream` zeroes dq_accum and runs the
+//   fa_bwd_d128_bf16_um6548f622_m64n128w8s2_sm90a_22b56e7c_launch: checks the parameters (cudaErrorInvalidValue when they are unusable:
+//     call fa_bwd_d128_bf16_um6548f622_m64n128w8s2_sm90a_22b56e7c_check for the reason), then on `stream` zeroes dq_accum and runs the
 //     preprocess (D = rowsum(dO * O)), the main kernel and the dQ conversion.
 //   Tile: block_m=64, block_n=128, 384 threads,
 //     165888 bytes of dynamic shared memory, built for sm_90.
-#ifndef FA_BWD_D128_BF16_UM6548F622_M64N128W8S2_SM90A_F8A84404_H
-#define FA_BWD_D128_BF16_UM6548F622_M64N128W8S2_SM90A_F8A84404_H
+#ifndef FA_BWD_D128_BF16_UM6548F622_M64N128W8S2_SM90A_22B56E7C_H
+#define FA_BWD_D128_BF16_UM6548F622_M64N128W8S2_SM90A_22B56E7C_H
 
 #include <stddef.h>
 
@@ -54,11 +54,11 @@ extern "C" {
 #endif
 
 /* NULL when the parameters are acceptable, else a message naming what is wrong. */
-const char* fa_bwd_d128_bf16_um6548f622_m64n128w8s2_sm90a_f8a84404_check(const fg_bwd_params* params);
-size_t fa_bwd_d128_bf16_um6548f622_m64n128w8s2_sm90a_f8a84404_workspace_bytes(const fg_bwd_params* params);
-cudaError_t fa_bwd_d128_bf16_um6548f622_m64n128w8s2_sm90a_f8a84404_launch(const fg_bwd_params* params, cudaStream_t stream);
+const char* fa_bwd_d128_bf16_um6548f622_m64n128w8s2_sm90a_22b56e7c_check(const fg_bwd_params* params);
+size_t fa_bwd_d128_bf16_um6548f622_m64n128w8s2_sm90a_22b56e7c_workspace_bytes(const fg_bwd_params* params);
+cudaError_t fa_bwd_d128_bf16_um6548f622_m64n128w8s2_sm90a_22b56e7c_launch(const fg_bwd_params* params, cudaStream_t stream);
 
 #ifdef __cplusplus
 }
 #endif
-#endif /* FA_BWD_D128_BF16_UM6548F622_M64N128W8S2_SM90A_F8A84404_H */
+#endif /* FA_BWD_D128_BF16_UM6548F622_M64N128W8S2_SM90A_22B56E7C_H */

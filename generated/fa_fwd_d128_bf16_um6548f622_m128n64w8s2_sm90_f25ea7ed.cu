@@ -34,7 +34,7 @@
 // stages K/V tiles in flight, LSE natural log, empty rows give O = 0 and LSE = -inf.
 #include <cuda_runtime.h>
 
-#include "fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_a954d650.h"
+#include "fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_f25ea7ed.h"
 #include "include/flashgen/fwd_kernel.cuh"
 #include "include/flashgen/host.h"
 #include "include/flashgen/launch.cuh"
@@ -58,22 +58,40 @@ struct Spec {
   // (generator/usermod; s = scale * q.k, i and j 0-based in the sequence: docs/usermod.md)
   struct UserScore {
     static constexpr bool kOn = true, kHasGrad = false;
+    // int32 helpers (generator/usermod/emit.py: int32 arithmetic)
+    static FG_USERMOD_FN int32_t fg_imin32(int32_t a, int32_t b) { return a < b ? a : b; }
+    static FG_USERMOD_FN int32_t fg_iabs32(int32_t a) { return a < 0 ? -a : a; }
+    static FG_USERMOD_FN int32_t fg_floor_int32(float x) {
+      if (!(x == x)) return 0;
+      const float f = floorf(x);
+      if (f >= 2147483648.0f) return INT32_MAX;
+      if (f < -2147483648.0f) return INT32_MIN;
+      return static_cast<int32_t>(f);
+    }
+    static FG_USERMOD_FN int32_t fg_clamp_last32(int32_t k, int32_t last) {
+      return k < 0 ? 0 : (k > last ? last : k);
+    }
+    static FG_USERMOD_FN int32_t fg_last32(int64_t n) {
+      return static_cast<int32_t>(n - 1 < INT32_MAX ? n - 1 : INT32_MAX);
+    }
     struct Vals {
       int64_t b, h;
       const float* v_bias;  // row h of the (heads, n_bias) table bias
       int64_t n_bias;
+      int32_t l_bias;  // its last column, at most 2^31 - 1
     };
     static __device__ __forceinline__ void load(const fg_score_params& sp, int64_t b,
                                                 int64_t h, Vals& v) {
       v.b = b;
       v.h = h;
       v.n_bias = sp.user_i0;
+      v.l_bias = fg_last32(v.n_bias);
       v.v_bias = static_cast<const float*>(sp.user_ptr0) + h * v.n_bias;
     }
     static __device__ __forceinline__ float value(float s, const Vals& p,
                                                   const fg::ScorePos& q) {
       (void)s, (void)p, (void)q;
-      return (static_cast<float>(s) + static_cast<float>(__ldg(p.v_bias + fg_clamp_index((((static_cast<int64_t>(q.j) > static_cast<int64_t>(q.i)) ? 16ll : 0ll) + ((fg_iabs((static_cast<int64_t>(q.j) - static_cast<int64_t>(q.i))) < 8ll) ? fg_iabs((static_cast<int64_t>(q.j) - static_cast<int64_t>(q.i))) : fg_imin((8ll + fg_floor_int(((fg_log((fabsf((-q.fij)) / static_cast<float>(8ll))) * 2.88539004f) + 0.00100000005f))), 15ll))), p.n_bias))));
+      return (static_cast<float>(s) + static_cast<float>(__ldg(p.v_bias + fg_clamp_last32((((static_cast<int32_t>(q.j) > static_cast<int32_t>(q.i)) ? 16 : 0) + ((fg_iabs32((static_cast<int32_t>(q.j) - static_cast<int32_t>(q.i))) < 8) ? fg_iabs32((static_cast<int32_t>(q.j) - static_cast<int32_t>(q.i))) : fg_imin32((8 + fg_floor_int32(((fg_log((fabsf((-q.fij)) / static_cast<float>(8))) * 2.88539004f) + 0.00100000005f))), 15))), p.l_bias))));
     }
     // the launch check of the parameter slots (fg_score_params.user_*)
     static const char* check(const fg_score_params& sp) {
@@ -101,11 +119,11 @@ static_assert(Cfg::kSmemBytes == 104448, "generator and kernel disagree on smem"
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(256, 1)
-fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_a954d650_kernel(const __grid_constant__ fg_fwd_params params) {
+fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_f25ea7ed_kernel(const __grid_constant__ fg_fwd_params params) {
   fg::fwd_kernel_body<Cfg>(params);
 }
 
-extern "C" const char* fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_a954d650_check(const fg_fwd_params* params) {
+extern "C" const char* fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_f25ea7ed_check(const fg_fwd_params* params) {
   if (!params) return "params must be non-null";
   if (const char* msg = fg::check_fwd_params<Cfg>(*params)) return msg;
   if (params->head_dim != 128 || params->head_dim_v != 128)
@@ -114,13 +132,13 @@ extern "C" const char* fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_a954d650_che
   return nullptr;
 }
 
-extern "C" cudaError_t fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_a954d650_launch(const fg_fwd_params* params, cudaStream_t stream) {
-  if (fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_a954d650_check(params) != nullptr) return cudaErrorInvalidValue;
+extern "C" cudaError_t fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_f25ea7ed_launch(const fg_fwd_params* params, cudaStream_t stream) {
+  if (fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_f25ea7ed_check(params) != nullptr) return cudaErrorInvalidValue;
   const int64_t grid = fg::fwd_grid<Cfg>(*params);
   if (grid == 0) return cudaSuccess;  // nothing to compute
   static std::atomic<unsigned long long> smem_opted_in{0};  // per device, see host.h
-  const cudaError_t err = fg::opt_in_smem(fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_a954d650_kernel, Cfg::kSmemBytes, smem_opted_in);
+  const cudaError_t err = fg::opt_in_smem(fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_f25ea7ed_kernel, Cfg::kSmemBytes, smem_opted_in);
   if (err != cudaSuccess) return err;
-  fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_a954d650_kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(*params);
+  fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_f25ea7ed_kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(*params);
   return cudaGetLastError();
 }

@@ -33,7 +33,7 @@
 // query-side buffers in flight; LSE natural log (the forward's); dq_accum/dsum fp32 workspace.
 #include <cuda_runtime.h>
 
-#include "fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_f36c05db.h"
+#include "fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_611a9bdd.h"
 #include "include/flashgen/bwd_kernel.cuh"
 #include "include/flashgen/bwd_launch.cuh"
 #include "include/flashgen/host.h"
@@ -57,22 +57,33 @@ struct Spec {
   // (generator/usermod; s = scale * q.k, i and j 0-based in the sequence: docs/usermod.md)
   struct UserScore {
     static constexpr bool kOn = true, kHasGrad = false;
+    // int32 helpers (generator/usermod/emit.py: int32 arithmetic)
+    static FG_USERMOD_FN int32_t fg_imin32(int32_t a, int32_t b) { return a < b ? a : b; }
+    static FG_USERMOD_FN int32_t fg_iabs32(int32_t a) { return a < 0 ? -a : a; }
+    static FG_USERMOD_FN int32_t fg_clamp_last32(int32_t k, int32_t last) {
+      return k < 0 ? 0 : (k > last ? last : k);
+    }
+    static FG_USERMOD_FN int32_t fg_last32(int64_t n) {
+      return static_cast<int32_t>(n - 1 < INT32_MAX ? n - 1 : INT32_MAX);
+    }
     struct Vals {
       int64_t b, h;
       const float* v_bias;  // row h of the (heads, n_bias) table bias
       int64_t n_bias;
+      int32_t l_bias;  // its last column, at most 2^31 - 1
     };
     static __device__ __forceinline__ void load(const fg_score_params& sp, int64_t b,
                                                 int64_t h, Vals& v) {
       v.b = b;
       v.h = h;
       v.n_bias = sp.user_i0;
+      v.l_bias = fg_last32(v.n_bias);
       v.v_bias = static_cast<const float*>(sp.user_ptr0) + h * v.n_bias;
     }
     static __device__ __forceinline__ float value(float s, const Vals& p,
                                                   const fg::ScorePos& q) {
       (void)s, (void)p, (void)q;
-      return (static_cast<float>(s) + static_cast<float>(__ldg(p.v_bias + fg_clamp_index(fg_imin(fg_floordiv(fg_iabs((static_cast<int64_t>(q.i) - static_cast<int64_t>(q.j))), 8ll), 31ll), p.n_bias))));
+      return (static_cast<float>(s) + static_cast<float>(__ldg(p.v_bias + fg_clamp_last32(fg_imin32((fg_iabs32((static_cast<int32_t>(q.i) - static_cast<int32_t>(q.j))) / 8), 31), p.l_bias))));
     }
     // the launch check of the parameter slots (fg_score_params.user_*)
     static const char* check(const fg_score_params& sp) {
@@ -105,21 +116,21 @@ static_assert(Cfg::kSmemBytes == 74752, "generator and kernel disagree on smem")
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(256, 1)
-fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_f36c05db_kernel(const __grid_constant__ fg_bwd_params params) {
+fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_611a9bdd_kernel(const __grid_constant__ fg_bwd_params params) {
   fg::bwd_kernel_body<Cfg>(params);
 }
 
 extern "C" __global__ void __launch_bounds__(fg::kRowWarps * 32)
-fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_f36c05db_preprocess(const __grid_constant__ fg_bwd_params params) {
+fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_611a9bdd_preprocess(const __grid_constant__ fg_bwd_params params) {
   fg::bwd_preprocess_body<Cfg>(params);
 }
 
 extern "C" __global__ void __launch_bounds__(fg::kRowWarps * 32)
-fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_f36c05db_convert_dq(const __grid_constant__ fg_bwd_params params) {
+fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_611a9bdd_convert_dq(const __grid_constant__ fg_bwd_params params) {
   fg::bwd_convert_body<Cfg>(params);
 }
 
-extern "C" const char* fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_f36c05db_check(const fg_bwd_params* params) {
+extern "C" const char* fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_611a9bdd_check(const fg_bwd_params* params) {
   if (!params) return "params must be non-null";
   if (const char* msg = fg::check_bwd_params<Cfg>(*params)) return msg;
   if (params->head_dim != 64 || params->head_dim_v != 64)
@@ -128,13 +139,13 @@ extern "C" const char* fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_f36c05db_check
   return nullptr;
 }
 
-extern "C" size_t fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_f36c05db_workspace_bytes(const fg_bwd_params* params) {
+extern "C" size_t fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_611a9bdd_workspace_bytes(const fg_bwd_params* params) {
   if (!params || params->batch < 0 || params->seqlen_q < 0 || params->heads < 0) return 0;
   return static_cast<size_t>(fg::bwd_workspace_bytes<Cfg>(*params));
 }
 
-extern "C" cudaError_t fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_f36c05db_launch(const fg_bwd_params* params, cudaStream_t stream) {
-  if (fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_f36c05db_check(params) != nullptr) return cudaErrorInvalidValue;
+extern "C" cudaError_t fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_611a9bdd_launch(const fg_bwd_params* params, cudaStream_t stream) {
+  if (fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_611a9bdd_check(params) != nullptr) return cudaErrorInvalidValue;
   const fg_bwd_params& p = *params;
   // Exactly the bytes the kernels use (the workspace's 256-byte padding stays untouched).
   cudaError_t err = cudaMemsetAsync(p.dq_accum, 0, fg::bwd_dq_accum_used<Cfg>(p), stream);
@@ -143,19 +154,19 @@ extern "C" cudaError_t fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_f36c05db_launc
   if (err != cudaSuccess) return err;
   const int64_t rows = fg::bwd_row_grid<Cfg>(p);
   if (rows > 0) {
-    fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_f36c05db_preprocess<<<static_cast<unsigned>(rows), fg::kRowWarps * 32, 0, stream>>>(p);
+    fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_611a9bdd_preprocess<<<static_cast<unsigned>(rows), fg::kRowWarps * 32, 0, stream>>>(p);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   const int64_t grid = fg::bwd_grid<Cfg>(p);
   if (grid > 0) {
     static std::atomic<unsigned long long> smem_opted_in{0};  // per device, see host.h
-    if ((err = fg::opt_in_smem(fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_f36c05db_kernel, Cfg::kSmemBytes, smem_opted_in)) != cudaSuccess)
+    if ((err = fg::opt_in_smem(fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_611a9bdd_kernel, Cfg::kSmemBytes, smem_opted_in)) != cudaSuccess)
       return err;
-    fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_f36c05db_kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+    fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_611a9bdd_kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (rows > 0) {
-    fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_f36c05db_convert_dq<<<static_cast<unsigned>(rows), fg::kRowWarps * 32, 0, stream>>>(p);
+    fa_bwd_d64_bf16_um30387fa8_m64n64w8s2_sm90_611a9bdd_convert_dq<<<static_cast<unsigned>(rows), fg::kRowWarps * 32, 0, stream>>>(p);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   return cudaSuccess;

@@ -16,8 +16,7 @@
 // softcap: false
 // alibi: false
 // sink: false
-// score_mod: s + bias[h, where(j > i, 16, 0) + where(abs(j - i) < 8, abs(j - i), min(8
-//   + floor(log(abs(j - i) / 8) * 2.8853900817779268 + 0.001), 15))]
+// score_mod: s + bias[h, min(abs(i - j) // 8, 31)]
 // params:
 //   bias: table
 // instrument_io: false
@@ -31,12 +30,12 @@
 // allow_spills: false
 //
 // C ABI of one flashgen forward kernel. Layouts and conventions: docs/conventions.md.
-//   fa_fwd_d128_bf16_um6548f622_m128n128w8s3_sm90a_41ebf96c_launch: checks the parameters (cudaErrorInvalidValue when they are unusable:
-//     call fa_fwd_d128_bf16_um6548f622_m128n128w8s3_sm90a_41ebf96c_check for the reason), then launches on `stream`.
+//   fa_fwd_d128_bf16_um30387fa8_m128n128w8s3_sm90a_8a73b7c2_launch: checks the parameters (cudaErrorInvalidValue when they are unusable:
+//     call fa_fwd_d128_bf16_um30387fa8_m128n128w8s3_sm90a_8a73b7c2_check for the reason), then launches on `stream`.
 //   Tile: block_m=128, block_n=128, 384 threads,
 //     230400 bytes of dynamic shared memory, built for sm_90.
-#ifndef FA_FWD_D128_BF16_UM6548F622_M128N128W8S3_SM90A_41EBF96C_H
-#define FA_FWD_D128_BF16_UM6548F622_M128N128W8S3_SM90A_41EBF96C_H
+#ifndef FA_FWD_D128_BF16_UM30387FA8_M128N128W8S3_SM90A_8A73B7C2_H
+#define FA_FWD_D128_BF16_UM30387FA8_M128N128W8S3_SM90A_8A73B7C2_H
 
 #include <cuda_runtime.h>
 
@@ -47,10 +46,10 @@ extern "C" {
 #endif
 
 /* NULL when the parameters are acceptable, else a message naming what is wrong. */
-const char* fa_fwd_d128_bf16_um6548f622_m128n128w8s3_sm90a_41ebf96c_check(const fg_fwd_params* params);
-cudaError_t fa_fwd_d128_bf16_um6548f622_m128n128w8s3_sm90a_41ebf96c_launch(const fg_fwd_params* params, cudaStream_t stream);
+const char* fa_fwd_d128_bf16_um30387fa8_m128n128w8s3_sm90a_8a73b7c2_check(const fg_fwd_params* params);
+cudaError_t fa_fwd_d128_bf16_um30387fa8_m128n128w8s3_sm90a_8a73b7c2_launch(const fg_fwd_params* params, cudaStream_t stream);
 
 #ifdef __cplusplus
 }
 #endif
-#endif /* FA_FWD_D128_BF16_UM6548F622_M128N128W8S3_SM90A_41EBF96C_H */
+#endif /* FA_FWD_D128_BF16_UM30387FA8_M128N128W8S3_SM90A_8A73B7C2_H */

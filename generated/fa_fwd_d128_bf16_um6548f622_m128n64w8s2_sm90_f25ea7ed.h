@@ -31,12 +31,12 @@
 // allow_spills: false
 //
 // C ABI of one flashgen forward kernel. Layouts and conventions: docs/conventions.md.
-//   fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_a954d650_launch: checks the parameters (cudaErrorInvalidValue when they are unusable:
-//     call fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_a954d650_check for the reason), then launches on `stream`.
+//   fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_f25ea7ed_launch: checks the parameters (cudaErrorInvalidValue when they are unusable:
+//     call fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_f25ea7ed_check for the reason), then launches on `stream`.
 //   Tile: block_m=128, block_n=64, 256 threads,
 //     104448 bytes of dynamic shared memory, built for sm_90.
-#ifndef FA_FWD_D128_BF16_UM6548F622_M128N64W8S2_SM90_A954D650_H
-#define FA_FWD_D128_BF16_UM6548F622_M128N64W8S2_SM90_A954D650_H
+#ifndef FA_FWD_D128_BF16_UM6548F622_M128N64W8S2_SM90_F25EA7ED_H
+#define FA_FWD_D128_BF16_UM6548F622_M128N64W8S2_SM90_F25EA7ED_H
 
 #include <cuda_runtime.h>
 
@@ -47,10 +47,10 @@ extern "C" {
 #endif
 
 /* NULL when the parameters are acceptable, else a message naming what is wrong. */
-const char* fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_a954d650_check(const fg_fwd_params* params);
-cudaError_t fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_a954d650_launch(const fg_fwd_params* params, cudaStream_t stream);
+const char* fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_f25ea7ed_check(const fg_fwd_params* params);
+cudaError_t fa_fwd_d128_bf16_um6548f622_m128n64w8s2_sm90_f25ea7ed_launch(const fg_fwd_params* params, cudaStream_t stream);
 
 #ifdef __cplusplus
 }
 #endif
-#endif /* FA_FWD_D128_BF16_UM6548F622_M128N64W8S2_SM90_A954D650_H */
+#endif /* FA_FWD_D128_BF16_UM6548F622_M128N64W8S2_SM90_F25EA7ED_H */

@@ -36,7 +36,7 @@
 
 #include <cuda_runtime.h>
 
-#include "fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_eec5c010.h"
+#include "fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_1be9acb4.h"
 #include "include/flashgen/decode_kernel.cuh"
 #include "include/flashgen/decode_launch.cuh"
 
@@ -59,16 +59,22 @@ struct Spec {
   // (generator/usermod; s = scale * q.k, i and j 0-based in the sequence: docs/usermod.md)
   struct UserScore {
     static constexpr bool kOn = true, kHasGrad = false;
+    // int32 helpers (generator/usermod/emit.py: int32 arithmetic)
+    static FG_USERMOD_FN int32_t fg_last32(int64_t n) {
+      return static_cast<int32_t>(n - 1 < INT32_MAX ? n - 1 : INT32_MAX);
+    }
     struct Vals {
       int64_t b, h;
       const float* v_bias;  // row h of the (heads, n_bias) table bias
       int64_t n_bias;
+      int32_t l_bias;  // its last column, at most 2^31 - 1
     };
     static __device__ __forceinline__ void load(const fg_score_params& sp, int64_t b,
                                                 int64_t h, Vals& v) {
       v.b = b;
       v.h = h;
       v.n_bias = sp.user_i0;
+      v.l_bias = fg_last32(v.n_bias);
       v.v_bias = static_cast<const float*>(sp.user_ptr0) + h * v.n_bias;
     }
     static __device__ __forceinline__ float value(float s, const Vals& p,
@@ -105,17 +111,17 @@ constexpr int64_t kReferenceSms = 132;  // when no device answers
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(128, 1)
-fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_eec5c010_kernel(const __grid_constant__ fg_decode_params params) {
+fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_1be9acb4_kernel(const __grid_constant__ fg_decode_params params) {
   fg::decode_kernel_body<Cfg>(params);
 }
 
 extern "C" __global__ void __launch_bounds__(fg::kCombineThreads)
-fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_eec5c010_combine(const __grid_constant__ fg_decode_params params) {
+fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_1be9acb4_combine(const __grid_constant__ fg_decode_params params) {
   fg::decode_combine_body<Cfg, float>(params);
 }
 
 extern "C" __global__ void __launch_bounds__(fg::kCombineThreads)
-fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_eec5c010_combine_elem(const __grid_constant__ fg_decode_params params) {
+fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_1be9acb4_combine_elem(const __grid_constant__ fg_decode_params params) {
   fg::decode_combine_body<Cfg, Cfg::Elem>(params);
 }
 
@@ -127,7 +133,7 @@ cudaError_t opt_in_smem(int device) {
   const unsigned long long bit = device < 64 ? 1ull << device : 0ull;
   if (bit && (done.load() & bit)) return cudaSuccess;
   const cudaError_t err = cudaFuncSetAttribute(
-      fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_eec5c010_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+      fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_1be9acb4_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err == cudaSuccess && bit) done.fetch_or(bit);
   return err;
 }
@@ -152,7 +158,7 @@ void device_slots(int64_t& sms, int64_t& slots) {
     }
   }
   if (opt_in_smem(device) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_eec5c010_kernel, Cfg::kThreads,
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_1be9acb4_kernel, Cfg::kThreads,
                                                     Cfg::kSmemBytes) != cudaSuccess) {
     (void)cudaGetLastError();
     per_sm = 1;
@@ -170,21 +176,21 @@ int64_t resolved_splits(const fg_decode_params& p) {
 }
 }  // namespace
 
-extern "C" int64_t fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_eec5c010_num_splits(const fg_decode_params* params) {
+extern "C" int64_t fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_1be9acb4_num_splits(const fg_decode_params* params) {
   if (!params || params->batch < 0 || params->heads < 1 || params->kv_heads < 1 ||
       params->seqlen_q < 0 || params->num_splits < 0)
     return 0;
   return resolved_splits(*params);
 }
 
-extern "C" size_t fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_eec5c010_workspace_bytes(const fg_decode_params* params) {
+extern "C" size_t fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_1be9acb4_workspace_bytes(const fg_decode_params* params) {
   if (!params || params->batch < 0 || params->heads < 1 || params->kv_heads < 1 ||
       params->seqlen_q < 0 || params->num_splits < 0)
     return 0;
   return static_cast<size_t>(fg::decode_workspace_bytes<Cfg>(*params, resolved_splits(*params)));
 }
 
-extern "C" const char* fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_eec5c010_check(const fg_decode_params* params) {
+extern "C" const char* fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_1be9acb4_check(const fg_decode_params* params) {
   if (!params) return "params must be non-null";
   if (params->num_splits < 0 || params->num_splits > fg::kDecodeMaxSplits)
     return "num_splits must be 0 (the heuristic) or 1..128";
@@ -197,7 +203,7 @@ extern "C" const char* fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_eec5
   return nullptr;
 }
 
-extern "C" const char* fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_eec5c010_merge_check(const fg_decode_params* params) {
+extern "C" const char* fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_1be9acb4_merge_check(const fg_decode_params* params) {
   if (!params) return "params must be non-null";
   if (const char* msg = fg::check_merge_params<Cfg>(*params)) return msg;
   if (params->head_dim != 128 || params->head_dim_v != 128)
@@ -227,19 +233,19 @@ cudaError_t launch_combine(const fg_decode_params& p, cudaStream_t stream, bool 
   config.stream = stream;
   config.attrs = attr;
   config.numAttrs = kDependentCombine && after_split ? 1 : 0;
-  return p.parts_dtype == 0 ? cudaLaunchKernelEx(&config, fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_eec5c010_combine, p)
-                            : cudaLaunchKernelEx(&config, fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_eec5c010_combine_elem, p);
+  return p.parts_dtype == 0 ? cudaLaunchKernelEx(&config, fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_1be9acb4_combine, p)
+                            : cudaLaunchKernelEx(&config, fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_1be9acb4_combine_elem, p);
 }
 }  // namespace
 
-extern "C" cudaError_t fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_eec5c010_merge_states(const fg_decode_params* params,
+extern "C" cudaError_t fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_1be9acb4_merge_states(const fg_decode_params* params,
                                                cudaStream_t stream) {
-  if (fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_eec5c010_merge_check(params) != nullptr) return cudaErrorInvalidValue;
+  if (fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_1be9acb4_merge_check(params) != nullptr) return cudaErrorInvalidValue;
   return launch_combine(*params, stream, false);
 }
 
-extern "C" cudaError_t fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_eec5c010_launch(const fg_decode_params* params, cudaStream_t stream) {
-  if (fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_eec5c010_check(params) != nullptr) return cudaErrorInvalidValue;
+extern "C" cudaError_t fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_1be9acb4_launch(const fg_decode_params* params, cudaStream_t stream) {
+  if (fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_1be9acb4_check(params) != nullptr) return cudaErrorInvalidValue;
   const int64_t splits = resolved_splits(*params);
   fg_decode_params p = *params;
   p.num_splits = splits;
@@ -250,7 +256,7 @@ extern "C" cudaError_t fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_eec5
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = opt_in_smem(device);
   if (err != cudaSuccess) return err;
-  fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_eec5c010_kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  fa_dec_d128_bf16_causalbr_uma2ed6751_m16n64w4s3_sm90_1be9acb4_kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   return splits > 1 ? launch_combine(p, stream, true) : cudaSuccess;
 }
