@@ -37,6 +37,8 @@ from flashgen.generator.usermod import (
 __all__ = [
     "Causal",
     "Dtype",
+    "ELEMENTS",
+    "Element",
     "KernelKind",
     "KvDtype",
     "KernelSpec",
@@ -156,71 +158,114 @@ class KernelKind(_Spelled):
         return self.value.short
 
 
-class _DtypeRow(NamedTuple):
-    yaml: str
+class Element(NamedTuple):
+    """One element type a kernel's operands can have: a row of `ELEMENTS`."""
+
+    ptx: str  # its PTX type, the key of `ELEMENTS` and of the wgmma table (generator.wgmma)
     cpp: str
     nbytes: int
-    numpy_name: str
+    array_name: str  # numpy.<name> (ml_dtypes for bfloat16) and torch.<name>: the same spelling
+    mma_k: int  # the reduction depth of one tensor-core MMA: 32 bytes of it
+    rounding: str  # how a float32 becomes one (PTX cvt modifiers): nearest, ties to even
+    min_cc: int  # the first compute capability whose MMA (16-bit) or conversions (FP8) it needs
 
 
-class Dtype(_Spelled):
-    FP16 = _DtypeRow("fp16", "__half", 2, "float16")
-    BF16 = _DtypeRow("bf16", "__nv_bfloat16", 2, "bfloat16")
-
-    @property
-    def short(self) -> str:
-        return self.value.yaml
-
-    @property
-    def cpp(self) -> str:
-        return self.value.cpp
-
-    @property
-    def nbytes(self) -> int:
-        return self.value.nbytes
-
-    @property
-    def numpy_name(self) -> str:
-        return self.value.numpy_name
+# The one table of element types. e4m3: FP8 (OCP E4M3, torch.float8_e4m3fn, max 448, NaN but
+# no inf); PTX converts a float32 to it only saturating (cvt.rn.satfinite), and has its
+# conversions from sm_89 (its wgmma is sm_90a's).
+ELEMENTS: dict[str, Element] = {
+    e.ptx: e
+    for e in (
+        Element("f16", "__half", 2, "float16", 16, "rn", 80),
+        Element("bf16", "__nv_bfloat16", 2, "bfloat16", 16, "rn", 80),
+        Element("e4m3", "__nv_fp8_e4m3", 1, "float8_e4m3fn", 32, "rn.satfinite", 89),
+    )
+}
 
 
-class _KvDtypeRow(NamedTuple):
+class _OperandsRow(NamedTuple):
+    """A dtype spelling and the element types of the operands it decides."""
+
     yaml: str
     short: str  # kernel-name part
+    k: Element  # of K (and Q: a `Dtype`)
+    v: Element
+    out: Element | None  # of the output; None: the q dtype's (a `KvDtype`)
+
+
+def _forwarded(*names: str, **renamed: str) -> Callable[[type], type]:
+    """Class decorator: read-only properties forwarding to the class's `element` (its K
+    element), `names` under the element's own field names, `renamed` as attr=field."""
+
+    def prop(fieldname: str) -> property:
+        return property(lambda self: getattr(self.element, fieldname))
+
+    def deco(cls: type) -> type:
+        for attr, fieldname in {**{n: n for n in names}, **renamed}.items():
+            setattr(cls, attr, prop(fieldname))
+        return cls
+
+    return deco
+
+
+@_forwarded(
+    "cpp", "nbytes", "mma_k", "rounding", "min_cc", numpy_name="array_name", torch_name="array_name"
+)
+class _OperandsView(_Spelled):
+    """Base of the dtype enums: a member is a view of its `_OperandsRow` and of the element
+    rows it names; `cpp`, `nbytes`, `mma_k`, `rounding`, `min_cc`, `numpy_name` and
+    `torch_name` are its K element's."""
+
     cpp: str
     nbytes: int
-    torch_name: str  # torch.<name>, the element type callers pass
-    min_cc: int  # the first compute capability with its conversion instructions
-
-
-class KvDtype(_Spelled):
-    """The element type of a decode kernel's K/V cache when it is not the q dtype
-    (`kv_dtype`; absent: K/V have the q dtype). e4m3: FP8 (OCP E4M3, torch.float8_e4m3fn,
-    max 448, NaN but no inf), dequantised as `k_descale * K` and `v_descale * V` with fp32
-    descales (docs/decode.md, "FP8 KV caches"). Converted to the q dtype on chip with
-    `cvt.rn.f16x2.e4m3x2`, which PTX has from sm_89."""
-
-    E4M3 = _KvDtypeRow("e4m3", "kve4m3", "__nv_fp8_e4m3", 1, "float8_e4m3fn", 89)
+    mma_k: int
+    rounding: str
+    min_cc: int
+    numpy_name: str
+    torch_name: str
 
     @property
     def short(self) -> str:
         return self.value.short
 
     @property
-    def cpp(self) -> str:
-        return self.value.cpp
+    def element(self) -> Element:
+        return self.value.k
 
     @property
-    def nbytes(self) -> int:
-        return self.value.nbytes
+    def k_element(self) -> Element:
+        return self.value.k
 
     @property
-    def torch_name(self) -> str:
-        return self.value.torch_name
+    def v_element(self) -> Element:
+        return self.value.v
 
     @property
-    def min_cc(self) -> int:
-        return self.value.min_cc
+    def out_element(self) -> Element | None:
+        return self.value.out
+
+
+def _same(yaml: str, ptx: str) -> _OperandsRow:
+    """A dtype whose Q, K, V and output all have one element type."""
+    e = ELEMENTS[ptx]
+    return _OperandsRow(yaml, yaml, e, e, e)
+
+
+class Dtype(_OperandsView):
+    """The element type of Q, K, V and the output (`dtype`)."""
+
+    FP16 = _same("fp16", "f16")
+    BF16 = _same("bf16", "bf16")
+
+
+class KvDtype(_OperandsView):
+    """The element type of a decode kernel's K/V cache when it is not the q dtype
+    (`kv_dtype`; absent: K/V have the q dtype). e4m3: FP8 (`ELEMENTS["e4m3"]`), dequantised
+    as `k_descale * K` and `v_descale * V` with fp32 descales (docs/decode.md, "FP8 KV
+    caches"). Converted to the q dtype on chip with `cvt.rn.f16x2.e4m3x2`, which PTX has from
+    sm_89 (`min_cc`)."""
+
+    E4M3 = _OperandsRow("e4m3", "kve4m3", ELEMENTS["e4m3"], ELEMENTS["e4m3"], None)
 
 
 class _CausalRow(NamedTuple):

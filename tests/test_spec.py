@@ -11,10 +11,12 @@ from flashgen.generator.families.forward import HEAD_DIMS, tile_problems
 from flashgen.generator.load import load_paths, load_spec_file, load_spec_text
 from flashgen.generator.naming import kernel_name
 from flashgen.generator.spec import (
+    ELEMENTS,
     Causal,
     Dtype,
     KernelKind,
     KernelSpec,
+    KvDtype,
     Mask,
     Sparsity,
     SpecError,
@@ -47,6 +49,29 @@ def test_dtype_table_holds_yaml_cpp_size_and_numpy_spellings():
         ("fp16", "__half", 2, "float16"),
         ("bf16", "__nv_bfloat16", 2, "bfloat16"),
     ]
+
+
+def test_dtypes_are_views_of_the_element_table():
+    assert [(e.ptx, e.cpp, e.nbytes, e.mma_k, e.rounding, e.min_cc) for e in ELEMENTS.values()] == [
+        ("f16", "__half", 2, 16, "rn", 80),
+        ("bf16", "__nv_bfloat16", 2, 16, "rn", 80),
+        ("e4m3", "__nv_fp8_e4m3", 1, 32, "rn.satfinite", 89),
+    ]
+    for e in ELEMENTS.values():
+        assert e.mma_k * e.nbytes == 32  # one MMA reduces 32 bytes of each row
+    for d in Dtype:
+        assert d.k_element is d.v_element is d.out_element is d.element
+        assert d.short == d.yaml and d.torch_name == d.numpy_name == d.element.array_name
+    (kv,) = KvDtype
+    assert (kv.yaml, kv.short, kv.cpp, kv.nbytes, kv.torch_name, kv.min_cc) == (
+        "e4m3",
+        "kve4m3",
+        "__nv_fp8_e4m3",
+        1,
+        "float8_e4m3fn",
+        89,
+    )
+    assert kv.k_element is kv.v_element is ELEMENTS["e4m3"] and kv.out_element is None
 
 
 def test_causal_table_holds_yaml_short_and_cpp_spellings():
