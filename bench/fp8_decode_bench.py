@@ -86,14 +86,8 @@ def _cache_values(k, v, batch: int, context: int, page: int, perm) -> tuple[dict
     return values, keep + [kk, vv]
 
 
-def main(argv=None) -> int:
-    import torch
-    from flashgen.bench.decode_bench import _time
-    from flashgen.bench.fwd_bench import environment
-    from flashgen.torch.kvcache import _library
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
-
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked before torch is imported (bad values exit with status 2)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="batch 8 and 64, context 16k, d 128")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "fp8_h200.json"))
@@ -104,13 +98,33 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--dims", default="", help="comma-separated head dims (default 128,64)")
     args = ap.parse_args(argv)
-    sweep = [int(x) for x in args.sweep_splits.split(",") if x.strip()]
+    try:
+        sweep = [int(x) for x in args.sweep_splits.split(",") if x.strip()]
+        dims_arg = tuple(int(x) for x in args.dims.split(",") if x.strip())
+    except ValueError as e:
+        ap.error(f"--sweep-splits and --dims take comma-separated integers ({e})")
     if any(x < 1 or x > 128 for x in sweep):
         ap.error(f"--sweep-splits takes split counts 1..128, got {args.sweep_splits!r}")
+    if any(d not in DIMS for d in dims_arg):
+        ap.error(f"--dims takes head dims from {', '.join(map(str, DIMS))}, got {args.dims!r}")
+    args.sweep, args.dim_list = sweep, dims_arg
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    sweep = args.sweep
+    import torch
+    from flashgen.bench.decode_bench import _time
+    from flashgen.bench.fwd_bench import environment
+    from flashgen.torch.kvcache import _library
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
     calls, reps = (3, 3) if args.quick else (20, 7)
     dims = (128,) if args.quick else DIMS
-    if args.dims:
-        dims = tuple(int(x) for x in args.dims.split(","))
+    if args.dim_list:
+        dims = args.dim_list
     batches = (8, 64) if args.quick else BATCHES
     contexts = (16384,) if args.quick else CONTEXTS
     dev = torch.device("cuda")

@@ -545,3 +545,28 @@ def test_the_fp8_bench_launches_the_shipped_fp8_kernels():
             assert (spec.kv_dtype is KvDtype.E4M3) == (kv == "e4m3")
             if kv == "e4m3" or d == 128:  # (bf16 d 64 without a mask compiles on first use)
                 assert kernel_name(spec) in shipped
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--dims", "96"], "--dims takes head dims from 128, 64"),
+        (["--dims", "64,x"], "comma-separated integers"),
+        (["--sweep-splits", "0,2"], "split counts 1..128"),
+        (["--sweep-splits", "129"], "split counts 1..128"),
+    ],
+)
+def test_the_fp8_bench_refuses_bad_options_before_importing_torch(argv, says, capsys):
+    from flashgen.bench.fp8_decode_bench import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_the_fp8_bench_options_parse():
+    from flashgen.bench.fp8_decode_bench import parse_args
+
+    args = parse_args(["--dims", "64", "--sweep-splits", "1, 2,16"])
+    assert args.dim_list == (64,) and args.sweep == [1, 2, 16]
+    assert parse_args([]).dim_list == () and parse_args([]).sweep == []
