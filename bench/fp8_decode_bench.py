@@ -1,6 +1,7 @@
 """FP8-cache decode against the bf16 cache and SDPA's cuDNN on one GPU, in one run (issue 23).
 
-    python -m flashgen.bench.fp8_decode_bench [--quick] [--out FILE]
+    python -m flashgen.bench.fp8_decode_bench [--quick] [--dims 128,64] [--sweep-splits 1,2,4]
+                                              [--out FILE]
 
 Setup: one query per sequence, 32 query heads over 8 KV heads, head dims 128 and 64, batch 8,
 16, 32 and 64, context 16k, 32k and 64k (combinations whose bf16 caches exceed 40% of the
@@ -16,7 +17,9 @@ order). Per shape, on the same q and the same cache values:
 Timing as bench/decode_bench.py: CUDA graphs of 20 calls, median of 7 replays (quick: 3, 3).
 Rows (`bench/results/fp8_h200.json`): `{"kind": "decode", "d", "context", "batch", "heads",
 "kv_heads", "page_size", "kernels": {...}, "num_splits": {...}, "tokens_per_s": {...},
-"gbps": {...}, "ms": {...}}`, each keyed by `flashgen_fp8`, `flashgen_bf16`, `CUDNN`.
+"gbps": {...}, "ms": {...}}`, each keyed by `flashgen_fp8`, `flashgen_bf16`, `CUDNN`; with
+`--sweep-splits`, also `"split_ms": {kernel key: {split count: ms}}`, each flashgen kernel timed
+at each forced split count (how the split heuristic was chosen).
 tokens/s = batch / time (one new token per sequence per call); gbps = the bytes of the
 cache that implementation reads (1 byte per element for FP8, 2 for bf16) / time, so the
 ratio of tokens/s is the speed-up the issue asks for (>= 1.8x) and gbps says how close each
@@ -103,6 +106,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         dims_arg = tuple(int(x) for x in args.dims.split(",") if x.strip())
     except ValueError as e:
         ap.error(f"--sweep-splits and --dims take comma-separated integers ({e})")
+    for opt, given, got in (
+        ("--sweep-splits", args.sweep_splits, sweep),
+        ("--dims", args.dims, dims_arg),
+    ):
+        if given and not got:
+            ap.error(f"{opt} was given no values ({given!r})")
+        if len(set(got)) != len(got):
+            ap.error(f"{opt} repeats a value ({given!r})")
     if any(x < 1 or x > 128 for x in sweep):
         ap.error(f"--sweep-splits takes split counts 1..128, got {args.sweep_splits!r}")
     if any(d not in DIMS for d in dims_arg):

@@ -100,7 +100,7 @@ def test_heuristic_target_never_exceeds_the_slots():
     assert decode.num_splits(8, key_tiles=4096, sms=132, slots=132, ctas_per_sm=2) == 16
 
 
-def test_heuristic_splits_a_grid_of_one_cta_per_sm_when_the_target_is_two():
+def test_heuristic_splits_a_grid_of_one_cta_per_sm_when_the_target_is_every_slot():
     # batch 16 x 8 KV heads = 128 CTAs: 97% of the SMs, but half the slots of a paged kernel
     assert decode.num_splits(128, key_tiles=256, sms=132, slots=264) == 1
     assert decode.num_splits(128, key_tiles=256, sms=132, slots=264, ctas_per_sm=0) == 2
@@ -241,8 +241,9 @@ def test_paged_copies_gather_back_to_the_cache():
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not on PATH")
 def test_heuristic_mirrors_the_launchers_cpp(tmp_path):
-    """generator/families/decode.py:num_splits against fg::decode_num_splits itself (the C++
-    launcher's), compiled for the host, over a grid of call sizes."""
+    """generator/families/decode.py:num_splits and split_ctas_per_sm against
+    fg::decode_num_splits and fg::decode_split_ctas_per_sm themselves (the C++ launcher's),
+    compiled for the host, over a grid of call sizes and the four cache kinds."""
     inc = Path(__file__).resolve().parent.parent / "templates" / "include" / "flashgen"
     grid = [
         (c, t, sms, slots, f)
@@ -251,15 +252,26 @@ def test_heuristic_mirrors_the_launchers_cpp(tmp_path):
         for sms, slots in ((132, 264), (108, 216), (132, 132), (16, 0), (132, 100))
         for f in (0, 1, 2, -1)
     ]
+    kinds = [(p, q) for p in (False, True) for q in (False, True)]
     src = tmp_path / "splits.cpp"
     src.write_text(
         "#include <cstdio>\n"
         # the limits decode_kernel.cuh defines (the launcher's templates name them)
         "namespace fg { constexpr int kDecodeMaxQueries = 16, kDecodeMaxSplits = 128; }\n"
-        '#include "decode_launch.cuh"\nint main() {\n'
+        '#include "decode_launch.cuh"\n'
+        + "".join(
+            f"struct K{p:d}{q:d} {{ static constexpr bool kPaged = {str(p).lower()}, "
+            f"kKvFp8 = {str(q).lower()}; }};\n"
+            for p, q in kinds
+        )
+        + "int main() {\n"
         + "".join(
             f'  printf("%lld\\n", (long long)fg::decode_num_splits({c}, {t}, {s}, {w}, {f}));\n'
             for c, t, s, w, f in grid
+        )
+        + "".join(
+            f'  printf("%lld\\n", (long long)fg::decode_split_ctas_per_sm<K{p:d}{q:d}>());\n'
+            for p, q in kinds
         )
         + "  return 0;\n}\n"
     )
@@ -271,7 +283,8 @@ def test_heuristic_mirrors_the_launchers_cpp(tmp_path):
             [str(exe)], check=True, capture_output=True, text=True
         ).stdout.split()
     ]
-    assert got == [decode.num_splits(c, t, s, w, f) for c, t, s, w, f in grid]
+    assert got[: len(grid)] == [decode.num_splits(c, t, s, w, f) for c, t, s, w, f in grid]
+    assert got[len(grid) :] == [decode.split_ctas_per_sm(p, q) for p, q in kinds]
 
 
 def test_tiles_whose_rows_do_not_split_evenly_over_the_threads_are_refused():

@@ -1229,6 +1229,11 @@ TABLE_INT32 = (
 )
 
 
+def _preamble(functor_src: str) -> str:
+    """The emitted helpers (int64 and int32), the test's Params struct and the functors."""
+    return U.CPP_HELPERS + U.CPP_HELPERS_INT32 + CPP_PARAMS + functor_src
+
+
 def functors(exprs: list[U.Expr], float_positions: bool = False, int32: str = "int64") -> str:
     out = []
     for k, tree in enumerate(exprs):
@@ -1289,10 +1294,7 @@ def test_emitted_cpp_compiles_as_device_functors(tmp_path, float_positions, int3
         for k in range(len(exprs))
     )
     source = (
-        U.CPP_HELPERS
-        + U.CPP_HELPERS_INT32
-        + CPP_PARAMS
-        + functors(exprs, float_positions, int32)
+        _preamble(functors(exprs, float_positions, int32))
         + "__global__ void run_all(Params p, float* out) {\n"
         + "  const float x = out[0];\n"
         + "  const int64_t bb = blockIdx.y, hh = blockIdx.z, qi = threadIdx.x, kj = threadIdx.y;\n"
@@ -1370,14 +1372,7 @@ int main() {{
   return 0;
 }}
 """
-    source = (
-        "#include <cstdio>\n"
-        + U.CPP_HELPERS
-        + U.CPP_HELPERS_INT32
-        + CPP_PARAMS
-        + functors(exprs, int32="kernel")
-        + main
-    )
+    source = "#include <cstdio>\n" + _preamble(functors(exprs, int32="kernel")) + main
     (tmp_path / "extreme.cu").write_text(source)
     nvcc("-o", "extreme", "extreme.cu", cwd=tmp_path)
     run = subprocess.run(["./extreme"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
@@ -1467,14 +1462,7 @@ int main() {{
   return 0;
 }}
 """
-    source = (
-        "#include <cstdio>\n"
-        + U.CPP_HELPERS
-        + U.CPP_HELPERS_INT32
-        + CPP_PARAMS
-        + functors(exprs, float_positions, int32)
-        + main
-    )
+    source = "#include <cstdio>\n" + _preamble(functors(exprs, float_positions, int32)) + main
     (tmp_path / "host.cu").write_text(source)
     nvcc("-o", "host", "host.cu", cwd=tmp_path)
     run = subprocess.run(["./host"], capture_output=True, text=True, cwd=tmp_path, timeout=120)

@@ -104,8 +104,10 @@ _FLOAT_POSITIONS = {"i": "q.fi", "j": "q.fj", "i-j": "q.fij"}
 # seqlen_k) reads positions in [0, 2^31 - 2]; the launchers refuse batch or heads over
 # 2^31 - 1 (launch.cuh, bwd_launch.cuh, decode_launch.cuh), so b, h are below 2^31 - 1; a
 # per_batch_int vector is int32. Other scores (the rows past a sequence, masked) may see
-# wrapped int32 values, which no int32 operation traps on (the helpers guard `// 0` and
-# `// -1`). scalar_int parameters are int64 (`user_i<k>`): unbounded, so they keep int64.
+# wrapped int32 values: signed overflow there is undefined behaviour in C++, tolerated because
+# those scores are discarded (P = 0) and no int32 operation traps on the GPU (the helpers
+# guard `// 0` and `// -1`). scalar_int parameters are int64 (`user_i<k>`): unbounded, so
+# they keep int64.
 KERNEL_INT_BOUNDS: dict[str | ParamKind, tuple[int, int]] = {
     "i": (0, 2**31 - 2),
     "j": (0, 2**31 - 2),

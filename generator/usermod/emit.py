@@ -96,7 +96,44 @@ DEFAULT_ACCESS: dict[ParamKind, str] = {
     ),
 }
 
-CPP_HELPERS = r"""// flashgen: helpers of user-defined score_mod / mask_mod expressions
+# The integer helpers, written once and rendered for int64 (CPP_HELPERS) and int32
+# (_HELPERS_INT32): the same code at each width, so the int32 form returns what the int64 one
+# does wherever its operands fit.
+_INT_HELPERS = """FG_USERMOD_FN {T} fg_floordiv{S}({T} a, {T} b) {{
+  if (b == 0) return 0;
+  if (b == -1) return static_cast<{T}>({Z} - static_cast<{UT}>(a));
+  const {T} q = a / b;  // truncates toward zero
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}}
+FG_USERMOD_FN {T} fg_mod{S}({T} a, {T} b) {{
+  if (b == 0 || b == -1) return 0;
+  const {T} r = a % b;  // takes a's sign
+  return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}}
+FG_USERMOD_FN {T} fg_imin{S}({T} a, {T} b) {{ return a < b ? a : b; }}
+FG_USERMOD_FN {T} fg_imax{S}({T} a, {T} b) {{ return a < b ? b : a; }}
+FG_USERMOD_FN {T} fg_iabs{S}({T} a) {{ return a < 0 ? -a : a; }}
+"""
+# floor(x) as an int, clamped to [-2^31, 2^31 - 1], 0 for NaN. Both widths use floorf: on
+# the device, __float2int_rd (one cvt.rmi.s32.f32) made ptxas spill in the Hopper backward of
+# T5's buckets.
+_FLOOR_HELPER = """FG_USERMOD_FN {T} fg_floor_int{S}(float x) {{
+  if (!(x == x)) return 0;
+  const float f = floorf(x);
+  if (f >= 2147483648.0f) return {MAX};
+  if (f < -2147483648.0f) return {MIN};
+  return static_cast<{T}>(f);
+}}
+"""
+_WIDTHS = {
+    64: dict(T="int64_t", UT="uint64_t", Z="0ull", S="", MAX="INT64_C(2147483647)",
+             MIN="-INT64_C(2147483648)"),
+    32: dict(T="int32_t", UT="uint32_t", Z="0u", S="32", MAX="INT32_MAX", MIN="INT32_MIN"),
+}  # fmt: skip
+
+
+CPP_HELPERS = (
+    r"""// flashgen: helpers of user-defined score_mod / mask_mod expressions
 // (generator.usermod). Integer semantics are Python's, as in the float64 reference:
 // floor division, a remainder with the divisor's sign, and 0 for a zero divisor.
 #ifndef FLASHGEN_USERMOD_HELPERS
@@ -111,29 +148,12 @@ CPP_HELPERS = r"""// flashgen: helpers of user-defined score_mod / mask_mod expr
 #endif
 
 // (b == -1 is taken apart: INT64_MIN / -1 traps on x86; -a wraps, as numpy's does)
-FG_USERMOD_FN int64_t fg_floordiv(int64_t a, int64_t b) {
-  if (b == 0) return 0;
-  if (b == -1) return static_cast<int64_t>(0ull - static_cast<uint64_t>(a));
-  const int64_t q = a / b;  // truncates toward zero
-  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
-}
-FG_USERMOD_FN int64_t fg_mod(int64_t a, int64_t b) {
-  if (b == 0 || b == -1) return 0;
-  const int64_t r = a % b;  // takes a's sign
-  return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
-}
-FG_USERMOD_FN int64_t fg_imin(int64_t a, int64_t b) { return a < b ? a : b; }
-FG_USERMOD_FN int64_t fg_imax(int64_t a, int64_t b) { return a < b ? b : a; }
-FG_USERMOD_FN int64_t fg_iabs(int64_t a) { return a < 0 ? -a : a; }
-// floor(x) as an int: clamped to [-2^31, 2^31 - 1], 0 for NaN
-FG_USERMOD_FN int64_t fg_floor_int(float x) {
-  if (!(x == x)) return 0;
-  const float f = floorf(x);
-  if (f >= 2147483648.0f) return INT64_C(2147483647);
-  if (f < -2147483648.0f) return -INT64_C(2147483648);
-  return static_cast<int64_t>(f);
-}
-// a table column clamped to [0, n - 1]
+"""
+    + _INT_HELPERS.format(**_WIDTHS[64])
+    + r"""// floor(x) as an int: clamped to [-2^31, 2^31 - 1], 0 for NaN
+"""
+    + _FLOOR_HELPER.format(**_WIDTHS[64])
+    + r"""// a table column clamped to [0, n - 1]
 FG_USERMOD_FN int64_t fg_clamp_index(int64_t k, int64_t n) {
   return k < 0 ? 0 : (k >= n ? n - 1 : k);
 }
@@ -154,6 +174,16 @@ FG_USERMOD_FN float fg_log(float x) {
 FG_USERMOD_FN float fg_tanh(float x) { return tanhf(x); }
 #endif  // FLASHGEN_USERMOD_HELPERS
 """
+)
+
+
+def _split_helpers(text: str) -> dict[str, str]:
+    """{name: its definition} of rendered helpers, one `FG_USERMOD_FN` definition each."""
+    out = {}
+    for chunk in text.split("FG_USERMOD_FN ")[1:]:
+        name = chunk.split("(", 1)[0].split()[-1]
+        out[name] = ("FG_USERMOD_FN " + chunk).rstrip("\n")
+    return out
 
 
 # The int32 forms of the helpers (module doc: int32 arithmetic), called only where every value
@@ -161,29 +191,7 @@ FG_USERMOD_FN float fg_tanh(float x) { return tanhf(x); }
 # kernel includes): `cpp_helpers_int32` gives the ones an expression calls, which its caller
 # renders beside it (generator/features/user.py: static members of the functor).
 _HELPERS_INT32: dict[str, str] = {
-    "fg_floordiv32": """FG_USERMOD_FN int32_t fg_floordiv32(int32_t a, int32_t b) {
-  if (b == 0) return 0;
-  if (b == -1) return static_cast<int32_t>(0u - static_cast<uint32_t>(a));
-  const int32_t q = a / b;  // truncates toward zero
-  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
-}""",
-    "fg_mod32": """FG_USERMOD_FN int32_t fg_mod32(int32_t a, int32_t b) {
-  if (b == 0 || b == -1) return 0;
-  const int32_t r = a % b;  // takes a's sign
-  return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
-}""",
-    "fg_imin32": "FG_USERMOD_FN int32_t fg_imin32(int32_t a, int32_t b) { return a < b ? a : b; }",
-    "fg_imax32": "FG_USERMOD_FN int32_t fg_imax32(int32_t a, int32_t b) { return a < b ? b : a; }",
-    "fg_iabs32": "FG_USERMOD_FN int32_t fg_iabs32(int32_t a) { return a < 0 ? -a : a; }",
-    # (the same code on the device: __float2int_rd, one cvt.rmi.s32.f32, made ptxas spill in
-    # the Hopper backward of T5's buckets)
-    "fg_floor_int32": """FG_USERMOD_FN int32_t fg_floor_int32(float x) {
-  if (!(x == x)) return 0;
-  const float f = floorf(x);
-  if (f >= 2147483648.0f) return INT32_MAX;
-  if (f < -2147483648.0f) return INT32_MIN;
-  return static_cast<int32_t>(f);
-}""",
+    **_split_helpers(_INT_HELPERS.format(**_WIDTHS[32]) + _FLOOR_HELPER.format(**_WIDTHS[32])),
     # a table column clamped to [0, last] (last: the last column, at most INT32_MAX)
     "fg_clamp_last32": """FG_USERMOD_FN int32_t fg_clamp_last32(int32_t k, int32_t last) {
   return k < 0 ? 0 : (k > last ? last : k);

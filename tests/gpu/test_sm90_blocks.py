@@ -14,16 +14,15 @@ between 64-column boxes at d = 128), the accumulator layout and its reuse as an 
 from __future__ import annotations
 
 import ctypes
-import subprocess
 
 import numpy as np
 import pytest
-from flashgen.generator.paths import build_dir
 from flashgen.verify.numerics import from_dtype_bits, to_dtype_bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from .conftest import REPO
+from .sm90_build import sm90_gpu, sm90_library
 
 SOURCE = REPO / "tests" / "gpu" / "sm90" / "blocks.cu"
 ROWS = 64
@@ -31,25 +30,13 @@ CASES = [(dt, d) for dt in ("bf16", "fp16") for d in (64, 128)]
 
 
 def _gpu():
-    from flashgen.verify.runner import Gpu
-
-    gpu = Gpu.get()
-    if gpu.device.compute_capability() != (9, 0):
-        pytest.skip("the sm_90a building blocks need a compute capability 9.0 GPU (H100/H200)")
-    return gpu
+    return sm90_gpu("the sm_90a building blocks")
 
 
 @pytest.fixture(scope="module")
 def lib():
     _gpu()
-    out = build_dir() / "sm90_blocks.so"
-    if not out.exists() or out.stat().st_mtime < SOURCE.stat().st_mtime:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        cmd = ["nvcc", "-shared", "-Xcompiler", "-fPIC", "-O3", "-std=c++17",
-               "-gencode", "arch=compute_90a,code=sm_90a", "-I", str(REPO / "templates"),
-               "-o", str(out), str(SOURCE)]  # fmt: skip
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
-    so = ctypes.CDLL(str(out))
+    so = sm90_library(SOURCE, "sm90_blocks")
     so.fg_sm90_blocks_run.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_uint64] * 5
     so.fg_sm90_blocks_run.restype = ctypes.c_int
     return so

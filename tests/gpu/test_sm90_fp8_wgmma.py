@@ -15,16 +15,15 @@ K-major descriptor and the register fragment of A.
 from __future__ import annotations
 
 import ctypes
-import subprocess
 
 import numpy as np
 import pytest
-from flashgen.generator.paths import build_dir
 from flashgen.verify import fp8
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from .conftest import REPO
+from .sm90_build import sm90_gpu, sm90_library
 
 SOURCE = REPO / "tests" / "gpu" / "sm90" / "fp8_wgmma.cu"
 HEADER = REPO / "templates" / "include" / "flashgen" / "sm90_fp8.cuh"
@@ -33,26 +32,13 @@ NS = (64, 128, 256)
 
 
 def _gpu():
-    from flashgen.verify.runner import Gpu
-
-    gpu = Gpu.get()
-    if gpu.device.compute_capability() != (9, 0):
-        pytest.skip("the sm_90a wgmma rows need a compute capability 9.0 GPU (H100/H200)")
-    return gpu
+    return sm90_gpu("the sm_90a wgmma rows")
 
 
 @pytest.fixture(scope="module")
 def lib():
     _gpu()
-    out = build_dir() / "sm90_fp8_wgmma.so"
-    newest = max(SOURCE.stat().st_mtime, HEADER.stat().st_mtime)
-    if not out.exists() or out.stat().st_mtime < newest:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        cmd = ["nvcc", "-shared", "-Xcompiler", "-fPIC", "-O3", "-std=c++17",
-               "-gencode", "arch=compute_90a,code=sm_90a", "-I", str(REPO / "templates"),
-               "-o", str(out), str(SOURCE)]  # fmt: skip
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
-    so = ctypes.CDLL(str(out))
+    so = sm90_library(SOURCE, "sm90_fp8_wgmma", HEADER)
     so.fg_sm90_fp8_wgmma_run.argtypes = [ctypes.c_int] + [ctypes.c_uint64] * 4
     so.fg_sm90_fp8_wgmma_run.restype = ctypes.c_int
     return so
