@@ -36,7 +36,9 @@ def _gpu():
 @pytest.fixture(scope="module")
 def lib():
     _gpu()
-    so = sm90_library(SOURCE, "sm90_blocks")
+    so = sm90_library(
+        SOURCE, "sm90_blocks", REPO / "templates" / "include" / "flashgen" / "sm90.cuh"
+    )
     so.fg_sm90_blocks_run.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_uint64] * 5
     so.fg_sm90_blocks_run.restype = ctypes.c_int
     return so
