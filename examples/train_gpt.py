@@ -18,7 +18,10 @@ docs/train_h200.png (when matplotlib is installed). About a minute on an H200 wi
 kernels built ahead (`flashgen compile examples/torch_kernels.yaml`), else add the first-use
 compile of two kernels.
 
-    python examples/train_gpt.py [--steps 400] [--batch 16] [--out ...] [--plot ...]
+    python examples/train_gpt.py [--steps 400] [--batch 16] [--context 1024] [--out ...]
+
+`--context 4096 --batch 4` keeps the tokens per step of the default run at four times the
+attention's share of the step (issue 21's second training shape).
 """
 
 from __future__ import annotations
@@ -149,6 +152,33 @@ class GPT(nn.Module):
 # -- training -------------------------------------------------------------------------------------
 
 
+def sdpa_backend(cfg: Config) -> str:
+    """The SDPA backend PyTorch picks for this model's attention call (profiled once): the
+    baseline the tokens/s ratio is against."""
+    from torch.profiler import ProfilerActivity, profile
+
+    hd = cfg.d_model // cfg.heads
+    q = torch.randn(2, cfg.heads, cfg.context, hd, device="cuda", dtype=torch.bfloat16)
+    q.requires_grad_(True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+        torch.cuda.synchronize()
+    names = " ".join(e.key for e in prof.key_averages()).lower()
+    for tag, backend in (("cudnn", "CUDNN"), ("flash", "FLASH"), ("fmha", "EFFICIENT")):
+        if tag in names:
+            return backend
+    return "MATH or unknown"
+
+
+def _environment() -> dict:
+    try:
+        from flashgen.bench.fwd_bench import environment
+
+        return environment()
+    except Exception as exc:  # the example runs without the bench package too
+        return {"error": repr(exc)}
+
+
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -218,7 +248,7 @@ def train(impl: str, cfg: Config, args, data: torch.Tensor, starts: torch.Tensor
     return result
 
 
-def plot(results: dict, steps: int, path: Path, device: str) -> bool:
+def plot(results: dict, steps: int, path: Path, device: str, context: int) -> bool:
     try:
         import matplotlib
 
@@ -237,7 +267,7 @@ def plot(results: dict, steps: int, path: Path, device: str) -> bool:
     ax.set_ylabel("training loss (nats/char)")
     ax.set_yscale("log")
     ax.legend()
-    ax.set_title(f"GPT 6 x 768, context 1024, bf16 autocast, {device}")
+    ax.set_title(f"GPT 6 x 768, context {context}, bf16 autocast, {device}")
     base = np.array(results["sdpa"]["losses"])
     for impl, res in results.items():
         if impl != "sdpa":
@@ -259,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--lr-warmup", type=int, default=40)
     ap.add_argument("--warmup-steps", type=int, default=20, help="steps left out of tokens/s")
+    ap.add_argument("--context", type=int, default=1024, help="sequence length of a batch row")
     ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--words", type=int, default=1_500_000, help="corpus size in words")
@@ -270,8 +301,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("needs a CUDA GPU")
     if args.steps <= args.warmup_steps:
         ap.error("--steps must exceed --warmup-steps")
+    if not 16 <= args.context <= 65536:
+        ap.error(f"--context must be in 16..65536, got {args.context}")
     torch.backends.cuda.matmul.allow_tf32 = True
-    cfg = Config(dropout=args.dropout)
+    cfg = Config(context=args.context, dropout=args.dropout)
 
     corpus = make_corpus(args.words, args.seed)
     split = int(0.9 * len(corpus))
@@ -314,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         },  # fmt: skip
         "device": device,
         "torch": torch.__version__,
+        "environment": _environment(),
+        "sdpa_backend": sdpa_backend(cfg),
         "date": time.strftime("%Y-%m-%d"),
         "command": "python examples/train_gpt.py " + " ".join(argv or sys.argv[1:]),
     }
@@ -324,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
     curves = {k: results[k] for k in ("flashgen", "sdpa")}
-    if plot(curves, args.steps, args.plot, device):
+    if plot(curves, args.steps, args.plot, device, cfg.context):
         print(f"wrote {args.plot}", file=sys.stderr)
     print(json.dumps(doc["loss_difference"]), file=sys.stderr)
     return 0
