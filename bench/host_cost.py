@@ -3,8 +3,9 @@
     python -m flashgen.bench.host_cost            # the ctypes path, then the binding
 
 Times `torch.ops.flashgen.fwd`, `flash_attn_func` (no grad, with grad, forward +
-backward), `flash_attn_varlen_func` and `flash_attn_with_kvcache` (one query) on CPU tensors
-described as CUDA ones, with the kernels replaced by C functions that return
+backward), `flash_attn_varlen_func`, `flash_attn_with_kvcache` (one query) and `merge_states`
+(two bf16 parts, and the raw `torch.ops.flashgen.merge_states`) on CPU tensors described as
+CUDA ones, with the kernels replaced by C functions that return
 (`flashgen.bench.mock_kernels`). It leaves out the CUDA allocator and driver, so it compares
 the Python and C++ layers of the two paths (`FLASHGEN_TORCH_BINDING`); what a GPU call costs
 is `flashgen.bench.torch_overhead`'s to measure. Each path runs in its own process (the ops
@@ -32,18 +33,23 @@ def _child(iters: int, repeats: int) -> dict:
         flash_attn_varlen_func,
         flash_attn_with_kvcache,
         interface,
+        kvcache,
+        merge_states,
         ops,
     )
 
     mock_kernels.mock_cuda(setattr, mock_kernels.build(tempfile.mkdtemp()))
     interface._on_cuda = lambda t: True
     interface._kernel_head_dim = lambda d, index, backward: d
+    kvcache._on_cuda = lambda t: True  # merge_states' padding and layout checks run as on a GPU
     q, k, v = (torch.randn(2, 64, 4, 64, dtype=torch.bfloat16) for _ in range(3))
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     g = torch.randn_like(q)
     cu = torch.arange(0, 3 * 64, 64, dtype=torch.int32)
     pq, pk, pv = (t.reshape(2 * 64, 4, 64) for t in (q, k, v))
     q1, lens = q[:, :1].contiguous(), torch.full((2,), 64, dtype=torch.int32)
+    parts = torch.randn(2, 2, 64, 4, 64, dtype=torch.bfloat16)  # (parts, batch, sq, heads, d)
+    lse_parts = torch.randn(2, 2, 4, 64)
 
     def op_no_grad():
         with torch.no_grad():
@@ -70,6 +76,8 @@ def _child(iters: int, repeats: int) -> dict:
             lambda: flash_attn_varlen_func(pq, pk, pv, cu, cu, 64, 64, causal=True)
         ),
         "kvcache": no_grad_of(lambda: flash_attn_with_kvcache(q1, k, v, cache_seqlens=lens)),
+        "merge": lambda: merge_states(parts, lse_parts),
+        "merge_op": lambda: torch.ops.flashgen.merge_states.default(parts, lse_parts, "bfloat16"),
         "empty_floor": lambda: (torch.empty_like(q), torch.empty(2, 4, 64)),
     }
     path = "binding" if ops.BINDING is not None else "ctypes"

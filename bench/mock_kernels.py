@@ -1,9 +1,10 @@
 """Mocked kernel libraries: flashgen.torch's host path without a GPU.
 
-`build(where)` compiles `MOCK_C`, a C library with the entry points of a forward and a
-backward kernel: `<kind>_launch` keeps a copy of the parameter struct it is given (read back
-with `take_<kind>`), counts its calls and zeroes the outputs the struct points at (dense
-calls), so outputs are deterministic. `MockLibrary` is a `KernelLibrary` over those entry
+`build(where)` compiles `MOCK_C`, a C library with the entry points of a forward, a
+backward and a decode kernel: `<kind>_launch` keeps a copy of the parameter struct it is
+given (read back with `take_<kind>`; decode's merge_states: `merge_launch`, `take_merge`),
+counts its calls and zeroes the outputs the struct points at (dense calls), so outputs are
+deterministic. `MockLibrary` is a `DecodeLibrary` (a `KernelLibrary`) over those entry
 points (the Python path packs and calls through ctypes as with a real kernel);
 `mock_cuda(patch, lib)` describes CPU tensors as CUDA ones on a (9, 0) device 0 and serves
 every kernel from the mock. tests/torch_binding_cases.py and `python -m
@@ -24,7 +25,7 @@ from typing import Any
 from flashgen.generator.families import family
 from flashgen.generator.paths import TEMPLATES_DIR
 from flashgen.generator.spec import KernelKind
-from flashgen.runtime import KernelLibrary
+from flashgen.runtime import DecodeLibrary
 from flashgen.runtime.library import _packing, params_struct
 
 __all__ = ["MOCK_C", "MockLibrary", "build", "mock_cuda"]
@@ -81,6 +82,21 @@ int decode_launch(const fg_decode_params* p, void* stream) {
 }
 void take_decode(fg_decode_params* out) { *out = last_decode; }
 int decode_count(void) { return decode_calls; }
+/* merge_states: its own symbols (DecodeLibrary sets the argtypes of the ones it calls) */
+static fg_decode_params last_merge;
+static int merge_calls;
+int merge_launch(const fg_decode_params* p, void* stream) {
+  last_merge = *p; ++merge_calls;
+  zero(p->o, p->batch, p->seqlen_q, p->heads, p->head_dim_v, p->o_batch_stride, p->o_row_stride,
+       p->o_head_stride, 2);
+  zero(p->lse, p->batch, 1, p->heads, p->seqlen_q, p->lse_batch_stride, 0, p->lse_head_stride, 4);
+  return 0;
+}
+int merge_fail(const void* p, void* stream) { return 1; }
+const char* merge_check_ok(const void* p) { return 0; }
+const char* merge_check_refuses(const void* p) { return "mock: merge refused (allowed: nothing)"; }
+void take_merge(fg_decode_params* out) { *out = last_merge; }
+int merge_count(void) { return merge_calls; }
 int fail_launch(const void* p, void* stream) { return 1; }
 const char* check_ok(const void* p) { return 0; }
 const char* check_refuses(const void* p) { return "mock: refused (allowed: nothing)"; }
@@ -105,9 +121,10 @@ def build(where: Path | str) -> ctypes.CDLL:
     return ctypes.CDLL(str(so))
 
 
-class MockLibrary(KernelLibrary):
+class MockLibrary(DecodeLibrary):
     """A KernelLibrary whose entry points are the mock's (the Python path packs and launches
-    through ctypes exactly as with a real kernel)."""
+    through ctypes exactly as with a real kernel); decode specs also merge_states (a
+    DecodeLibrary's `merge_states` / `merge_check`, the mock's `merge_launch`)."""
 
     def __init__(self, spec, mock, fail=False):  # noqa: D107 - no .so of the spec is loaded
         self.spec, self.family, self.name = spec, family(spec), "mock_" + spec.kernel.yaml
@@ -124,7 +141,11 @@ class MockLibrary(KernelLibrary):
         self._workspace = mock.workspace if (bwd or dec) else None
         if self._workspace is not None:
             self._workspace.argtypes, self._workspace.restype = [ptr], ctypes.c_size_t
-        self.entry_points = {}
+        self.entry_points = (
+            {"merge_states": "merge_fail" if fail else "merge_launch",
+             "merge_check": "merge_check_refuses" if fail else "merge_check_ok"}
+            if dec else {}
+        )  # fmt: skip
 
 
 def mock_cuda(patch: Callable[[Any, str, Any], None], mock: ctypes.CDLL) -> None:

@@ -12,7 +12,11 @@ each case:
 - `varlen`: `flash_attn_varlen_func` under no_grad over the same tokens packed as `batch`
   equal sequences (SDPA has no varlen: its columns are the dense no_grad call);
 - `kvcache`: `flash_attn_with_kvcache` with one new query per sequence over a cache of
-  `seqlen` keys (SDPA: a one-query attention over the same cache, `is_causal=False`).
+  `seqlen` keys (SDPA: a one-query attention over the same cache, `is_causal=False`);
+- `merge_states` (optional, not in the default rows: `--cases merge_states`): `merge_states`
+  of two bf16 parts of the shape with their float32 LSEs. SDPA has no merge: its SDPA columns
+  are null (`meets_bar` too) and `torch_merge_us` times the same merge in torch operations
+  (`flashgen.torch.distributed.merge_partials`).
 
 Each cell is the median over `repeats` of the mean host time of `iters` back-to-back calls
 (time.perf_counter around the loop, the calls return before their kernels finish; a
@@ -39,6 +43,7 @@ import time
 
 SHAPES = ((1, 128, 16, 64), (4, 512, 16, 128), (16, 1024, 12, 64), (2, 4096, 16, 128))
 CASES = ("no_grad", "fwd_grad", "fwd_bwd", "varlen", "kvcache")
+OPTIONAL_CASES = ("merge_states",)  # rows only when asked for (the default table keeps its rows)
 
 
 def median_us(fn, iters: int, warmup: int, repeats: int, sync=None) -> float:
@@ -78,7 +83,13 @@ def _child(args) -> list[dict]:
 def _shape_rows(args, shape: tuple[int, int, int, int]) -> list[dict]:
     import torch
     import torch.nn.functional as F
-    from flashgen.torch import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+    from flashgen.torch import (
+        flash_attn_func,
+        flash_attn_varlen_func,
+        flash_attn_with_kvcache,
+        merge_states,
+    )
+    from flashgen.torch.distributed import merge_partials
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     batch, seqlen, heads, d = shape
@@ -88,6 +99,8 @@ def _shape_rows(args, shape: tuple[int, int, int, int]) -> list[dict]:
     pq, pk, pv = (t.reshape(batch * seqlen, heads, d) for t in (q, k, v))
     q1 = q[:, :1].contiguous()
     lens = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+    parts = torch.stack([q, k])  # (2, batch, seqlen, heads, d)
+    lse_parts = torch.randn(2, batch, heads, seqlen, device="cuda")
 
     def fg_dense(a, b, c):
         return flash_attn_func(a, b, c, causal=True)
@@ -111,7 +124,9 @@ def _shape_rows(args, shape: tuple[int, int, int, int]) -> list[dict]:
             lambda: flash_attn_varlen_func(pq, pk, pv, cu, cu, seqlen, seqlen, causal=True)
         ),
         "kvcache": no_grad(lambda: flash_attn_with_kvcache(q1, k, v, cache_seqlens=lens)),
+        "merge_states": lambda: merge_states(parts, lse_parts),
     }
+    torch_only = {"merge_states": lambda: merge_partials(parts, lse_parts)}
     sdpa = {
         "no_grad": no_grad(lambda: sdpa_dense(q, k, v)),
         "fwd_grad": lambda: sdpa_dense(qg, kg, vg),
@@ -123,6 +138,13 @@ def _shape_rows(args, shape: tuple[int, int, int, int]) -> list[dict]:
     for case in args.cases:
         row = {"case": case, "shape": list(shape)}
         row["flashgen_us"] = median_us(ours[case], args.iters, args.warmup, args.repeats)
+        if case in torch_only:  # no SDPA counterpart
+            row["sdpa_flash_us"] = row["sdpa_cudnn_us"] = None
+            row["torch_merge_us"] = median_us(
+                torch_only[case], args.iters, args.warmup, args.repeats
+            )
+            rows.append(row)
+            continue
         for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
                               ("cudnn", SDPBackend.CUDNN_ATTENTION)):  # fmt: skip
             try:
@@ -150,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    ap.add_argument("--cases", nargs="+", choices=CASES + OPTIONAL_CASES, default=list(CASES))
     ap.add_argument("--shape", dest="shapes", action="append", type=lambda s: tuple(
         int(x) for x in s.split(",")), help="batch,seqlen,heads,head_dim (repeatable)")  # fmt: skip
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -178,7 +200,9 @@ def main(argv: list[str] | None = None) -> dict:
             row["binding_error"] = "the binding child fell back to the ctypes path"
         flash = row.get("sdpa_flash_us")
         row["meets_bar"] = (
-            flash is not None and a["path"] == "binding" and a["flashgen_us"] <= flash
+            None
+            if a["case"] in OPTIONAL_CASES  # no SDPA counterpart: no bar
+            else flash is not None and a["path"] == "binding" and a["flashgen_us"] <= flash
         )
         rows.append(row)
     print(f"{'case':9s} {'shape':18s} {'binding':>8s} {'ctypes':>8s} {'FLASH':>8s} {'CUDNN':>8s}")

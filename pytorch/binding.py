@@ -10,6 +10,9 @@ the kernel's `<name>_launch`: no Python runs on a hit. A miss asks the Python pl
 (`ops._fwd_plan`, which runs every check of the Python path and raises its errors) once per
 key; calls the fast path does not serve (empty or misaligned tensors; dropout when torch has
 no CUDA build, whose generator it reads) run the Python implementation, unchanged.
+`flashgen::decode` and `flashgen::merge_states` (`flashgen.torch.kvcache`: `install_decode`,
+`install_merge`) are served alike, their plans the planning call's struct as words plus the
+words patched per call.
 
 Built once per (source, torch, Python, compiler) with the C++ compiler (`$CXX`, else `c++`)
 and torch's include and library paths (`torch.utils.cpp_extension`), into the kernel cache

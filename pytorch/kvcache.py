@@ -992,20 +992,22 @@ def _merge_outputs(o_parts: Tensor, dtype: Dtype) -> tuple[Tensor, Tensor]:
     return out, lse
 
 
-@torch.library.custom_op("flashgen::merge_states", mutates_args=())
-def merge_states_op(o_parts: Tensor, lse_parts: Tensor, out_dtype: str) -> tuple[Tensor, Tensor]:
+def _merge_select(o_parts: Tensor, lse_parts: Tensor, out_dtype: str):
+    """Every check of a merge_states op call, and its outputs: (dtype, whether o_parts has it,
+    out, lse). The Python implementation and the binding's planner both start here."""
     dtype, in_dtype = ks.check_merge(_meta(o_parts), _meta(lse_parts), out_dtype)
     _one_device(o_parts=o_parts, lse_parts=lse_parts)
-    parts, batch, sq, heads, d = o_parts.shape
-    device = o_parts.device
     out, lse = _merge_outputs(o_parts, dtype)
-    if out.numel() == 0:
-        return out, lse
-    _check_aligned(o_parts=o_parts)
-    lib = _library(ks.merge_spec(dtype, int(d), _capability(device)))
+    return dtype, in_dtype, out, lse
+
+
+def _merge_params(o_parts: Tensor, lse_parts: Tensor, out: Tensor, lse: Tensor,
+                  in_dtype: bool) -> dict:  # fmt: skip
+    """The merge kernel's launch fields (fg_decode_params' merge_states fields)."""
+    parts, batch, sq, heads, d = o_parts.shape
     po = ks.used_strides(_meta(o_parts))
     pl = lse_parts.stride()
-    values = {
+    return {
         "o": out.data_ptr(),
         "lse": lse.data_ptr(),
         **_strides("o", out),
@@ -1015,8 +1017,8 @@ def merge_states_op(o_parts: Tensor, lse_parts: Tensor, out_dtype: str) -> tuple
         "heads": heads,
         "kv_heads": 1,
         "seqlen_q": sq,
-        "head_dim": o_parts.shape[-1],  # merge_check compares them with the kernel's
-        "head_dim_v": o_parts.shape[-1],
+        "head_dim": d,  # merge_check compares them with the kernel's
+        "head_dim_v": d,
         "o_parts": o_parts.data_ptr(),
         "lse_parts": lse_parts.data_ptr(),
         "num_parts": parts,
@@ -1029,16 +1031,81 @@ def merge_states_op(o_parts: Tensor, lse_parts: Tensor, out_dtype: str) -> tuple
         "lse_parts_batch_stride": pl[1],
         "lse_parts_head_stride": pl[2],
     }
+
+
+def _merge_library(o_parts: Tensor, dtype: Dtype) -> DecodeLibrary:
+    return _library(ks.merge_spec(dtype, int(o_parts.shape[-1]), _capability(o_parts.device)))
+
+
+def _merge_impl(o_parts: Tensor, lse_parts: Tensor, out_dtype: str) -> tuple[Tensor, Tensor]:
+    dtype, in_dtype, out, lse = _merge_select(o_parts, lse_parts, out_dtype)
+    if out.numel() == 0:
+        return out, lse
+    _check_aligned(o_parts=o_parts)
+    lib = _merge_library(o_parts, dtype)
+    values = _merge_params(o_parts, lse_parts, out, lse, in_dtype)
+    device = o_parts.device
     with torch.cuda.device(device):
         lib.merge_states(values, torch.cuda.current_stream(device).cuda_stream)
     return out, lse
 
 
-@merge_states_op.register_fake
+# The binding's merge plan (a words plan, as _decode_plan's): the pointers are patched per call.
+_MERGE_ARG = {"o_parts": 0, "lse_parts": 1}
+
+
+def _merge_plan(o_parts: Tensor, lse_parts: Tensor, out_dtype: str):
+    """The binding's plan for this call's key, or None when the Python implementation serves
+    it (empty outputs). Raises what the Python path raises."""
+    import struct
+
+    dtype, in_dtype, out, lse = _merge_select(o_parts, lse_parts, out_dtype)
+    if out.numel() == 0:
+        return None
+    lib = _merge_library(o_parts, dtype)
+    raw = bytes(lib.pack(_merge_params(o_parts, lse_parts, out, lse, in_dtype)))
+    patches = []
+    for index, row in enumerate(lib.family.params):
+        if row.name in _MERGE_ARG:
+            patches.append((index, _ARG_PTR, _MERGE_ARG[row.name], 0))
+        elif row.name in ("o", "lse"):
+            patches.append((index, _OUT_PTR, 0 if row.name == "o" else 1, 0))
+    return {
+        "name": lib.name,
+        **lib.merge_entry_addresses(),
+        "template_words": list(struct.unpack(f"={len(raw) // 8}q", raw)),
+        "patches": patches,
+        "out_shape": list(out.shape),
+        "lse_shape": list(lse.shape),
+        "out_dtype": out.dtype,
+    }
+
+
 def _merge_fake(o_parts, lse_parts, out_dtype):
     dtype, _ = ks.check_merge(_meta(o_parts), _meta(lse_parts), out_dtype)
     _one_device(o_parts=o_parts, lse_parts=lse_parts)
     return _merge_outputs(o_parts, dtype)
+
+
+def _register_merge():
+    """flashgen::merge_states: the compiled binding's C++ kernel when the binding is on (see
+    flashgen.torch.binding), else the Python custom op."""
+    binding = _ops.BINDING
+    if binding is not None:
+        from flashgen.torch.binding import CPU_TESTS_ENV
+
+        schema = "merge_states" + torch.library.infer_schema(_merge_impl, mutates_args=())
+        binding.install_merge(
+            _merge_plan, _merge_impl, schema, os.environ.get(CPU_TESTS_ENV) == "1"
+        )
+        torch.library.register_fake("flashgen::merge_states")(_merge_fake)
+        return torch.ops.flashgen.merge_states
+    op = torch.library.custom_op("flashgen::merge_states", mutates_args=())(_merge_impl)
+    op.register_fake(_merge_fake)
+    return op
+
+
+merge_states_op = _register_merge()
 
 
 def merge_states(
@@ -1056,16 +1123,44 @@ def merge_states(
     zero-padded to the next one they serve, a copy of o_parts; a layout the kernel cannot read
     is copied once); seqlen_q is not limited. No gradient (inputs are detached).
     """
+    plain = (
+        type(o_parts) is Tensor
+        and type(lse_parts) is Tensor
+        and (out_dtype is None or type(out_dtype) in (str, torch.dtype))
+        and not torch.compiler.is_compiling()
+    )
+    if plain:  # a layout served before with no padding and no copy: straight to the op
+        key = (_layout(o_parts), _layout(lse_parts), out_dtype)
+        out_name = _PLAIN_MERGES.get(key)
+        if out_name is not None:
+            return torch.ops.flashgen.merge_states.default(
+                o_parts.detach() if o_parts.requires_grad else o_parts,
+                lse_parts.detach() if lse_parts.requires_grad else lse_parts,
+                out_name,
+            )
     name = None
     if out_dtype is not None:
         name = out_dtype if isinstance(out_dtype, str) else str(out_dtype).removeprefix("torch.")
-    o_parts, head_dim, kernel_head_dim = _merge_inputs(o_parts.detach())
+    given = o_parts.detach()
+    o_parts, head_dim, kernel_head_dim = _merge_inputs(given)
     dtype, _ = ks.check_merge(_meta(o_parts), _meta(lse_parts), name)
     out_name = "float16" if dtype is Dtype.FP16 else "bfloat16"
     out, lse = torch.ops.flashgen.merge_states.default(o_parts, lse_parts.detach(), out_name)
     if kernel_head_dim != head_dim:  # zero-padded: the output's first head_dim columns
         out = out[..., :head_dim].contiguous()
+    elif plain and o_parts is given:  # read as given: remembered (refusals raised above)
+        if len(_PLAIN_MERGES) >= _PLAIN_PLANS_MAX:
+            _PLAIN_MERGES.clear()
+        _PLAIN_MERGES[key] = out_name
     return out, lse
+
+
+# merge_states' host fast path, as flash_attn_with_kvcache's `_PLAIN_PLANS`: the op's dtype
+# argument of a call whose o_parts the kernel read as given (no head-dim padding, no layout
+# copy), by the layouts of both tensors (`_layout`: everything `_merge_inputs` and
+# `check_merge` read) and out_dtype. Only calls that succeeded are remembered; the op's own
+# checks still run (once per layout in the binding).
+_PLAIN_MERGES: dict = {}
 
 
 def _merge_inputs(o_parts: Tensor) -> tuple[Tensor, int, int]:

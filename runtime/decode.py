@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-from flashgen.runtime.library import KernelLibrary, LaunchError
+from flashgen.runtime.library import KernelLibrary, LaunchError, launch_error
 
 __all__ = ["DecodeLibrary"]
 
@@ -39,5 +39,16 @@ class DecodeLibrary(KernelLibrary):
         err = self._fn("merge_states", ctypes.c_int)(
             ctypes.byref(params), ctypes.c_void_p(int(stream) or None)
         )
-        if err != 0:
-            raise LaunchError(f"{self.name}: merge_states failed with cudaError {err}")
+        if err != 0:  # the message flashgen.torch's binding raises for it too
+            raise launch_error(self.name, err, None)
+
+    def merge_entry_addresses(self) -> dict[str, int]:
+        """`entry_addresses` of merge_states: `launch` is `<name>_merge_states` (which runs
+        `<name>_merge_check` itself and returns cudaErrorInvalidValue when it refuses),
+        `check` is `<name>_merge_check`, `workspace` 0 (it needs none)."""
+
+        def address(role: str) -> int:
+            fn = getattr(self._lib, self.entry_points[role])
+            return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
+
+        return {"launch": address("merge_states"), "check": address("merge_check"), "workspace": 0}

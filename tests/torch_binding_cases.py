@@ -608,6 +608,197 @@ def test_decode_keys_hit_and_check_inputs_takes_the_python_path(monkeypatch, moc
     assert ops.BINDING.stats()["fallbacks"] - s1["fallbacks"] == 1
 
 
+# -- flashgen::merge_states ----------------------------------------------------------------------
+
+
+def taken_merge(mock):
+    """The decode struct the mock's last `merge_launch` received (ctypes)."""
+    buf = params_struct(DECODE_FAMILY)()
+    mock.take_merge(ctypes.byref(buf))
+    return buf
+
+
+def _merge_bytes(buf, out, lse) -> bytes:
+    """The struct's bytes with its output pointers checked against their tensors and zeroed."""
+    assert (buf.o, buf.lse) == (out.data_ptr(), lse.data_ptr())
+    buf.o = buf.lse = 0
+    return bytes(buf)
+
+
+@st.composite
+def merge_calls(draw):
+    dtype = draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))
+    out_dtype = (draw(st.sampled_from(["float16", "bfloat16"])) if dtype == torch.float32
+                 else str(dtype).removeprefix("torch."))  # fmt: skip
+    d = draw(st.sampled_from((32, 64, 128)))
+    parts, batch = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    sq, heads = draw(st.integers(1, 40)), draw(st.integers(1, 5))
+    if draw(st.booleans()):  # a view of wider parts (aligned, not contiguous)
+        o_parts = torch.randn(parts, batch, sq, heads + 2, d, dtype=dtype)[:, :, :, 1:-1]
+    else:
+        o_parts = torch.randn(parts, batch, sq, heads, d, dtype=dtype)
+    if draw(st.booleans()):  # lse_parts a view of a longer one (its last stride stays 1)
+        lse_parts = torch.randn(parts, batch, heads, sq + 3)[..., :sq]
+    else:
+        lse_parts = torch.randn(parts, batch, heads, sq)
+    return o_parts, lse_parts, out_dtype
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(merge_calls())
+def test_merge_struct_equals_the_python_paths_byte_for_byte(mock, args):
+    """The call after the planning one (a plan hit) on other tensors of the same layouts."""
+    from flashgen.torch import kvcache
+
+    torch.ops.flashgen.merge_states.default(*args)  # the key's plan (or a hit)
+    args = (*(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).copy_(t)
+              for t in args[:2]), args[2])  # fmt: skip
+    s0, before = ops.BINDING.stats(), mock.merge_count()
+    out, lse = torch.ops.flashgen.merge_states.default(*args)
+    fast = taken_merge(mock)
+    assert mock.merge_count() == before + 1
+    assert ops.BINDING.stats()["hits"] == s0["hits"] + 1
+    py_out, py_lse = kvcache._merge_impl(*args)
+    slow = taken_merge(mock)
+    assert mock.merge_count() == before + 2
+    assert (out.shape, out.dtype, out.stride()) == (py_out.shape, py_out.dtype, py_out.stride())
+    assert (lse.shape, lse.dtype, lse.stride()) == (py_lse.shape, py_lse.dtype, py_lse.stride())
+    assert (fast.o_parts, fast.lse_parts) == (args[0].data_ptr(), args[1].data_ptr())
+    assert _merge_bytes(fast, out, lse) == _merge_bytes(slow, py_out, py_lse)
+
+
+def _merge_args(parts=2, batch=2, sq=33, heads=4, d=64, dtype=torch.bfloat16):
+    return (torch.randn(parts, batch, sq, heads, d, dtype=dtype),
+            torch.randn(parts, batch, heads, sq))  # fmt: skip
+
+
+def test_merge_keys_hit_on_the_second_call(mock):
+    o_parts, lse_parts = _merge_args()
+    s0 = ops.BINDING.stats()
+    torch.ops.flashgen.merge_states.default(o_parts, lse_parts, "bfloat16")
+    s1 = ops.BINDING.stats()
+    other, other_lse = _merge_args()  # other tensors, the same layouts: the same key
+    out, lse = torch.ops.flashgen.merge_states.default(other, other_lse, "bfloat16")
+    s2 = ops.BINDING.stats()
+    assert (s1["misses"] - s0["misses"], s1["hits"] - s0["hits"]) == (1, 0)
+    assert (s2["misses"] - s1["misses"], s2["hits"] - s1["hits"]) == (0, 1)
+    rec = taken_merge(mock)
+    assert (rec.o_parts, rec.lse_parts, rec.o) == (other.data_ptr(), other_lse.data_ptr(),
+                                                    out.data_ptr())  # fmt: skip
+    # another length, or float32 parts into another dtype: other keys
+    torch.ops.flashgen.merge_states.default(*_merge_args(sq=34), "bfloat16")
+    f32, f32_lse = _merge_args(dtype=torch.float32)
+    for name in ("float16", "bfloat16", "float16"):
+        out, _ = torch.ops.flashgen.merge_states.default(f32, f32_lse, name)
+        assert out.dtype == getattr(torch, name)
+    s3 = ops.BINDING.stats()
+    assert (s3["misses"] - s2["misses"], s3["hits"] - s2["hits"]) == (3, 1)
+    assert s3["fallbacks"] == s0["fallbacks"]
+
+
+def test_merge_refusals_are_the_python_paths_errors_every_time(mock):
+    from flashgen.torch import kvcache
+
+    o_parts, lse_parts = _merge_args()
+    cases = [
+        ((o_parts, lse_parts[..., :5], "bfloat16"), r"lse_parts must be float32 \(2, 2, 4, 33\)"),
+        ((o_parts.float(), lse_parts, "float32"), "float32 o_parts need out_dtype"),
+        ((o_parts, lse_parts, "float16"), "out_dtype float16 differs from o_parts' bfloat16"),
+        ((o_parts[..., :60], lse_parts, "bfloat16"), "head_dim 60 has no merge_states kernel"),
+    ]  # fmt: skip
+    before = mock.merge_count()
+    for args, match in cases:
+        for _ in range(2):  # a refusal is not remembered
+            with pytest.raises(UnsupportedCall, match=match):
+                torch.ops.flashgen.merge_states.default(*args)
+        with pytest.raises(UnsupportedCall, match=match):
+            kvcache._merge_impl(*args)
+    assert mock.merge_count() == before
+
+
+def test_merge_calls_the_fast_path_does_not_serve_take_the_python_implementation(mock):
+    o_parts, lse_parts = _merge_args()
+    torch.ops.flashgen.merge_states.default(o_parts, lse_parts, "bfloat16")  # the key's plan
+    s0, before = ops.BINDING.stats(), mock.merge_count()
+    # a view that begins mid-vector, with the layout of a served call: the Python check
+    flat = torch.randn(o_parts.numel() + 8, dtype=torch.bfloat16)
+    shifted = flat[1 : 1 + o_parts.numel()].view(o_parts.shape)
+    assert shifted.stride() == o_parts.stride() and shifted.data_ptr() % 16
+    with pytest.raises(UnsupportedCall, match="o_parts starts at an address that is not 16-byte"):
+        torch.ops.flashgen.merge_states.default(shifted, lse_parts, "bfloat16")
+    # no rows: empty outputs from the Python implementation, no launch
+    empty, empty_lse = _merge_args(batch=0)
+    out, lse = torch.ops.flashgen.merge_states.default(empty, empty_lse, "bfloat16")
+    assert out.shape == (0, 33, 4, 64) and lse.shape == (0, 4, 33)
+    s1 = ops.BINDING.stats()
+    assert s1["fallbacks"] - s0["fallbacks"] == 2 and mock.merge_count() == before
+
+
+def test_a_refused_merge_raises_the_launchers_message_on_both_paths(monkeypatch, mock):
+    from flashgen.runtime import LaunchError
+    from flashgen.torch import kvcache
+
+    monkeypatch.setattr(kvcache, "_library", lambda spec: MockLibrary(spec, mock, fail=True))
+    args = (*_merge_args(), "bfloat16")
+    match = r"^mock_decode: mock: merge refused \(allowed: nothing\)$"
+    with pytest.raises(LaunchError, match=match):
+        torch.ops.flashgen.merge_states.default(*args)
+    with pytest.raises(LaunchError, match=match):
+        kvcache._merge_impl(*args)
+
+
+def test_merge_states_goes_through_the_binding_and_remembers_plain_layouts(monkeypatch, mock):
+    from flashgen.torch import kvcache, merge_states
+
+    monkeypatch.setattr(kvcache, "_on_cuda", lambda t: True)  # the padding and layout checks
+    monkeypatch.setattr(kvcache, "_PLAIN_MERGES", {})
+    o_parts, lse_parts = _merge_args()
+    s0, before = ops.BINDING.stats(), mock.merge_count()
+    for _ in range(3):
+        out, lse = merge_states(o_parts, lse_parts)
+    s1 = ops.BINDING.stats()
+    assert (s1["misses"] - s0["misses"], s1["hits"] - s0["hits"]) == (1, 2)
+    assert mock.merge_count() == before + 3 and len(kvcache._PLAIN_MERGES) == 1
+    assert taken_merge(mock).o_parts == o_parts.data_ptr()  # read as given
+    # requires grad: detached, outputs that do not
+    out, _ = merge_states(o_parts.clone().requires_grad_(), lse_parts.clone().requires_grad_())
+    assert not out.requires_grad
+    # a head dim the kernels pad and a layout they cannot read: copies, not remembered
+    wide = torch.randn(2, 2, 33, 4, 68, dtype=torch.bfloat16)
+    for parts, d in ((wide[..., :60], 60), (wide[..., :64], 64)):
+        for _ in range(2):
+            out, _ = merge_states(parts, lse_parts)
+            assert out.shape == (2, 33, 4, d)
+            assert taken_merge(mock).o_parts != parts.data_ptr()
+    assert len(kvcache._PLAIN_MERGES) == 1
+    # a refusal is refused every time, remembered or not
+    for _ in range(2):
+        with pytest.raises(UnsupportedCall, match="out_dtype float16 differs"):
+            merge_states(o_parts, lse_parts, torch.float16)
+
+
+def test_the_merge_schema_is_the_python_implementations():
+    from flashgen.torch import kvcache
+
+    inferred = torch.library.infer_schema(kvcache._merge_impl, mutates_args=())
+    assert torch.ops.flashgen.merge_states.default._schema == torch._C.parse_schema(
+        f"flashgen::merge_states{inferred}"
+    )
+
+
+def test_opcheck_and_torch_compile_pass_on_the_compiled_merge(mock):
+    args = (*_merge_args(), "bfloat16")
+    torch.library.opcheck(torch.ops.flashgen.merge_states.default, args)
+
+    def step(o_parts, lse_parts):
+        out, lse = torch.ops.flashgen.merge_states.default(o_parts, lse_parts, "bfloat16")
+        return out.float().sum() + lse.sum()
+
+    before = mock.merge_count()
+    torch.compile(step, fullgraph=True, backend="aot_eager")(*args[:2])
+    assert mock.merge_count() == before + 1
+
+
 # -- compile_variant: the user arguments (docs/torch.md, "User-defined variants") -----------------
 
 _VARIANT = """

@@ -1,7 +1,8 @@
 // flashgen: the compiled host path of flashgen.torch (`flashgen.torch.binding` builds and
 // loads it). It defines the operators flashgen::fwd and flashgen::bwd (the schemas come from
 // Python, inferred from the Python implementations in pytorch/ops.py, so the two paths take
-// the same arguments) with boxed C++ kernels for CUDA and an autograd kernel in C++.
+// the same arguments) with boxed C++ kernels for CUDA and an autograd kernel in C++, and
+// flashgen::decode and flashgen::merge_states (pytorch/kvcache.py) with boxed C++ kernels.
 //
 // Glossary
 //   plan      everything a launch needs that the call's key decides: the kernel's C entry
@@ -62,6 +63,7 @@ namespace {
 struct Callbacks {
   py::object fwd_plan, fwd_py, bwd_plan, bwd_py, check_backward, launch_error;
   py::object decode_plan, decode_py;  // None until install_decode()
+  py::object merge_plan, merge_py;    // None until install_merge()
 };
 Callbacks* g_py = nullptr;  // leaked on purpose: never destroyed without the GIL at exit
 
@@ -569,15 +571,11 @@ void bwd_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   torch::jit::push(*stack, std::move(dq), std::move(dk), std::move(dv), std::move(dsink));
 }
 
-// ---- flashgen::decode -----------------------------------------------------------------------
-// q k_cache v_cache cache_seqlens block_table softmax_scale causal window_left window_right
-// num_splits max_seqlen_k check_inputs softcap alibi_slopes learnable_sink
-//
-// The decode plan is data, not named fields: the Python planner packs the parameter struct of
+// ---- plans as data: flashgen::decode and flashgen::merge_states --------------------------------
+// A words plan is data, not named fields: the Python planner packs the parameter struct of
 // the planning call (`template_words`, every field of the struct as an 8-byte word) and lists
 // the words that change from call to call (`patches`: which word, and from what). The key
 // holds every layout and scalar the constant words are derived from.
-constexpr size_t kDecodeArgs = 15;
 
 enum PatchKind : int64_t {
   kPatchArgPtr = 0,     // the data pointer of tensor argument `arg` (0 if None)
@@ -591,7 +589,7 @@ struct Patch {
   int64_t word, kind, arg, value;
 };
 
-struct DecodePlan {
+struct WordsPlan {
   bool python = false;
   std::string name;
   LaunchFn launch = nullptr;
@@ -600,19 +598,13 @@ struct DecodePlan {
   std::vector<uint64_t> words;  // the struct of the planning call
   std::vector<Patch> patches;
   std::vector<int64_t> out_shape, lse_shape;
-  int64_t workspace_header = 0;  // the workspace's least size (the error word's header)
+  c10::ScalarType out_dtype = c10::ScalarType::Undefined;  // merge: out's (decode: q's)
+  int64_t workspace_header = 0;  // decode: the workspace's least size (the error word's header)
 };
 
-KeyMap<std::shared_ptr<const DecodePlan>> g_decode_plans;
-
-std::shared_ptr<const DecodePlan> decode_plan_from_py(const py::object& obj) {
-  auto plan = std::make_shared<DecodePlan>();
-  if (obj.is_none()) {
-    plan->python = true;
-    return plan;
-  }
-  py::dict d = obj.cast<py::dict>();
-  read_entry_points(d, plan.get());
+// The fields every words plan has; `what` names the op in messages, `nargs` bounds `arg`.
+void read_words_plan(const py::dict& d, WordsPlan* plan, const char* what, size_t nargs) {
+  read_entry_points(d, plan);
   for (auto w : d["template_words"]) plan->words.push_back(static_cast<uint64_t>(as_int(w)));
   for (auto item : d["patches"]) {
     py::tuple t = item.cast<py::tuple>();
@@ -620,12 +612,71 @@ std::shared_ptr<const DecodePlan> decode_plan_from_py(const py::object& obj) {
   }
   for (auto x : d["out_shape"]) plan->out_shape.push_back(as_int(x));
   for (auto x : d["lse_shape"]) plan->lse_shape.push_back(as_int(x));
-  plan->workspace_header = as_int(d["workspace_header"]);
-  TORCH_CHECK(plan->launch && plan->check && plan->workspace,
-              "flashgen binding: the decode planner returned no entry points for ", plan->name);
-  for (const Patch& p : plan->patches)
+  TORCH_CHECK(plan->launch && plan->check, "flashgen binding: the ", what,
+              " planner returned no entry points for ", plan->name);
+  for (const Patch& p : plan->patches) {
     TORCH_CHECK(p.word >= 0 && p.word < static_cast<int64_t>(plan->words.size()),
-                "flashgen binding: bad decode patch");
+                "flashgen binding: bad ", what, " patch");
+    const bool arg = p.kind == kPatchArgPtr || p.kind == kPatchArgF64 || p.kind == kPatchArgClamped;
+    TORCH_CHECK(!arg || (p.arg >= 0 && p.arg < static_cast<int64_t>(nargs)),
+                "flashgen binding: bad ", what, " patch argument");
+  }
+}
+
+// The struct of a call: the plan's words with its patches applied (the workspace's words are
+// left to the caller, which gets their indices; -1 where the plan has none).
+std::vector<uint64_t> patched_words(const WordsPlan& plan, c10::ArrayRef<IValue> a,
+                                    const Tensor& out, const Tensor& lse, int64_t* ws_word,
+                                    int64_t* ws_size_word) {
+  std::vector<uint64_t> words = plan.words;
+  auto ptr_of = [](const IValue& x) -> uint64_t {
+    return x.isNone() ? 0 : reinterpret_cast<uintptr_t>(x.toTensor().data_ptr());
+  };
+  *ws_word = -1, *ws_size_word = -1;
+  for (const Patch& p : plan.patches) {
+    uint64_t value = 0;
+    switch (p.kind) {
+      case kPatchArgPtr: value = ptr_of(a[p.arg]); break;
+      case kPatchOutPtr:
+        value = reinterpret_cast<uintptr_t>(p.arg == 0 ? out.data_ptr() : lse.data_ptr());
+        break;
+      case kPatchWorkspace: *ws_word = p.word; break;
+      case kPatchWorkspaceSize: *ws_size_word = p.word; break;
+      case kPatchArgF64: {
+        const double x = a[p.arg].toDouble();
+        std::memcpy(&value, &x, sizeof value);
+        break;
+      }
+      case kPatchArgClamped: {
+        const int64_t x = std::max<int64_t>(0, std::min<int64_t>(a[p.arg].toInt(), p.value));
+        value = static_cast<uint64_t>(x);
+        break;
+      }
+      default: TORCH_CHECK(false, "flashgen binding: bad patch kind");
+    }
+    words[p.word] = value;
+  }
+  return words;
+}
+
+// ---- flashgen::decode -----------------------------------------------------------------------
+// q k_cache v_cache cache_seqlens block_table softmax_scale causal window_left window_right
+// num_splits max_seqlen_k check_inputs softcap alibi_slopes learnable_sink
+constexpr size_t kDecodeArgs = 15;
+
+KeyMap<std::shared_ptr<const WordsPlan>> g_decode_plans;
+
+std::shared_ptr<const WordsPlan> decode_plan_from_py(const py::object& obj) {
+  auto plan = std::make_shared<WordsPlan>();
+  if (obj.is_none()) {
+    plan->python = true;
+    return plan;
+  }
+  py::dict d = obj.cast<py::dict>();
+  read_words_plan(d, plan.get(), "decode", kDecodeArgs);
+  plan->workspace_header = as_int(d["workspace_header"]);
+  TORCH_CHECK(plan->workspace, "flashgen binding: the decode planner returned no workspace "
+              "entry point for ", plan->name);
   return plan;
 }
 
@@ -658,34 +709,8 @@ void decode_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   }
   Tensor out = at::empty(plan->out_shape, q.options());
   Tensor lse = at::empty(plan->lse_shape, q.options().dtype(at::kFloat));
-  std::vector<uint64_t> words = plan->words;
-  auto ptr_of = [](const IValue& x) -> uint64_t {
-    return x.isNone() ? 0 : reinterpret_cast<uintptr_t>(x.toTensor().data_ptr());
-  };
   int64_t ws_word = -1, ws_size_word = -1;
-  for (const Patch& p : plan->patches) {
-    uint64_t value = 0;
-    switch (p.kind) {
-      case kPatchArgPtr: value = ptr_of(a[p.arg]); break;
-      case kPatchOutPtr:
-        value = reinterpret_cast<uintptr_t>(p.arg == 0 ? out.data_ptr() : lse.data_ptr());
-        break;
-      case kPatchWorkspace: ws_word = p.word; break;
-      case kPatchWorkspaceSize: ws_size_word = p.word; break;
-      case kPatchArgF64: {
-        const double x = a[p.arg].toDouble();
-        std::memcpy(&value, &x, sizeof value);
-        break;
-      }
-      case kPatchArgClamped: {
-        const int64_t x = std::max<int64_t>(0, std::min<int64_t>(a[p.arg].toInt(), p.value));
-        value = static_cast<uint64_t>(x);
-        break;
-      }
-      default: TORCH_CHECK(false, "flashgen binding: bad decode patch kind");
-    }
-    words[p.word] = value;
-  }
+  std::vector<uint64_t> words = patched_words(*plan, a, out, lse, &ws_word, &ws_size_word);
   c10::DeviceGuard guard(q.device());
   const int64_t asked = static_cast<int64_t>(plan->workspace(words.data()));
   const int64_t size = std::max(asked, plan->workspace_header);
@@ -703,6 +728,74 @@ void decode_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
 
 void decode_python(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   run_python(g_py->decode_py, stack, kDecodeArgs);
+}
+
+// ---- flashgen::merge_states -----------------------------------------------------------------
+// o_parts lse_parts out_dtype
+//
+// A words plan (above) of the decode struct's merge fields; its entry points are the merge
+// kernel's `<name>_merge_states` (which runs `<name>_merge_check` itself and returns
+// cudaErrorInvalidValue when it refuses) and `<name>_merge_check`. No workspace.
+constexpr size_t kMergeArgs = 3;
+
+KeyMap<std::shared_ptr<const WordsPlan>> g_merge_plans;
+
+std::shared_ptr<const WordsPlan> merge_plan_from_py(const py::object& obj) {
+  auto plan = std::make_shared<WordsPlan>();
+  if (obj.is_none()) {
+    plan->python = true;
+    return plan;
+  }
+  py::dict d = obj.cast<py::dict>();
+  read_words_plan(d, plan.get(), "merge_states", kMergeArgs);
+  plan->out_dtype = d["out_dtype"].cast<at::ScalarType>();
+  for (const Patch& p : plan->patches)
+    TORCH_CHECK(p.kind == kPatchArgPtr || p.kind == kPatchOutPtr,
+                "flashgen binding: merge_states patches are pointers only");
+  return plan;
+}
+
+Key merge_key(c10::ArrayRef<IValue> a) {
+  Key key;
+  key.push(4);
+  key.push_tensor(a[0].toTensor(), false);
+  key.push_tensor(a[1].toTensor(), false);
+  const std::string& name = a[2].toStringRef();  // out_dtype, 8 bytes a word
+  key.push(static_cast<int64_t>(name.size()));
+  for (size_t i = 0; i < name.size(); i += 8) {
+    int64_t word = 0;
+    std::memcpy(&word, name.data() + i, std::min<size_t>(8, name.size() - i));
+    key.push(word);
+  }
+  return key;
+}
+
+void merge_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  auto a = torch::jit::last(*stack, kMergeArgs);
+  const auto plan = get_plan(g_merge_plans, merge_key(a), g_py->merge_plan, &merge_plan_from_py,
+                             stack, kMergeArgs);
+  const Tensor o_parts = a[0].toTensor();
+  const bool serve = !plan->python && o_parts.numel() > 0 && aligned(o_parts);
+  if (!serve) {
+    g_fallbacks.fetch_add(1, std::memory_order_relaxed);
+    run_python(g_py->merge_py, stack, kMergeArgs);
+    return;
+  }
+  Tensor out = at::empty(plan->out_shape, o_parts.options().dtype(plan->out_dtype));
+  Tensor lse = at::empty(plan->lse_shape, o_parts.options().dtype(at::kFloat));
+  int64_t ws_word = -1, ws_size_word = -1;
+  std::vector<uint64_t> words = patched_words(*plan, a, out, lse, &ws_word, &ws_size_word);
+  {
+    c10::DeviceGuard guard(o_parts.device());
+    const int err = plan->launch(words.data(), current_stream(o_parts.device()));
+    if (err != 0) launch_failed(plan->name, plan->check, err, words.data());
+  }
+  torch::jit::drop(*stack, kMergeArgs);
+  torch::jit::push(*stack, std::move(out), std::move(lse));
+}
+
+void merge_python(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  run_python(g_py->merge_py, stack, kMergeArgs);
 }
 
 // ---- autograd ---------------------------------------------------------------------------------
@@ -866,6 +959,7 @@ void install(py::dict callbacks, const std::string& fwd_schema, const std::strin
   g_py = new Callbacks{callbacks["fwd_plan"],       callbacks["fwd_py"],
                        callbacks["bwd_plan"],       callbacks["bwd_py"],
                        callbacks["check_backward"], callbacks["launch_error"],
+                       py::none(),                  py::none(),
                        py::none(),                  py::none()};
   auto& libs = libraries();
   auto def = std::make_unique<torch::Library>(torch::Library::FRAGMENT, "flashgen",
@@ -895,15 +989,10 @@ void install(py::dict callbacks, const std::string& fwd_schema, const std::strin
   g_installed = true;
 }
 
-bool g_decode_installed = false;
-
-// flashgen::decode in C++ (kvcache.py calls this when the binding is on): no gradient.
-void install_decode(py::object plan, py::object python, const std::string& schema,
-                    bool cpu_for_tests) {
-  TORCH_CHECK(g_installed, "flashgen binding: install() first");
-  TORCH_CHECK(!g_decode_installed, "flashgen binding: install_decode() runs once per process");
-  g_py->decode_plan = plan;
-  g_py->decode_py = python;
+// An inference op in C++ (no gradient): its schema, the fast kernel for CUDA (and CPU in the
+// tests), the Python implementation for CPU otherwise, autograd's not-implemented fallback.
+void define_inference_op(const char* name, const std::string& schema, torch::CppFunction fast,
+                         torch::CppFunction cpu) {
   auto& libs = libraries();
   auto def = std::make_unique<torch::Library>(torch::Library::FRAGMENT, "flashgen",
                                               c10::nullopt, __FILE__, __LINE__);
@@ -912,15 +1001,42 @@ void install_decode(py::object plan, py::object python, const std::string& schem
   auto impl = [&](c10::DispatchKey dk, torch::CppFunction fn) {
     auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "flashgen", dk, __FILE__,
                                                 __LINE__);
-    lib->impl("decode", std::move(fn));
+    lib->impl(name, std::move(fn));
     libs.push_back(std::move(lib));
   };
-  impl(c10::DispatchKey::CUDA, torch::CppFunction::makeFromBoxedFunction<&decode_cuda>());
-  impl(c10::DispatchKey::CPU, cpu_for_tests
-                                  ? torch::CppFunction::makeFromBoxedFunction<&decode_cuda>()
-                                  : torch::CppFunction::makeFromBoxedFunction<&decode_python>());
+  impl(c10::DispatchKey::CUDA, std::move(fast));
+  impl(c10::DispatchKey::CPU, std::move(cpu));
   impl(c10::DispatchKey::Autograd, torch::autograd::autogradNotImplementedFallback());
+}
+
+bool g_decode_installed = false, g_merge_installed = false;
+
+// flashgen::decode in C++ (kvcache.py calls this when the binding is on): no gradient.
+void install_decode(py::object plan, py::object python, const std::string& schema,
+                    bool cpu_for_tests) {
+  TORCH_CHECK(g_installed, "flashgen binding: install() first");
+  TORCH_CHECK(!g_decode_installed, "flashgen binding: install_decode() runs once per process");
+  g_py->decode_plan = plan;
+  g_py->decode_py = python;
+  define_inference_op("decode", schema,
+                      torch::CppFunction::makeFromBoxedFunction<&decode_cuda>(),
+                      cpu_for_tests ? torch::CppFunction::makeFromBoxedFunction<&decode_cuda>()
+                                    : torch::CppFunction::makeFromBoxedFunction<&decode_python>());
   g_decode_installed = true;
+}
+
+// flashgen::merge_states in C++ (kvcache.py calls this when the binding is on): no gradient.
+void install_merge(py::object plan, py::object python, const std::string& schema,
+                   bool cpu_for_tests) {
+  TORCH_CHECK(g_installed, "flashgen binding: install() first");
+  TORCH_CHECK(!g_merge_installed, "flashgen binding: install_merge() runs once per process");
+  g_py->merge_plan = plan;
+  g_py->merge_py = python;
+  define_inference_op("merge_states", schema,
+                      torch::CppFunction::makeFromBoxedFunction<&merge_cuda>(),
+                      cpu_for_tests ? torch::CppFunction::makeFromBoxedFunction<&merge_cuda>()
+                                    : torch::CppFunction::makeFromBoxedFunction<&merge_python>());
+  g_merge_installed = true;
 }
 
 py::dict stats() {
@@ -930,6 +1046,7 @@ py::dict stats() {
 }
 
 void clear() {
+  g_merge_plans.clear();
   g_decode_plans.clear();
   g_fwd_plans.clear();
   g_bwd_plans.clear();
@@ -951,6 +1068,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "flashgen.torch's compiled host path (see flashgen.torch.binding)";
   m.def("install", &install, "define flashgen::fwd/bwd with C++ kernels");
   m.def("install_decode", &install_decode, "define flashgen::decode with a C++ kernel");
+  m.def("install_merge", &install_merge, "define flashgen::merge_states with a C++ kernel");
   m.def("stats", &stats, "plan-cache hits, misses and Python fallbacks since load");
   m.def("clear", &clear, "forget every plan");
   m.def("workspace_carve", &workspace_carve, "the backward's workspace carve (tests)");
