@@ -6,7 +6,10 @@ preprocess and dQ conversion kernels, runner, tests and benchmarks, and replaces
 kernel (include/flashgen/bwd_sm90_kernel.cuh): a producer warpgroup loads K and V once and
 streams Q, dO (TMA) and LSE, D into a ring; two consumer warpgroups of 64 keys each compute
 S^T = K Q^T and dP^T = V dO^T (SS-wgmma), then dV += P^T dO and dK += dS^T Q from registers
-(RS-wgmma), and dQ = dS K through shared memory, added to the fp32 workspace.
+(RS-wgmma), and dQ = dS K through shared memory, added to the fp32 workspace: through an
+fp32 dQ tile in shared memory that the producer warpgroup's second warp adds by TMA
+reduce-add (`dq_by_tma`), or by each thread's red.add (the workspace's layout is the
+mma.sync backward's either way).
 
 Tile rules: `warps` 8 (two consumer warpgroups), `block_n` 128 (64 keys each), `block_m` 64
 or 128 query rows a step (dQ of a step is cut into one 64-row piece per warpgroup: 64 x Dp/2
@@ -14,7 +17,8 @@ at block_m 64, 64 x Dp at 128); `stages` 1..4 Q/dO tiles in the ring. Head dims 
 multiples of 8 up to 128 (dK and dV of 64 keys x 128 columns fill half a warpgroup's
 registers; larger head dims need the head dim split across warpgroups, not built).
 Shared memory: K, V; `stages` Q and dO tiles; two dS^T buffers (block_n x block_m); `stages`
-LSE and D rows; 1024 bytes of alignment slack.
+LSE and D rows; at 128 padded columns without a user score_mod the fp32 dQ tile (block_m x
+Dp, see `dq_by_tma`); 1024 bytes of alignment slack.
 Not on this path (rejected by name; `target: sm_90` has them): varlen, dropout, block
 sparsity, deterministic, instrument_io.
 """
@@ -34,12 +38,22 @@ TILE_BLOCK_M = (64, 128)
 TILE_STAGES = (1, 2, 3, 4)
 
 
-def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype) -> int:
-    """K, V, `stages` x (Q, dO) tiles of Dp columns, two dS^T buffers, `stages` x (LSE, D)
-    fp32 rows, + 1024 alignment."""
+def dq_by_tma(head_dim: int, user_score_mod: bool) -> bool:
+    """Whether the kernel adds dQ through an fp32 tile in shared memory and TMA reduce-adds
+    (BwdSm90Config::kDqTma; else each thread's red.add): at 128 padded columns without a
+    user score_mod, where it measured 1.16-1.19x and compiles spill-free (ptxas 13.0)."""
+    return head_dim_pad(head_dim) == 128 and not user_score_mod
+
+
+def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype, user_score_mod: bool = False) -> int:
+    """K, V, `stages` x (Q, dO) tiles of Dp columns, two dS^T buffers, the fp32 dQ tile
+    (block_m x Dp, `dq_by_tma` kernels), `stages` x (LSE, D) fp32 rows, + 1024 alignment."""
     pad, e = head_dim_pad(head_dim), dtype.nbytes
     tiles = (2 * tile.block_n + 2 * tile.stages * tile.block_m) * pad * e
-    return tiles + 2 * tile.block_n * tile.block_m * e + 2 * tile.stages * tile.block_m * 4 + 1024
+    dq = tile.block_m * pad * 4 if dq_by_tma(head_dim, user_score_mod) else 0
+    return (
+        tiles + 2 * tile.block_n * tile.block_m * e + 2 * tile.stages * tile.block_m * 4 + dq + 1024
+    )
 
 
 def tile_problems(tile: Tile, head_dim: int) -> list[tuple[str, str]]:
@@ -113,13 +127,14 @@ class BackwardSm90(Backward):
                 self.smem_problem(
                     spec,
                     f"(2*block_n + 2*stages*block_m) * ceil(head_dim/64)*64 * {spec.dtype.nbytes}"
-                    f" + 2*block_n*block_m*{spec.dtype.nbytes} + 8*stages*block_m + 1024",
+                    f" + 2*block_n*block_m*{spec.dtype.nbytes} + 8*stages*block_m"
+                    " + 1024 (+ 4*block_m*128 at 128 padded columns without a score_mod)",
                 )
             )
         return out
 
     def smem_bytes(self, spec: KernelSpec) -> int:
-        return smem_bytes(spec.tile, spec.head_dim, spec.dtype)
+        return smem_bytes(spec.tile, spec.head_dim, spec.dtype, spec.score_mod is not None)
 
     def threads(self, spec: KernelSpec) -> int:
         """The consumer warps plus one producer warpgroup (TMA)."""

@@ -16,7 +16,23 @@
 //              wgmma accumulating dP^T from -D
 //   dQ piece   dQ of a step = dS K (block_m x Dp, K = every key of the CTA) is cut into one
 //              64-row x kDqN piece per group; dS^T goes through shared memory for it (the A
-//              operand read MN-major) and each piece is added to dq_accum with red.v2.f32
+//              operand read MN-major); each group stores its piece into the step's fp32 dQ
+//              tile in shared memory, and the dQ writer adds the tile's rows to dq_accum
+//   kDqTma     how a step's dQ pieces reach dq_accum: through the dQ tile and the dQ writer
+//              (below), or (false) by each consumer thread's red.global.add.v2.f32 of its
+//              piece. The tile is taken at Dp = 128 without a user score_mod: there it
+//              measured 1.16-1.19x the backward's TFLOP/s (H200, docs/benchmarks.md); at Dp
+//              64 and with a user score_mod the kernels it makes spill 12-164 bytes (ptxas
+//              13.0: the producer warpgroup's 24 registers, the heavier consumers), so those
+//              keep the adds
+//   dQ tile    the step's block_m x Dp fp32 dQ in shared memory, as ceil(d / 32) SW128 boxes
+//              of 32 columns (128 bytes) x block_m rows: what TMA reads for the map of
+//              dq_accum (bwd_sm90_launch.cuh)
+//   dQ writer  lane 0 of the producer warpgroup's second warp: per step it waits for the dQ
+//              tile (dq_full), adds it to dq_accum by TMA (cp.reduce.async.bulk.tensor .add,
+//              one instruction per box; rows past seqlen_q and columns past d are dropped by
+//              the map's bounds), and frees the tile (dq_empty) once TMA has read it, so the
+//              consumers issue no global atomics
 //   Dp         head_dim rounded up to 64 (TMA box width); columns d..Dp-1 read as 0 and are
 //              neither stored nor added
 //   slot       ring position of a step's Q, dO, LSE and D (step % stages); full[slot]
@@ -24,11 +40,12 @@
 //              empty[slot] when every consumer thread is done with it
 //
 // Per CTA: a producer warpgroup (24 registers): its first warp loads K, V once and then Q, dO
-// by TMA and LSE, D by plain loads, step by step, into the ring. Each consumer group per step:
-// S^T = K Q^T and dP^T = V dO^T (SS-wgmma), mask (mask.cuh, transposed), P^T and dS^T in fp32
-// registers, dV += P^T dO and dK += dS^T Q (RS-wgmma), dS^T to shared memory, a barrier of the
-// consumers, its dQ piece (SS-wgmma), the adds, and the slot's release. dK = scale * dK and dV
-// are stored from registers at the end (zeros when no step saw the keys).
+// by TMA and LSE, D by plain loads, step by step, into the ring; its second warp is the dQ
+// writer. Each consumer group per step: S^T = K Q^T and dP^T = V dO^T (SS-wgmma), mask
+// (mask.cuh, transposed), P^T and dS^T in fp32 registers, dV += P^T dO and dK += dS^T Q
+// (RS-wgmma), dS^T to shared memory, a barrier of the consumers, its dQ piece (SS-wgmma), the
+// slot's release, and the piece into the dQ tile (after the writer freed it). dK = scale * dK
+// and dV are stored from registers at the end (zeros when no step saw the keys).
 #pragma once
 
 #include <cuda.h>
@@ -48,7 +65,7 @@ namespace fg {
 
 // The TMA tensor maps of one call (built by the launcher, bwd_sm90_launch.cuh).
 struct BwdSm90Maps {
-  CUtensorMap q, k, v, dout;
+  CUtensorMap q, k, v, dout, dq_accum;  // dq_accum: fp32, reduce-add boxes of the dQ tile
   int q_heads_inner, kv_heads_inner, do_heads_inner;  // coordinate order (make_tmap_bshd)
 };
 
@@ -78,8 +95,13 @@ struct BwdSm90Config : S {
   static constexpr int kQBytes = kBlockM * kHeadDimPad * kElem;     // one Q (or dO) tile
   static constexpr int kKvBytes = kBlockN * kHeadDimPad * kElem;    // one K (or V) tile
   static constexpr int kDsBytes = kBlockN * kBlockM * kElem;        // one dS^T buffer
-  static constexpr int kSmemBytes =
-      2 * kKvBytes + 2 * kStages * kQBytes + 2 * kDsBytes + 2 * kStages * kBlockM * 4 + 1024;
+  static constexpr bool kDqTma = kHeadDimPad == 128 && !ScoreModOf<S, false>::kUser;
+  static constexpr int kDqBoxes = (kHeadDim + 31) / 32;  // 32-column fp32 boxes holding d
+  static constexpr int kDqBox = kBlockM * 32;               // floats per box
+  static constexpr int kDqBytes = kDqTma ? kBlockM * kHeadDimPad * 4 : 0;  // the dQ tile
+  static constexpr int kSmemBytes = 2 * kKvBytes + 2 * kStages * kQBytes + 2 * kDsBytes +
+                                    kDqBytes + 2 * kStages * kBlockM * 4 + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory: 227 KiB per CTA on sm_90");
   static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536, "registers");
   static_assert(kWarps == 8, "two consumer warpgroups (block_n = 128)");
   static_assert(kBlockN == 64 * kGroups, "block_n = 64 keys per consumer warpgroup");
@@ -92,6 +114,13 @@ struct BwdSm90Config : S {
   static_assert(!S::kVarlen && !S::kSparse && !S::kInstrumentIo && !S::kDropout,
                 "varlen, sparsity, dropout and instrument_io are not on the sm_90a backward");
 };
+
+// dQ tile element (query row r, column c): box c / 32, and in its 128-byte row r the 16-byte
+// chunk (c % 32) / 4 at chunk ((c % 32) / 4) ^ (r % 8) (SW128, as TMA reads it).
+template <class C>
+__device__ __forceinline__ int dq_tile_offset(int r, int c) {
+  return (c >> 5) * C::kDqBox + r * 32 + ((((c & 31) >> 2) ^ (r & 7)) << 2) + (c & 3);
+}
 
 // dS^T element (key row r, query column c) of a [block_n keys][64 queries] SW128 box: the
 // 16-byte chunk c / 8 of row r sits at chunk (c / 8) ^ (r % 8) (what TMA would write).
@@ -112,9 +141,11 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
   Elem* sQ = sV + C::kBlockN * C::kHeadDimPad;
   Elem* sdO = sQ + C::kStages * C::kBlockM * C::kHeadDimPad;
   Elem* sdS = sdO + C::kStages * C::kBlockM * C::kHeadDimPad;
-  float* sLse = reinterpret_cast<float*>(sdS + 2 * C::kBlockN * C::kBlockM);
+  float* sdQ = reinterpret_cast<float*>(sdS + 2 * C::kBlockN * C::kBlockM);  // 1024-aligned
+  float* sLse = sdQ + C::kDqBytes / 4;
   float* sD = sLse + C::kStages * C::kBlockM;
-  __shared__ uint64_t bar_kv, full[C::kStages], empty[C::kStages];
+  __shared__ uint64_t bar_kv, full[C::kStages], empty[C::kStages], dq_full, dq_empty;
+  __shared__ int dq_job[2];  // the step's head and first query row, from consumer thread 0
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = warp / 4, g = lane >> 2, t = lane & 3;
@@ -145,6 +176,10 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
       mbar_init(&full[s], 1 + 32);  // the TMA transaction + the producer warp's LSE/D writes
       mbar_init(&empty[s], C::kConsumerThreads);
     }
+    if constexpr (C::kDqTma) {
+      mbar_init(&dq_full, C::kConsumerThreads);  // every consumer thread's piece is stored
+      mbar_init(&dq_empty, 1);                   // the dQ writer: TMA has read the tile
+    }
     mbar_init_fence();
   }
   __syncthreads();
@@ -154,10 +189,32 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
     tma_load_bshd(dst, &map, heads_inner, bar, col, row, head, static_cast<int>(b));
   };
 
-  // ---- producer warpgroup: its first warp fills the ring; the rest retire ----------------
+  // ---- producer warpgroup: its first warp fills the ring, its second writes dQ ------------
   if (warp >= C::kWarps) {
     regs_dealloc<C::kProducerRegs>();
-    if (warp != C::kWarps || n_steps == 0) return;
+    if constexpr (C::kDqTma) {
+      if (n_steps == 0 || warp > C::kWarps + 1) return;
+      if (warp == C::kWarps + 1) {  // the dQ writer: each step's tile into dq_accum
+        // Its head and rows come from the consumers (dq_job): this warp's 24 registers spilled
+        // 40-130 bytes when it walked the steps itself (ptxas 13.0).
+        if (lane != 0) return;
+        for (int s = 0; s < n_steps; ++s) {
+          mbar_wait(&dq_full, static_cast<uint32_t>(s & 1));
+          const int h = dq_job[0], r0 = dq_job[1];
+#pragma unroll
+          for (int j = 0; j < C::kDqBoxes; ++j)
+            tma_reduce_add_4d(sdQ + j * C::kDqBox, &maps.dq_accum, j * 32, h, r0,
+                              static_cast<int>(b));
+          bulk_commit();
+          bulk_wait_read<0>();
+          mbar_arrive(&dq_empty);
+        }
+        bulk_wait<0>();  // the adds have landed before the CTA's shared memory is released
+        return;
+      }
+    } else if (warp != C::kWarps || n_steps == 0) {
+      return;
+    }
     if (lane == 0) {
       mbar_arrive_expect_tx(&bar_kv, 2 * C::kKvBytes);
 #pragma unroll
@@ -224,7 +281,7 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
   // stored, and dQ through dS^T in shared memory, where they are written as 0 (times K's zero
   // rows they would vanish, but P^T = exp(-LSE) may overflow to inf, and inf * 0 = NaN).
   const bool key_ok[2] = {key0 + wk * 16 + g < kr, key0 + wk * 16 + g + 8 < kr};
-  const int64_t q_row_base = b * p.seqlen_q;  // seq.grow(0): dq_accum's rows of this batch
+  [[maybe_unused]] const int64_t q_row_base = b * p.seqlen_q;  // dq_accum's rows (the adds)
   if (n_steps > 0) mbar_wait(&bar_kv, 0);
   int h_off = 0, m = static_cast<int>(m_lo);  // the step's head offset and query tile
   for (int s = 0; s < n_steps; ++s) {
@@ -371,18 +428,43 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
     reg_fence(acc_dq);
     mbar_arrive(&empty[slot]);  // Q, dO, LSE, D of this slot are no longer read
 
-    // The piece's adds: element 4 j + 2 r + e is (row 16 wk + g + 8 r, column 8 j + 2 t + e).
-    const int64_t qr = min(static_cast<int64_t>(C::kBlockM), sq - r0);
+    if constexpr (C::kDqTma) {
+      // The piece into the dQ tile once TMA has read the last step's out (element 4 j + 2 r + e
+      // is row 16 wk + g + 8 r, column 8 j + 2 t + e of the piece; rows past the sequence and
+      // columns past d are stored and dropped by the map), then the writer's signal.
+      if (s > 0) mbar_wait(&dq_empty, static_cast<uint32_t>((s - 1) & 1));
+      // Rows 8 apart share row % 8 = g, so with x = (t / 2) ^ g the 16-byte chunk of column
+      // dq_col + 8 j + 2 t is (2 (j % 4)) ^ x in box dq_col / 32 + j / 4 (dq_tile_offset). The
+      // thread's base and x are re-derived every step, opaque to the compiler: hoisted out of
+      // the loop, the addresses spilled 48 bytes beside the step's register peak (ptxas 13.0).
+      float* dq_t = sdQ + dq_tile_offset<C>(dq_row + wk * 16 + g, dq_col + 2 * t) -
+                    ((((t >> 1) ^ g)) << 2);  // chunk 0 of the thread's row, its pair in it
+      int x = (t >> 1) ^ g;
+      asm volatile("" : "+l"(dq_t), "+r"(x));
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = dq_row + wk * 16 + g + r * 8;
-      if (row < qr) {
-        float* dst = p.dq_accum + ((q_row_base + r0 + row) * p.heads + h) * C::kHeadDim +
-                     dq_col + 2 * t;
+      for (int r = 0; r < 2; ++r)
 #pragma unroll
         for (int j = 0; j < C::kDqN / 8; ++j)
-          if (dq_col + j * 8 + 2 * t < C::kHeadDim)
-            red_add_v2(dst + j * 8, acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
+          *reinterpret_cast<float2*>(dq_t + (j / 4) * C::kDqBox + r * 8 * 32 +
+                                     (((2 * (j & 3)) ^ x) << 2)) =
+              make_float2(acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
+      if (tid == 0) dq_job[0] = static_cast<int>(h), dq_job[1] = static_cast<int>(r0);
+      fence_proxy_async_smem();  // the stores, seen by the bulk engine (the async proxy)
+      mbar_arrive(&dq_full);
+    } else {
+      // The piece's adds: element 4 j + 2 r + e is (row 16 wk + g + 8 r, column 8 j + 2 t + e).
+      const int64_t qr = min(static_cast<int64_t>(C::kBlockM), sq - r0);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = dq_row + wk * 16 + g + r * 8;
+        if (row < qr) {
+          float* dst = p.dq_accum + ((q_row_base + r0 + row) * p.heads + h) * C::kHeadDim +
+                       dq_col + 2 * t;
+#pragma unroll
+          for (int j = 0; j < C::kDqN / 8; ++j)
+            if (dq_col + j * 8 + 2 * t < C::kHeadDim)
+              red_add_v2(dst + j * 8, acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
+        }
       }
     }
     if (++m == m_hi) m = static_cast<int>(m_lo), ++h_off;

@@ -1,5 +1,6 @@
 // flashgen: host side of the Hopper backward's launcher: TMA's rules as argument checks, and
-// the call's tensor maps (q, k, v, dout), cached per kernel by call shape (sm90_cache.h).
+// the call's tensor maps (q, k, v, dout, dq_accum), cached per kernel by call shape and
+// buffers (sm90_cache.h).
 #pragma once
 
 #include <stdint.h>
@@ -35,8 +36,25 @@ const char* check_bwd_sm90_params(const fg_bwd_params& p) {
   return nullptr;
 }
 
+// dq_accum (batch * seqlen_q rows, heads, d; fp32) as the map (d, heads, seqlen_q, batch) in
+// SW128 boxes of 32 columns (128 bytes) x 1 head x block_m rows x 1 batch: the dQ writer adds
+// the step's tile through it, and the map's bounds drop rows past seqlen_q and columns past d.
+template <class C>
+const char* make_tmap_dq_accum(CUtensorMap* map, const fg_bwd_params& p) {
+  sm90::EncodeTiledFn fn = sm90::encode_tiled_fn();
+  if (!fn) return "cuTensorMapEncodeTiled is not available (driver too old for TMA)";
+  auto at_least_1 = [](int64_t x) { return static_cast<cuuint64_t>(x < 1 ? 1 : x); };
+  const cuuint64_t d = C::kHeadDim, h = at_least_1(p.heads), sq = at_least_1(p.seqlen_q);
+  const cuuint64_t dims[4] = {d, h, sq, at_least_1(p.batch)};
+  const cuuint64_t strides[3] = {d * 4, h * d * 4, sq * h * d * 4};  // bytes
+  const cuuint32_t box[4] = {32, 1, static_cast<cuuint32_t>(C::kBlockM), 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  return sm90::encode(fn, map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.dq_accum, dims, strides,
+                      box, elem_strides);
+}
+
 struct BwdSm90MapKey {
-  const void *q, *k, *v, *dout;
+  const void *q, *k, *v, *dout, *dq_accum;
   int64_t batch, seqlen_q, seqlen_k, heads, kv_heads, strides[12];
 };
 
@@ -44,7 +62,7 @@ struct BwdSm90MapKey {
 template <class C, bool kBf16>
 const char* bwd_sm90_maps(const fg_bwd_params& p, BwdSm90Maps* maps) {
   static sm90::MapCache<BwdSm90MapKey, BwdSm90Maps> cache;
-  const BwdSm90MapKey key{p.q, p.k, p.v, p.dout, p.batch, p.seqlen_q, p.seqlen_k, p.heads,
+  const BwdSm90MapKey key{p.q, p.k, p.v, p.dout, C::kDqTma ? p.dq_accum : nullptr, p.batch, p.seqlen_q, p.seqlen_k, p.heads,
                           p.kv_heads,
                           {p.q_batch_stride, p.q_row_stride, p.q_head_stride, p.k_batch_stride,
                            p.k_row_stride, p.k_head_stride, p.v_batch_stride, p.v_row_stride,
@@ -70,6 +88,8 @@ const char* bwd_sm90_maps(const fg_bwd_params& p, BwdSm90Maps* maps) {
     return m;
   if (k_inner != v_inner)
     return "k and v must order their strides alike (head stride below or above row stride)";
+  if constexpr (C::kDqTma)
+    if (const char* m = make_tmap_dq_accum<C>(&maps->dq_accum, p)) return m;
   maps->q_heads_inner = q_inner;
   maps->kv_heads_inner = k_inner;
   maps->do_heads_inner = do_inner;

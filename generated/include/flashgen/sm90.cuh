@@ -93,6 +93,30 @@ __device__ __forceinline__ void tma_load_bshd(void* smem, const void* tmap, bool
   else
     tma_load_4d(smem, tmap, bar, col, static_cast<int>(row), static_cast<int>(head), batch);
 }
+// One 4D box of shared memory added element-wise (fp32) into the tensor map's box at (c0, c1,
+// c2, c3): elements outside the map's bounds are dropped. Completes as a bulk group
+// (bulk_commit, bulk_wait_read / bulk_wait).
+__device__ __forceinline__ void tma_reduce_add_4d(const void* smem, const void* tmap, int c0,
+                                                  int c1, int c2, int c3) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group "
+      "[%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(tmap),
+      "r"(smem_addr(smem)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Until at most kPending of this thread's bulk groups still read their shared memory.
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+// Until at most kPending of this thread's bulk groups are incomplete (their writes done too).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
 __device__ __forceinline__ void tma_prefetch_desc(const void* tmap) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(tmap) : "memory");
 }

@@ -42,12 +42,12 @@ inline EncodeTiledFn encode_tiled_fn() {
 // autograd's worker thread. Only then (no context at all, so no caller's context is
 // replaced) is the runtime's current device's primary context made current, and the encode
 // tried again. Not a stream operation, so it is legal during graph capture.
-inline const char* encode(EncodeTiledFn fn, CUtensorMap* map, bool bf16, cuuint32_t rank,
-                          const void* base, const cuuint64_t* dims, const cuuint64_t* strides,
-                          const cuuint32_t* box, const cuuint32_t* elem_strides) {
+inline const char* encode(EncodeTiledFn fn, CUtensorMap* map, CUtensorMapDataType type,
+                          cuuint32_t rank, const void* base, const cuuint64_t* dims,
+                          const cuuint64_t* strides, const cuuint32_t* box,
+                          const cuuint32_t* elem_strides) {
   auto once = [&] {
-    return fn(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-              rank, const_cast<void*>(base), dims, strides, box, elem_strides,
+    return fn(map, type, rank, const_cast<void*>(base), dims, strides, box, elem_strides,
               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
               CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   };
@@ -59,6 +59,9 @@ inline const char* encode(EncodeTiledFn fn, CUtensorMap* map, bool bf16, cuuint3
     r = once();
   }
   return r == CUDA_SUCCESS ? nullptr : "cuTensorMapEncodeTiled rejected the tensor map";
+}
+inline CUtensorMapDataType half_type(bool bf16) {
+  return bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
 }
 
 // A 2D view (rows x cols, 16-bit elements, `row_stride` elements between rows) loaded in
@@ -77,7 +80,7 @@ inline const char* make_tmap_2d(CUtensorMap* map, const void* base, bool bf16, u
   const cuuint64_t strides[1] = {row_stride * 2};
   const cuuint32_t box[2] = {64, box_rows};
   const cuuint32_t elem_strides[2] = {1, 1};
-  return encode(fn, map, bf16, 2, base, dims, strides, box, elem_strides);
+  return encode(fn, map, half_type(bf16), 2, base, dims, strides, box, elem_strides);
 }
 
 // TMA's rules for a (batch, rows, heads, cols) tensor of 16-bit elements with element
@@ -119,7 +122,7 @@ inline const char* make_tmap_bshd(CUtensorMap* map, bool* heads_inner, const voi
                                  static_cast<cuuint64_t>(batch_stride) * 2};
   const cuuint32_t box[4] = {64, *heads_inner ? 1u : box_rows, *heads_inner ? box_rows : 1u, 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  return encode(fn, map, bf16, 4, base, dims, strides, box, elem_strides);
+  return encode(fn, map, half_type(bf16), 4, base, dims, strides, box, elem_strides);
 }
 
 }  // namespace sm90
