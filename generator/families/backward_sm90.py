@@ -17,8 +17,8 @@ at block_m 64, 64 x Dp at 128); `stages` 1..4 Q/dO tiles in the ring. Head dims 
 multiples of 8 up to 128 (dK and dV of 64 keys x 128 columns fill half a warpgroup's
 registers; larger head dims need the head dim split across warpgroups, not built).
 Shared memory: K, V; `stages` Q and dO tiles; two dS^T buffers (block_n x block_m); `stages`
-LSE and D rows; at 128 padded columns without a user score_mod the fp32 dQ tile (block_m x
-Dp, see `dq_by_tma`); 1024 bytes of alignment slack.
+LSE and D rows; the fp32 dQ tile (block_m x Dp) where `dq_by_tma`; 1024 bytes of alignment
+slack.
 Not on this path (rejected by name; `target: sm_90` has them): varlen, dropout, block
 sparsity, deterministic, instrument_io.
 """
@@ -38,11 +38,12 @@ TILE_BLOCK_M = (64, 128)
 TILE_STAGES = (1, 2, 3, 4)
 
 
-def dq_by_tma(head_dim: int, user_score_mod: bool) -> bool:
+def dq_by_tma(head_dim: int, block_m: int, user_score_mod: bool) -> bool:
     """Whether the kernel adds dQ through an fp32 tile in shared memory and TMA reduce-adds
-    (BwdSm90Config::kDqTma; else each thread's red.add): at 128 padded columns without a
-    user score_mod, where it measured 1.16-1.19x and compiles spill-free (ptxas 13.0)."""
-    return head_dim_pad(head_dim) == 128 and not user_score_mod
+    (BwdSm90Config::kDqTma; else each thread's red.add): without a user score_mod, at 128
+    padded columns or 128 query rows a step, where it compiles spill-free (ptxas 13.0) and
+    measured faster (docs/benchmarks.md, eleventh session)."""
+    return not user_score_mod and (head_dim_pad(head_dim) == 128 or block_m == 128)
 
 
 def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype, user_score_mod: bool = False) -> int:
@@ -50,7 +51,7 @@ def smem_bytes(tile: Tile, head_dim: int, dtype: Dtype, user_score_mod: bool = F
     (block_m x Dp, `dq_by_tma` kernels), `stages` x (LSE, D) fp32 rows, + 1024 alignment."""
     pad, e = head_dim_pad(head_dim), dtype.nbytes
     tiles = (2 * tile.block_n + 2 * tile.stages * tile.block_m) * pad * e
-    dq = tile.block_m * pad * 4 if dq_by_tma(head_dim, user_score_mod) else 0
+    dq = tile.block_m * pad * 4 if dq_by_tma(head_dim, tile.block_m, user_score_mod) else 0
     return (
         tiles + 2 * tile.block_n * tile.block_m * e + 2 * tile.stages * tile.block_m * 4 + dq + 1024
     )
@@ -128,7 +129,7 @@ class BackwardSm90(Backward):
                     spec,
                     f"(2*block_n + 2*stages*block_m) * ceil(head_dim/64)*64 * {spec.dtype.nbytes}"
                     f" + 2*block_n*block_m*{spec.dtype.nbytes} + 8*stages*block_m"
-                    " + 1024 (+ 4*block_m*128 at 128 padded columns without a score_mod)",
+                    " + 1024 (+ 4*block_m*ceil(head_dim/64)*64 for the dQ tile, see dq_by_tma)",
                 )
             )
         return out
@@ -144,14 +145,17 @@ class BackwardSm90(Backward):
         """Measured on an H200 (bf16, side by side, docs/benchmarks.md "Backward v3"): 128 keys
         per CTA (two consumer warpgroups); at 64 padded columns 128 query rows a step and three
         stages (1.13-1.18x FlashAttention-2, against 0.93-1.04x with 64 rows), at 128 columns
-        64 rows and two stages (three measured within noise of two). `values` are the spec's
-        parsed fields (feature flags by field path)."""
+        64 rows and two stages (three measured within noise of two). With the dQ tile in
+        shared memory (`dq_by_tma`), 128 rows at 64 columns take two stages: three need
+        233,472 bytes, past the 227 KiB a CTA may have (two with the tile measured 1.05-1.15x
+        three with the adds). `values` are the spec's parsed fields (feature flags by field
+        path)."""
         # softcap keeps its derivative beside the scores: 128 query rows a step then spill
         # (92 bytes at d 64, ptxas), 64 do not; a score_mod (positions, parameters and maybe a
         # derivative) takes 64 rows likewise
         light = not values.get("softcap") and values.get("score_mod") is None
         if head_dim_pad(head_dim) <= 64 and light:
-            return Tile(block_m=128, block_n=128, warps=8, stages=3)
+            return Tile(block_m=128, block_n=128, warps=8, stages=2)
         return Tile(block_m=64, block_n=128, warps=8, stages=2)
 
     def config(self, spec: KernelSpec) -> dict[str, Any]:

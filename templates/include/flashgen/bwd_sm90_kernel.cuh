@@ -20,11 +20,10 @@
 //              tile in shared memory, and the dQ writer adds the tile's rows to dq_accum
 //   kDqTma     how a step's dQ pieces reach dq_accum: through the dQ tile and the dQ writer
 //              (below), or (false) by each consumer thread's red.global.add.v2.f32 of its
-//              piece. The tile is taken at Dp = 128 without a user score_mod: there it
-//              measured 1.16-1.19x the backward's TFLOP/s (H200, docs/benchmarks.md); at Dp
-//              64 and with a user score_mod the kernels it makes spill 12-164 bytes (ptxas
-//              13.0: the producer warpgroup's 24 registers, the heavier consumers), so those
-//              keep the adds
+//              piece. The tile is taken without a user score_mod at Dp = 128 or block_m =
+//              128 (H200, docs/benchmarks.md: 1.16-1.19x the backward's TFLOP/s at d 128);
+//              at Dp 64 with block_m 64 (softcap) and with a user score_mod the kernels it
+//              makes spill 20-164 bytes (ptxas 13.0), so those keep the adds
 //   dQ tile    the step's block_m x Dp fp32 dQ in shared memory, as ceil(d / 32) SW128 boxes
 //              of 32 columns (128 bytes) x block_m rows: what TMA reads for the map of
 //              dq_accum (bwd_sm90_launch.cuh)
@@ -95,7 +94,8 @@ struct BwdSm90Config : S {
   static constexpr int kQBytes = kBlockM * kHeadDimPad * kElem;     // one Q (or dO) tile
   static constexpr int kKvBytes = kBlockN * kHeadDimPad * kElem;    // one K (or V) tile
   static constexpr int kDsBytes = kBlockN * kBlockM * kElem;        // one dS^T buffer
-  static constexpr bool kDqTma = kHeadDimPad == 128 && !ScoreModOf<S, false>::kUser;
+  static constexpr bool kDqTma =
+      !ScoreModOf<S, false>::kUser && (kHeadDimPad == 128 || kBlockM == 128);
   static constexpr int kDqBoxes = (kHeadDim + 31) / 32;  // 32-column fp32 boxes holding d
   static constexpr int kDqBox = kBlockM * 32;               // floats per box
   static constexpr int kDqBytes = kDqTma ? kBlockM * kHeadDimPad * 4 : 0;  // the dQ tile
@@ -192,6 +192,11 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
   // ---- producer warpgroup: its first warp fills the ring, its second writes dQ ------------
   if (warp >= C::kWarps) {
     regs_dealloc<C::kProducerRegs>();
+    // the walk's bounds in 32 bits (TMA's coordinates are 32-bit, and the launcher refuses
+    // longer sequences): with 64-bit ones the loads spilled 12 bytes of this warpgroup's 24
+    // registers at block_m 128 beside the dQ writer (ptxas 13.0)
+    const int w_lo = static_cast<int>(m_lo), w_hi = static_cast<int>(m_hi);
+    const int w_sq = static_cast<int>(sq);
     if constexpr (C::kDqTma) {
       if (n_steps == 0 || warp > C::kWarps + 1) return;
       if (warp == C::kWarps + 1) {  // the dQ writer: each step's tile into dq_accum
@@ -223,7 +228,7 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
         tma(sV + j * C::kKvBox, maps.v, maps.kv_heads_inner, &bar_kv, j * 64, c0, hk);
       }
     }
-    int h_off = 0, m = static_cast<int>(m_lo);  // the step's head offset and query tile
+    int h_off = 0, m = w_lo;  // the step's head offset and query tile
     for (int s = 0; s < n_steps; ++s) {
       const int slot = s % C::kStages;
       if (s >= C::kStages) mbar_wait(&empty[slot], static_cast<uint32_t>((s / C::kStages - 1) & 1));
@@ -242,7 +247,7 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
       for (int r = lane; r < C::kBlockM; r += 32) {
         const int64_t row = r0 + r;
         float lse2 = INFINITY, dsum = 0.f;
-        if (row < sq) {
+        if (row < w_sq) {
           const float lse = p.lse[seq.lse_off(p.lse_batch_stride, p.lse_head_stride, h, row)];
           lse2 = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
           dsum = p.dsum[seq.grow(row) * p.heads + h];
@@ -251,7 +256,7 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
         sD[slot * C::kBlockM + r] = dsum;
       }
       mbar_arrive(&full[slot]);  // release: the writes above precede the phase's completion
-      if (++m == m_hi) m = static_cast<int>(m_lo), ++h_off;
+      if (++m == w_hi) m = w_lo, ++h_off;
     }
     return;
   }

@@ -16,6 +16,9 @@ namespace fg {
 template <class C>
 const char* check_bwd_sm90_params(const fg_bwd_params& p) {
   if (p.batch == 0 || p.seqlen_q == 0 || p.seqlen_k == 0) return nullptr;  // nothing is loaded
+  if (p.seqlen_q >= (int64_t{1} << 31) || p.seqlen_k >= (int64_t{1} << 31) ||
+      p.heads >= (int64_t{1} << 31) || p.batch >= (int64_t{1} << 31))
+    return "seqlen_q, seqlen_k, heads and batch must be below 2^31 (TMA coordinates are 32-bit)";
   struct Tensor {
     const void* base;
     int64_t batch_stride, row_stride, head_stride;
