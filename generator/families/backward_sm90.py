@@ -129,7 +129,12 @@ class BackwardSm90(Backward):
                     spec,
                     f"(2*block_n + 2*stages*block_m) * ceil(head_dim/64)*64 * {spec.dtype.nbytes}"
                     f" + 2*block_n*block_m*{spec.dtype.nbytes} + 8*stages*block_m"
-                    " + 1024 (+ 4*block_m*ceil(head_dim/64)*64 for the dQ tile, see dq_by_tma)",
+                    + (
+                        " + 4*block_m*ceil(head_dim/64)*64 (the fp32 dQ tile)"
+                        if dq_by_tma(spec.head_dim, spec.tile.block_m, spec.score_mod is not None)
+                        else ""
+                    )
+                    + " + 1024",
                 )
             )
         return out
@@ -147,9 +152,9 @@ class BackwardSm90(Backward):
         stages (1.13-1.18x FlashAttention-2, against 0.93-1.04x with 64 rows), at 128 columns
         64 rows and two stages (three measured within noise of two). With the dQ tile in
         shared memory (`dq_by_tma`), 128 rows at 64 columns take two stages: three need
-        233,472 bytes, past the 227 KiB a CTA may have (two with the tile measured 1.05-1.15x
-        three with the adds). `values` are the spec's parsed fields (feature flags by field
-        path)."""
+        233,472 bytes, past the 227 KiB a CTA may have (two with the tile measured 1.06-1.14x
+        three with the adds, ab_bench on an H200). `values` are the spec's parsed fields
+        (feature flags by field path)."""
         # softcap keeps its derivative beside the scores: 128 query rows a step then spill
         # (92 bytes at d 64, ptxas), 64 do not; a score_mod (positions, parameters and maybe a
         # derivative) takes 64 rows likewise
