@@ -39,16 +39,24 @@ def _same_tokens(spec) -> bool:
 
 def sample_specs():
     """One spec per family key below; with FLASHGEN_SANITIZE_FEATURES=1 only those with a score
-    modifier (a session that changed the score stage alone)."""
+    modifier (a session that changed the score stage alone); with FLASHGEN_SANITIZE_ONLY=KIND
+    or KIND:TARGET (`backward`, `forward:sm_90a`) only that kernel kind on that target (a
+    session that changed one mainloop)."""
     import os
 
     from flashgen.generator.load import load_paths
 
     features_only = os.environ.get("FLASHGEN_SANITIZE_FEATURES") == "1"
+    only = os.environ.get("FLASHGEN_SANITIZE_ONLY", "")
+    kind, _, target = only.partition(":")
+    if kind not in ("", "forward", "backward"):
+        raise SystemExit(f"FLASHGEN_SANITIZE_ONLY={only!r}: the kind is forward or backward")
 
     picked, seen = [], set()
     for s in load_paths([REPO / "specs"]):
         if s.kernel.yaml not in ("forward", "backward") or (features_only and not s.features):
+            continue
+        if (kind and s.kernel.yaml != kind) or (target and s.target.yaml != target):
             continue
         family = (
             s.kernel,
