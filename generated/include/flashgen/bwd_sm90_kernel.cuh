@@ -12,8 +12,8 @@
 //              P^T = exp(scale S^T - LSE): the wgmma accumulator of 64 keys is the m16n8 C
 //              layout per warp with rows = keys and columns = queries, so P^T packs into the
 //              A registers of dV += P^T dO as P does into P V in the forward
-//   dP^T, dS^T V dO^T and dS^T = P^T * (dP^T - D), D = rowsum(dO * O) (the preprocess); P^T
-//              is formed while dP^T is still on the tensor cores (kPFirst, below)
+//   dP^T, dS^T V dO^T and dS^T = P^T * (dP^T - D), D = rowsum(dO * O) (the preprocess), the
+//              wgmma accumulating dP^T from -D
 //   dQ piece   dQ of a step = dS K (block_m x Dp, K = every key of the CTA) is cut into one
 //              64-row x kDqN piece per group; dS^T goes through shared memory for it (the A
 //              operand read MN-major); each group stores its piece into the step's fp32 dQ
@@ -288,12 +288,10 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
   const bool key_ok[2] = {key0 + wk * 16 + g < kr, key0 + wk * 16 + g + 8 < kr};
   [[maybe_unused]] const int64_t q_row_base = b * p.seqlen_q;  // dq_accum's rows (the adds)
   if (n_steps > 0) mbar_wait(&bar_kv, 0);
-  // the walk in 32 bits, as the producer's (fewer registers beside the step's peak)
-  const int c_lo = static_cast<int>(m_lo), c_hi = static_cast<int>(m_hi);
-  int h_off = 0, m = c_lo;  // the step's head offset and query tile
+  int h_off = 0, m = static_cast<int>(m_lo);  // the step's head offset and query tile
   for (int s = 0; s < n_steps; ++s) {
     const int slot = s % C::kStages;
-    const int h = static_cast<int>(h0) + h_off, r0 = m * C::kBlockM;
+    const int64_t h = h0 + h_off, r0 = static_cast<int64_t>(m) * C::kBlockM;
     uint64_t k_base = desc_k_major(sK + key0 * 64), v_base = desc_k_major(sV + key0 * 64);
     uint64_t q_base = desc_k_major(sQ + slot * C::kBlockM * C::kHeadDimPad);
     uint64_t do_base = desc_k_major(sdO + slot * C::kBlockM * C::kHeadDimPad);
@@ -301,19 +299,9 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
     Elem* ds_s = sdS + (s & 1) * C::kBlockN * C::kBlockM;
     mbar_wait(&full[slot], static_cast<uint32_t>((s / C::kStages) & 1));
 
-    // S^T = K Q^T, then dP^T = V dO^T, two wgmma groups (k16 slice kk: box kk / 4, 32 bytes *
-    // (kk % 4) into the rows). kPFirst: P^T is computed while dP^T is still on the tensor
-    // cores (into S^T's registers, in place), and dS^T once it lands; a modifier with a
-    // derivative computes both at once (its d(mod)/ds per element would be a third tile of
-    // registers). kDInit: D enters as dP^T's initial accumulator (column q holds -D[q]), so
-    // no register holds D at the step's peak, but ptxas then waits for S^T before it issues
-    // dP^T (C7517: the two products do not overlap); otherwise dP^T starts from 0 and D is
-    // read where dS^T is formed. H200, ab_bench (docs/benchmarks.md): the choice below.
-    constexpr bool kPFirst = !Mod::kHasGrad;
-    // Without causal or a window only keys past the sequence are masked, and key_ok covers
-    // those: no element test at all (its predicates cost registers at the step's peak).
-    constexpr bool kMasks = C::kCausal != Causal::kNone || C::kWindow;
-    constexpr bool kDInit = C::kBlockM == 128 && !kMasks;
+    // S^T = K Q^T, then dP^T - D = V dO^T - D, two wgmma groups (k16 slice kk: box kk / 4, 32
+    // bytes * (kk % 4) into the rows). D enters as dP^T's initial accumulator (column q holds
+    // -D[q]), so no register holds it beside the scores at the step's register peak.
     const float* lse_s = sLse + slot * C::kBlockM;
     const float* d_s = sD + slot * C::kBlockM;
     float acc_s[1][C::kMT][4], acc_dp[1][C::kMT][4];
@@ -328,82 +316,60 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
                                               desc_at(q_base, off_q), kk > 0);
     }
     wgmma_commit();
-    if constexpr (kDInit) {
 #pragma unroll
-      for (int j = 0; j < C::kMT; ++j) {
-        const float2 dsum = *reinterpret_cast<const float2*>(d_s + j * 8 + 2 * t);
-        acc_dp[0][j][0] = acc_dp[0][j][2] = -dsum.x;
-        acc_dp[0][j][1] = acc_dp[0][j][3] = -dsum.y;
-      }
-      wgmma_fence();
+    for (int j = 0; j < C::kMT; ++j) {  // while S^T is on the tensor cores
+      const float2 dsum = *reinterpret_cast<const float2*>(d_s + j * 8 + 2 * t);
+      acc_dp[0][j][0] = acc_dp[0][j][2] = -dsum.x;
+      acc_dp[0][j][1] = acc_dp[0][j][3] = -dsum.y;
     }
+    wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < C::kHeadDimPad / 16; ++kk) {
       const int off_kv = (kk / 4) * C::kKvBox + (kk % 4) * 16;
       const int off_q = (kk / 4) * C::kQBox + (kk % 4) * 16;
       Wgmma<Elem, C::kBlockM>::template ss<0>(dp_flat, desc_at(v_base, off_kv),
-                                              desc_at(do_base, off_q), kDInit || kk > 0);
+                                              desc_at(do_base, off_q), 1);
     }
     wgmma_commit();
 
-    // Mask (transposed: element (key kl, query ql) is visible iff the tile mask says (ql, kl)),
-    // P^T = exp2(S^T scale log2 e - LSE log2 e) and dS^T = P^T (dP^T - D) in fp32, packed per
-    // k16 slice kk2 (S^T's n8 tiles 2 kk2 and 2 kk2 + 1) as RS-wgmma A operands, so the fp32
-    // tiles die slice by slice (the step's register peak is at the waits: dK, dV, S^T and
-    // dP^T).
+    // Per k16 slice kk2 (S^T's n8 tiles 2 kk2 and 2 kk2 + 1): mask (transposed: element (key
+    // kl, query ql) is visible iff the tile mask says (ql, kl)), P^T = exp2(S^T scale log2 e -
+    // LSE log2 e) and dS^T = P^T (dP^T - D) in fp32, packed at once as RS-wgmma A operands,
+    // so the fp32 scores die slice by slice (the step's register peak is its start: dK, dV,
+    // S^T and dP^T).
     const Mod mod = mod0.at(p.score, p.softmax_scale, b, h, io, false, BwdIo::kMeta);
     // element (query ql, key kl) lies at diagonal distance dist0 + kl - ql (as an int: a float
     // base per key row measured 24 bytes of spill here with softcap and ALiBi, ptxas)
     const TileAt at = tile_at(r0, c0, mask);  // and its positions, for a score_mod
     const int dist0 = at.dist0;
-    const bool masked =
-        kMasks && mask.tile_needs_mask(r0, min(int64_t{r0} + C::kBlockM, sq) - 1, nt, C::kBlockN);
+    const bool masked = mask.tile_needs_mask(r0, min(r0 + C::kBlockM, sq) - 1, nt, C::kBlockN);
     TileMask tm = mask.tile(r0, c0);
     tm.col_end = 1 << 30;  // keys past the sequence: key_ok above
-    // P^T of element e of n8 tile j (and d(mod)/ds in gm).
-    auto p_of = [&](int j, int e, float lse_e, float& gm) {
-      const int ql = j * 8 + 2 * t;
-      const int kl = key0 + wk * 16 + g + (e >> 1) * 8;
-      const float y = mod.logit(acc_s[0][j][e], static_cast<float>(dist0 + kl - (ql + (e & 1))),
-                                at.pos(ql + (e & 1), kl), gm);
-      float pe = exp2_approx(__fsub_rn(__fmul_rn(y, mod.scale_log2), lse_e));
-      // rows past the sequence (or with no visible key) have lse = +inf: P = 0, but a
-      // score_mod's +inf or NaN there (an expression of i past seqlen_q) gives NaN, which
-      // fmaxf turns into 0 (one FMNMX; an explicit select of those rows spilled 40 bytes
-      // more than this in the bias-table kernel, ptxas 13.0). A NaN of a visible score
-      // becomes 0 too: the forward shows it.
-      if constexpr (Mod::kUser) pe = fmaxf(pe, 0.f);
-      if (masked && !tm.visible(ql + (e & 1), kl)) pe = 0.f;
-      return pe;
-    };
-    wgmma_wait<kPFirst ? 1 : 0>();
-    reg_fence(s_flat);
-    if constexpr (kPFirst) {
-#pragma unroll
-      for (int j = 0; j < C::kMT; ++j) {
-        const float2 lse2 = *reinterpret_cast<const float2*>(lse_s + j * 8 + 2 * t);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float gm;
-          acc_s[0][j][e] = p_of(j, e, (e & 1) ? lse2.y : lse2.x, gm);
-        }
-      }
-      wgmma_wait<0>();
-    }
-    reg_fence(dp_flat);
     uint32_t pf[C::kBlockM / 16][4], dsf[C::kBlockM / 16][4];
+    wgmma_wait<0>();
+    reg_fence(s_flat);
+    reg_fence(dp_flat);
 #pragma unroll
     for (int j = 0; j < C::kMT; ++j) {
-      const float2 lse2 = *reinterpret_cast<const float2*>(lse_s + j * 8 + 2 * t);
-      const float2 dsum = kDInit ? make_float2(0.f, 0.f)
-                                 : *reinterpret_cast<const float2*>(d_s + j * 8 + 2 * t);
+      const int ql = j * 8 + 2 * t;
+      const float2 lse2 = *reinterpret_cast<const float2*>(lse_s + ql);
       float pe[4], ds[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
+        const int kl = key0 + wk * 16 + g + (e >> 1) * 8;
         float gm;
-        pe[e] = kPFirst ? acc_s[0][j][e] : p_of(j, e, (e & 1) ? lse2.y : lse2.x, gm);
-        const float dp = kDInit ? acc_dp[0][j][e] : acc_dp[0][j][e] - ((e & 1) ? dsum.y : dsum.x);
-        ds[e] = pe[e] * dp;
+        const float y = mod.logit(acc_s[0][j][e], static_cast<float>(dist0 + kl - (ql + (e & 1))),
+                                  at.pos(ql + (e & 1), kl), gm);
+        const float lse_e = (e & 1) ? lse2.y : lse2.x;
+        pe[e] = exp2_approx(__fsub_rn(__fmul_rn(y, mod.scale_log2), lse_e));
+        // rows past the sequence (or with no visible key) have lse = +inf: P = 0, but a
+        // score_mod's +inf or NaN there (an expression of i past seqlen_q) gives NaN, which
+        // fmaxf turns into 0 (one FMNMX; an explicit select of those rows spilled 40 bytes
+        // more than this in the bias-table kernel, ptxas 13.0). A NaN of a visible score
+        // becomes 0 too: the forward shows it.
+        if constexpr (Mod::kUser) pe[e] = fmaxf(pe[e], 0.f);
+        if (masked && !tm.visible(ql + (e & 1), kl)) pe[e] = 0.f;
+        ds[e] = pe[e] * acc_dp[0][j][e];
         // d(mod)/ds where P = 0 is never used: it may be inf or NaN there (0 * inf = NaN)
         if constexpr (Mod::kHasGrad) ds[e] = Mod::kUserGrad && pe[e] == 0.f ? 0.f : ds[e] * gm;
       }
@@ -487,7 +453,7 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
           *reinterpret_cast<float2*>(dq_t + (j / 4) * C::kDqBox + r * 8 * 32 +
                                      (((2 * (j & 3)) ^ x) << 2)) =
               make_float2(acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
-      if (tid == 0) dq_job[0] = h, dq_job[1] = r0;
+      if (tid == 0) dq_job[0] = static_cast<int>(h), dq_job[1] = static_cast<int>(r0);
       fence_proxy_async_smem();  // the stores, seen by the bulk engine (the async proxy)
       mbar_arrive(&dq_full);
     } else {
@@ -506,7 +472,7 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
         }
       }
     }
-    if (++m == c_hi) m = c_lo, ++h_off;
+    if (++m == m_hi) m = static_cast<int>(m_lo), ++h_off;
   }
 
   // ---- epilogue: dK = scale * dS^T Q and dV, rows of the group's keys --------------------
