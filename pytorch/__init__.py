@@ -21,7 +21,11 @@ __all__ = [
     "UnsupportedCall",
     "compile_variant",
     "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
     "merge_states",
     "register_sdpa_impl",
@@ -31,6 +35,11 @@ __all__ = [
 _FROM = {
     "flash_attn_func": "flashgen.torch.interface",
     "flash_attn_varlen_func": "flashgen.torch.interface",
+    # flash-attn 2's packed entry points: views of the packed tensor into the two above
+    "flash_attn_qkvpacked_func": "flashgen.torch.packed",
+    "flash_attn_kvpacked_func": "flashgen.torch.packed",
+    "flash_attn_varlen_qkvpacked_func": "flashgen.torch.packed",
+    "flash_attn_varlen_kvpacked_func": "flashgen.torch.packed",
     "UnsupportedCall": "flashgen.torch.selection",
     # docs/torch.md, "User-defined variants": a spec's score_mod as a flash_attn_func
     "compile_variant": "flashgen.torch.variant",
@@ -47,7 +56,14 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'flashgen.torch' has no attribute {name!r}")
     if module.endswith(
-        (".interface", ".kvcache", ".sdpa_backend", ".transformers_attention", ".variant")
+        (
+            ".interface",
+            ".kvcache",
+            ".packed",
+            ".sdpa_backend",
+            ".transformers_attention",
+            ".variant",
+        )
     ):
         try:
             import torch  # noqa: F401

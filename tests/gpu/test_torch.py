@@ -46,7 +46,11 @@ from flashgen.torch import (  # noqa: E402
     UnsupportedCall,
     cache,
     flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
     flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
     ops,
     selection,
 )
@@ -311,6 +315,47 @@ def test_packed_qkv_views_are_taken_without_a_copy():
     dout = _tensor(rng.standard_normal((2, 129, 4, 64)), "bf16")
     out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     check_call("bf16", 64, q, k, v, out, lse, dout, _ref_kw(True), causal=True)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_packed_entry_points_equal_their_unpacked_calls(varlen):
+    """flash_attn_(varlen_)qkvpacked_func and _kvpacked_func (GQA) give the unpacked calls'
+    output, LSE and gradients bit for bit (deterministic kernels), the gradients landing in
+    the packed tensor."""
+    rng = np.random.default_rng(5)
+    h, hk, d = 4, 2, 64
+    lead, dim = ((258,), 1) if varlen else ((2, 129), 2)  # varlen: sequences of 50 and 208
+    cu = torch.tensor([0, 50, 258], dtype=torch.int32, device="cuda")
+    kw = {"causal": True, "deterministic": True, "return_attn_probs": True}
+    qkv = _tensor(rng.standard_normal((*lead, 3, h, d)), "bf16", True)
+    q = _tensor(rng.standard_normal((*lead, h, d)), "bf16", True)
+    kv = _tensor(rng.standard_normal((*lead, 2, hk, d)), "bf16", True)
+    dout = _tensor(rng.standard_normal((*lead, h, d)), "bf16")
+
+    def unpacked(*tensors):
+        """The plain call on copies of `tensors`: (out, lse, gradients)."""
+        leaves = [t.detach().clone().requires_grad_() for t in tensors]
+        seq = (cu, cu, 208, 208) if varlen else ()
+        out, lse, _ = (flash_attn_varlen_func if varlen else flash_attn_func)(*leaves, *seq, **kw)
+        return out, lse, torch.autograd.grad(out, leaves, dout)
+
+    if varlen:
+        out, lse, _ = flash_attn_varlen_qkvpacked_func(qkv, cu, 208, **kw)
+    else:
+        out, lse, _ = flash_attn_qkvpacked_func(qkv, **kw)
+    (g_qkv,) = torch.autograd.grad(out, (qkv,), dout)
+    out2, lse2, grads = unpacked(*qkv.unbind(dim))
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    assert torch.equal(g_qkv, torch.stack(grads, dim))
+
+    if varlen:
+        out, lse, _ = flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 208, 208, **kw)
+    else:
+        out, lse, _ = flash_attn_kvpacked_func(q, kv, **kw)
+    g_q, g_kv = torch.autograd.grad(out, (q, kv), dout)
+    out2, lse2, grads = unpacked(q, *kv.unbind(dim))
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    assert torch.equal(g_q, grads[0]) and torch.equal(g_kv, torch.stack(grads[1:], dim))
 
 
 # -- head dims the kernels do not serve (zero-padded), layouts they cannot read (copied) ---------
