@@ -593,7 +593,7 @@ def flash_attn_with_kvcache(
             one-element float32 tensor or a float, as vLLM's k_scale / v_scale); the
             attention uses `k_descale * k_cache` and `v_descale * v_cache`. Required with FP8
             caches, refused otherwise; appended k, v are quantised with them (clamped to
-            +-448); `flashgen.torch.kvcache_fp8` lists what FP8 calls serve.
+            +-448); `flashgen.torch.kvcache_fp8` says which path each FP8 call takes.
 
     Returns `out` `(batch, seqlen_q, heads, head_dim)` in q's dtype, or `(out, softmax_lse)`.
     No gradient: inputs are detached (inference only).
@@ -605,28 +605,32 @@ def flash_attn_with_kvcache(
     """
     if check_inputs is None:
         check_inputs = os.environ.get(CHECK_ENV, "") == "1"
+    fp8 = None
     if (  # FP8 caches (docs/decode.md): identity tests, cheap on the plain path's host time
         k_descale is not None
         or v_descale is not None
         or getattr(k_cache, "dtype", None) is _FP8
         or getattr(v_cache, "dtype", None) is _FP8
     ):
-        given = {
-            "rotary_cos / rotary_sin": rotary_cos is not None or rotary_sin is not None,
-            "cache_batch_idx": cache_batch_idx is not None,
-            "cache_leftpad": cache_leftpad is not None,
-            "softcap": bool(softcap),
-            "alibi_slopes": alibi_slopes is not None,
-            "learnable_sink": learnable_sink is not None,
-            "seqlen_q > 16": q.dim() == 4 and q.shape[1] > ks.MAX_QUERIES,
-        }
-        out, lse = _fp8.fp8_decode(
-            q, k_cache, v_cache, k_descale, v_descale, cache_seqlens=cache_seqlens,
-            block_table=block_table, softmax_scale=softmax_scale, causal=causal,
-            window_size=window_size, num_splits=num_splits, check_inputs=bool(check_inputs),
-            unsupported=given, k=k, v=v,
-        )  # fmt: skip
-        return (out, lse) if return_softmax_lse else out
+        if (
+            rotary_cos is None
+            and rotary_sin is None
+            and cache_batch_idx is None
+            and cache_leftpad is None
+            and not softcap
+            and alibi_slopes is None
+            and learnable_sink is None
+            and not (q.dim() == 4 and q.shape[1] > ks.MAX_QUERIES)
+            and _fp8_decode_serves(q, k_cache, block_table)
+        ):  # the FP8 decode kernel, on the caller's caches
+            out, lse = _fp8.fp8_decode(
+                q, k_cache, v_cache, k_descale, v_descale, cache_seqlens=cache_seqlens,
+                block_table=block_table, softmax_scale=softmax_scale, causal=causal,
+                window_size=window_size, num_splits=num_splits,
+                check_inputs=bool(check_inputs), k=k, v=v,
+            )  # fmt: skip
+            return (out, lse) if return_softmax_lse else out
+        fp8 = _fp8.fp8_scales(q, k_cache, v_cache, k_descale, v_descale)  # the composite path
     if type(num_splits) is not int:  # (not int(): 1.7 would run as 1)
         if isinstance(num_splits, bool) or not hasattr(num_splits, "__index__"):
             raise UnsupportedCall(
@@ -634,7 +638,8 @@ def flash_attn_with_kvcache(
             )
         num_splits = operator.index(num_splits)
     plain = (
-        k is None
+        fp8 is None
+        and k is None
         and v is None
         and rotary_cos is None
         and rotary_sin is None
@@ -706,7 +711,8 @@ def flash_attn_with_kvcache(
                     f"{type(cache_seqlens).__name__}"
                 ) from None
     if (
-        k is not None
+        fp8 is not None
+        or k is not None
         or v is not None
         or rotary_cos is not None
         or rotary_sin is not None
@@ -719,7 +725,7 @@ def flash_attn_with_kvcache(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
             cache_leftpad, block_table, float(softmax_scale), causal,
             (window_left, window_right), softcap, rotary_interleaved, alibi_slopes,
-            num_splits, bool(check_inputs), learnable_sink,
+            num_splits, bool(check_inputs), learnable_sink, fp8,
         )  # fmt: skip
         return (out, lse) if return_softmax_lse else out
     out, lse = _run_decode(
@@ -871,15 +877,21 @@ def _decode_precheck(q, k_cache, v_cache, block_table, num_splits, scale, causal
 def _composite(
     q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
     cache_leftpad, block_table, scale, causal, window, softcap, rotary_interleaved,
-    alibi_slopes, num_splits, check_inputs, learnable_sink,
+    alibi_slopes, num_splits, check_inputs, learnable_sink, fp8=None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """flash_attn_with_kvcache with k, v, rotary, cache_batch_idx, cache_leftpad or more than
-    16 queries (docs/torch.md, "Appending, rotary, batch indices, left padding"). Everything
-    that can refuse the call runs before the first write to a caller's cache: the host
-    checks, the device values when checked, and the kernel itself where it reads a copy."""
+    16 queries (docs/torch.md, "Appending, rotary, batch indices, left padding"), and every
+    FP8-cache call the FP8 decode kernel does not take as it is (`fp8`: the checked descales,
+    `flashgen.torch.kvcache_fp8`). Everything that can refuse the call runs before the first
+    write to a caller's cache: the host checks, the device values when checked, and the
+    kernel itself where it reads a copy."""
     lens_arg = cache_seqlens if isinstance(cache_seqlens, Tensor) else None
+    kc_meta, vc_meta = _meta(k_cache), _meta(v_cache)
+    if fp8 is not None:  # the caches' shapes and strides, checked as if in q's dtype
+        as_q = str(q.dtype).removeprefix("torch.")
+        kc_meta, vc_meta = kc_meta._replace(dtype=as_q), vc_meta._replace(dtype=as_q)
     pc = ks.check_prep(
-        _meta(q), _meta(k_cache), _meta(v_cache), k=_maybe_meta(k), v=_maybe_meta(v),
+        _meta(q), kc_meta, vc_meta, k=_maybe_meta(k), v=_maybe_meta(v),
         rotary_cos=_maybe_meta(rotary_cos), rotary_sin=_maybe_meta(rotary_sin),
         cache_seqlens=cache_seqlens if lens_arg is None else _meta(lens_arg),
         cache_batch_idx=_maybe_meta(cache_batch_idx), cache_leftpad=_maybe_meta(cache_leftpad),
@@ -904,8 +916,16 @@ def _composite(
     else:
         known = pc.capacity if cache_seqlens is None else cache_seqlens
         lens = torch.full((pc.batch,), known, dtype=torch.int32, device=device)
+    score = (softcap, alibi_slopes, learnable_sink)
+    # FP8 caches with a score modifier: the FP8 decode kernels have no score stage (yet), so
+    # the varlen forward reads a dequantised copy, as for more than 16 queries
+    packed = not pc.decode or (
+        fp8 is not None
+        and (bool(softcap) or alibi_slopes is not None or learnable_sink is not None)
+    )
+    packed = packed or (fp8 is not None and not _fp8_decode_serves(q, k_cache, block_table))
     checked = None
-    if not pc.decode or check_inputs:
+    if packed or check_inputs:
         checked = prep.check_values(
             lens, capacity=pc.capacity, seqlen_new=pc.seqlen_new, cache_leftpad=cache_leftpad,
             cache_batch_idx=cache_batch_idx, cache_rows=pc.cache_rows, block_table=block_table,
@@ -920,21 +940,40 @@ def _composite(
     start = cache_leftpad
     old = lens if start is None else lens - start  # keys before the append, from the start
     keys = old + pc.seqlen_new  # int32 (batch,): what the kernels attend to
-    score = (softcap, alibi_slopes, learnable_sink)
-    if not pc.decode:  # the varlen forward over a packed copy; the caches are written last
+    if packed:  # the varlen forward over a packed copy; the caches are written last
         assert checked is not None
         out, lse = _packed_attention(q, k_cache, v_cache, k, v, pc, checked, old, keys, start,
                                      cache_batch_idx, block_table, scale, causal, (left, right),
-                                     score)  # fmt: skip
+                                     score, fp8)  # fmt: skip
     elif cache_batch_idx is not None or start is not None:  # a copy of the rows, written last
-        k_run = prep.cache_rows(k_cache, pc.batch, cache_batch_idx=cache_batch_idx,
-                                cache_leftpad=start)  # fmt: skip
-        v_run = prep.cache_rows(v_cache, pc.batch, cache_batch_idx=cache_batch_idx,
-                                cache_leftpad=start)  # fmt: skip
-        if k is not None:
-            prep.append(k_run, v_run, k, v, old)
-        out, lse = _run_decode(q, k_run, v_run, keys, None, scale, causal, left, right,
-                               num_splits, check_inputs, *score)  # fmt: skip
+        if fp8 is not None:
+            k_run, v_run = (
+                _fp8.cache_rows_fp8(
+                    c, pc.batch, cache_batch_idx=cache_batch_idx, cache_leftpad=start
+                )
+                for c in (k_cache, v_cache)
+            )
+            out, lse = _fp8.fp8_decode(
+                q, k_run, v_run, *fp8, cache_seqlens=old, block_table=None,
+                softmax_scale=scale, causal=causal, window_size=(left, right),
+                num_splits=num_splits, check_inputs=check_inputs, k=k, v=v,
+            )  # fmt: skip
+        else:
+            k_run = prep.cache_rows(k_cache, pc.batch, cache_batch_idx=cache_batch_idx,
+                                    cache_leftpad=start)  # fmt: skip
+            v_run = prep.cache_rows(v_cache, pc.batch, cache_batch_idx=cache_batch_idx,
+                                    cache_leftpad=start)  # fmt: skip
+            if k is not None:
+                prep.append(k_run, v_run, k, v, old)
+            out, lse = _run_decode(q, k_run, v_run, keys, None, scale, causal, left, right,
+                                   num_splits, check_inputs, *score)  # fmt: skip
+    elif fp8 is not None:  # the FP8 decode kernel on the caller's caches (it appends first)
+        return _fp8.fp8_decode(
+            q, k_cache, v_cache, *fp8, cache_seqlens=lens if lens_arg is not None else
+            cache_seqlens, block_table=block_table, softmax_scale=scale, causal=causal,
+            window_size=(left, right), num_splits=num_splits, check_inputs=check_inputs, k=k,
+            v=v,
+        )  # fmt: skip
     else:  # the decode kernel reads the caller's caches: append first, after every check
         _decode_precheck(q, k_cache, v_cache, block_table, num_splits, scale, causal,
                          (left, right), *score)  # fmt: skip
@@ -944,9 +983,23 @@ def _composite(
         return _run_decode(q, k_cache, v_cache, keys, block_table, scale, causal, left, right,
                            num_splits, check_inputs, *score, max_seqlen_k=bound)  # fmt: skip
     if k is not None:
-        prep.append(k_cache, v_cache, k, v, lens, cache_batch_idx=cache_batch_idx,
-                    block_table=block_table)  # fmt: skip
+        if fp8 is not None:
+            _fp8.append_fp8(k_cache, v_cache, k, v, lens, block_table, *fp8,
+                            cache_batch_idx=cache_batch_idx)  # fmt: skip
+        else:
+            prep.append(k_cache, v_cache, k, v, lens, cache_batch_idx=cache_batch_idx,
+                        block_table=block_table)  # fmt: skip
     return out, lse
+
+
+def _fp8_decode_serves(q: Tensor, k_cache: Tensor, block_table: Optional[Tensor]) -> bool:
+    """Whether the FP8 decode kernels take this head dim and page size (specs/decode_fp8.yaml's
+    rules: a head dim the 16-bit decode takes and a multiple of 16); otherwise the packed
+    path serves the call. True for shapes no path serves, so that their refusals keep the
+    FP8 decode path's messages."""
+    if q.dim() != 4 or k_cache.dim() != 4:
+        return True
+    return q.shape[-1] % 16 == 0 and _decode_serves(q, k_cache, block_table)
 
 
 def _keys_after(pc: ks.PrepCall, cache_seqlens: Optional[int]) -> int:
@@ -956,19 +1009,27 @@ def _keys_after(pc: ks.PrepCall, cache_seqlens: Optional[int]) -> int:
 
 def _packed_attention(q, k_cache, v_cache, k, v, pc, checked, old, keys, start,
                       cache_batch_idx, block_table, scale, causal, window,
-                      score) -> tuple[Tensor, Tensor]:  # fmt: skip
+                      score, fp8=None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """More than 16 queries: the varlen forward (`interface._attention`, bottom-right causal
     and windows per sequence) over a packed copy of each sequence's keys, its cached rows
     from `start` (or 0) followed by the new (rotated) k, v; q as `(batch * seqlen_q, heads,
     d)`. The copy holds exactly the used keys (`checked.total` rows, learnt with the value
-    check's sync)."""
+    check's sync). FP8 caches (`fp8`): the copy is dequantised to q's dtype
+    (`kvcache_fp8.pack_dequantized`)."""
     batch, sq, heads, d = pc.batch, pc.seqlen_q, pc.heads, pc.head_dim
     cu_k = prep.cumulative(keys)
-    kp, vp = (
-        prep.pack(cache, cu_k, checked.total, lengths=old, starts=start,
-                  cache_batch_idx=cache_batch_idx, block_table=block_table, new=new)
-        for cache, new in ((k_cache, k), (v_cache, v))
-    )  # fmt: skip
+    where = dict(lengths=old, starts=start, cache_batch_idx=cache_batch_idx,
+                 block_table=block_table)  # fmt: skip
+    if fp8 is None:
+        kp, vp = (
+            prep.pack(cache, cu_k, checked.total, new=new, **where)
+            for cache, new in ((k_cache, k), (v_cache, v))
+        )
+    else:
+        kp, vp = (
+            _fp8.pack_dequantized(cache, descale, cu_k, checked.total, q.dtype, new=new, **where)
+            for cache, new, descale in ((k_cache, k, fp8.k_descale), (v_cache, v, fp8.v_descale))
+        )
     cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * sq
     softcap, alibi_slopes, learnable_sink = score
     out, lse, _ = interface._attention(

@@ -21,17 +21,31 @@ stays NaN) and rounded to nearest-even e4m3, and written in place at positions
 reads the caches with `cache_seqlens + seqlen_new` keys; rows whose destination lies outside
 the cache are dropped, as on the 16-bit path (`kvcache_prep.append` writes the bytes).
 
+Rotary, `cache_batch_idx`, `cache_leftpad`, more than 16 queries and the score modifiers
+(softcap, ALiBi, sinks) take `flash_attn_with_kvcache`'s composite path with FP8 caches as
+with 16-bit ones (docs/torch.md, "Appending, rotary, batch indices, left padding"): the
+descales are the call's, indexed by the sequence b (not by its cache row under
+`cache_batch_idx`), and the caches' bytes are copied and written as e4m3 codes:
+
+- `cache_batch_idx` / `cache_leftpad` with at most 16 queries: the FP8 decode kernel reads a
+  copy of the selected rows' codes (`cache_rows` on the bytes), with the new rows quantised
+  into it, then into the caller's rows;
+- more than 16 queries, a head dim or page size the FP8 decode kernels do not take, or a
+  score modifier (the FP8 decode kernels have no score stage yet): the varlen forward in q's
+  dtype over a packed copy of the used keys, dequantised (`descale * code`, rounded once to
+  q's dtype; the new rows quantised first, so the attention sees what the cache stores).
+  This is a copy of every used key per call, as for 16-bit caches there, and a slower path
+  than the FP8 decode kernel's in-place read.
+
 Refused (`UnsupportedCall`, naming what is wrong and what is allowed): an FP8 cache without
 both descales, descales with either cache not FP8, descales of another shape, dtype or device,
-one cache FP8 and the other not, an FP8 q, new k or v of another shape or dtype, and what
-the FP8 decode kernels do not serve yet: rotary, `cache_batch_idx`, `cache_leftpad`, more
-than 16 queries, softcap, ALiBi and sinks.
+one cache FP8 and the other not, an FP8 q, new k or v of another shape or dtype.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from flashgen.generator.spec import KvDtype
 from flashgen.torch.selection import TensorMeta, UnsupportedCall
@@ -39,10 +53,15 @@ from flashgen.torch.selection import TensorMeta, UnsupportedCall
 __all__ = [
     "E4M3_MAX",
     "FP8_DTYPE",
+    "Fp8Scales",
     "append_fp8",
+    "cache_rows_fp8",
     "check_fp8_append",
     "check_fp8_call",
     "descale_layout",
+    "dequantize_rows",
+    "fp8_scales",
+    "pack_dequantized",
     "quantize_rows",
 ]
 
@@ -93,11 +112,9 @@ def check_fp8_call(
     *,
     batch: int,
     kv_heads: int,
-    unsupported: dict[str, bool] | None = None,
 ) -> tuple[tuple[int, int], tuple[int, int]]:
     """The FP8-specific checks of one call (module doc); returns the (batch, head) strides
-    of k_descale and v_descale. `unsupported` names arguments given that the FP8 decode
-    kernels do not serve (True: given). The shapes, layouts and lengths are checked by
+    of k_descale and v_descale. The shapes, layouts and lengths are checked by
     `kvcache_select.check_kvcache` as for a 16-bit cache."""
     if q.dtype == FP8_DTYPE:
         raise UnsupportedCall(
@@ -118,13 +135,6 @@ def check_fp8_call(
             f"k_cache is {kinds['k_cache']} and v_cache {kinds['v_cache']}: mixed caches are "
             f"not served (allowed: both {FP8_DTYPE} with descales, or both q's {q.dtype})"
         )
-    for name, given in (unsupported or {}).items():
-        if given:
-            raise UnsupportedCall(
-                f"{name} is not served with FP8 caches yet (allowed with {FP8_DTYPE} caches: "
-                "q of 1..16 queries, k and v to append, cache_seqlens, block_table, causal, "
-                "window_size, softmax_scale, num_splits, return_softmax_lse)"
-            )
     ks = descale_layout("k_descale", k_descale, batch, kv_heads, k_cache.device)
     vs = descale_layout("v_descale", v_descale, batch, kv_heads, v_cache.device)
     return ks, vs
@@ -181,16 +191,84 @@ def quantize_rows(x: Any, descale: Any) -> Any:
 
 def append_fp8(
     k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any,
-    k_descale: Any, v_descale: Any,
+    k_descale: Any, v_descale: Any, *, cache_batch_idx: Any = None,
 ) -> None:  # fmt: skip
-    """Quantise k, v (`quantize_rows`) and write them into the FP8 caches in place at
-    `cache_seqlens[b] + i` (`kvcache_prep.append` on the bytes: out-of-range rows dropped)."""
+    """Quantise k, v (`quantize_rows`, row b with sequence b's descales) and write them into
+    the FP8 caches in place at `cache_seqlens[b] + i` of cache row b (`cache_batch_idx[b]`)
+    or of its pages (`kvcache_prep.append` on the bytes: out-of-range rows dropped)."""
     import torch
     from flashgen.torch import kvcache_prep as prep
 
     k8, v8 = quantize_rows(k, k_descale), quantize_rows(v, v_descale)
     as_bytes = [t.view(torch.uint8) for t in (k_cache, v_cache, k8, v8)]
-    prep.append(*as_bytes, cache_seqlens, block_table=block_table)
+    prep.append(*as_bytes, cache_seqlens, cache_batch_idx=cache_batch_idx,
+                block_table=block_table)  # fmt: skip
+
+
+class Fp8Scales(NamedTuple):
+    """The descales of an FP8-cache call that takes the composite path, as the caller gave
+    them (checked by `fp8_scales`)."""
+
+    k_descale: Any
+    v_descale: Any
+
+
+def fp8_scales(q: Any, k_cache: Any, v_cache: Any, k_descale: Any, v_descale: Any) -> Fp8Scales:
+    """`check_fp8_call` on a composite call's tensors (before anything is copied or written)."""
+    from flashgen.torch.ops import _meta
+
+    batch = q.shape[0] if q.dim() == 4 else 0
+    kv_heads = k_cache.shape[2] if k_cache.dim() == 4 else 0
+    check_fp8_call(
+        _meta(q), _meta(k_cache), _meta(v_cache), as_meta(k_descale), as_meta(v_descale),
+        batch=batch, kv_heads=kv_heads,
+    )  # fmt: skip
+    return Fp8Scales(k_descale, v_descale)
+
+
+def cache_rows_fp8(cache: Any, batch: int, *, cache_batch_idx: Any, cache_leftpad: Any) -> Any:
+    """`kvcache_prep.cache_rows` of an FP8 cache: the same copy, of the codes (as bytes)."""
+    import torch
+    from flashgen.torch import kvcache_prep as prep
+
+    rows = prep.cache_rows(cache.view(torch.uint8), batch, cache_batch_idx=cache_batch_idx,
+                           cache_leftpad=cache_leftpad)  # fmt: skip
+    return rows.view(torch.float8_e4m3fn)
+
+
+def dequantize_rows(codes: Any, descale: Any, seq: Any, dtype: Any) -> Any:
+    """`(descale[seq[t], hk] * codes[t, hk, :])` in `dtype` (computed in float32, rounded once)
+    for packed rows `codes (total, kv_heads, d)` of sequences `seq (total,)`; a per-tensor
+    descale (one element, or a float) for every row. NaN codes stay NaN."""
+    import torch
+
+    x = codes.to(torch.float32)
+    if isinstance(descale, torch.Tensor):
+        d = descale.to(device=x.device, dtype=torch.float32)
+        d = d.reshape(()) if d.numel() == 1 else d[seq][:, :, None]
+    else:
+        d = float(descale)
+    return (x * d).to(dtype)
+
+
+def pack_dequantized(
+    cache: Any, descale: Any, cu_seqlens: Any, total: int, dtype: Any, *, lengths: Any = None,
+    starts: Any = None, cache_batch_idx: Any = None, block_table: Any = None, new: Any = None,
+) -> Any:  # fmt: skip
+    """`kvcache_prep.pack` of an FP8 cache, dequantised to `dtype`: each sequence's used codes
+    then its new rows (`new`, in q's dtype, quantised with the sequence's descale first, as
+    `append_fp8` stores them), times the sequence's descale (`dequantize_rows`)."""
+    import torch
+    from flashgen.torch import kvcache_prep as prep
+
+    new8 = None if new is None else quantize_rows(new, descale).view(torch.uint8)
+    codes = prep.pack(cache.view(torch.uint8), cu_seqlens, total, lengths=lengths,
+                      starts=starts, cache_batch_idx=cache_batch_idx,
+                      block_table=block_table, new=new8).view(torch.float8_e4m3fn)  # fmt: skip
+    batch = cu_seqlens.shape[0] - 1
+    rows = torch.arange(codes.shape[0], dtype=torch.int64, device=codes.device)
+    seq = torch.searchsorted(cu_seqlens[1:].to(torch.int64).contiguous(), rows, right=True)
+    return dequantize_rows(codes, descale, seq.clamp(max=max(batch - 1, 0)), dtype)
 
 
 def as_meta(t: Any) -> TensorMeta | float | None:
@@ -223,13 +301,13 @@ def fp8_decode(
     window_size: Any,
     num_splits: int,
     check_inputs: bool,
-    unsupported: dict[str, bool],
     k: Any = None,
     v: Any = None,
 ) -> tuple[Any, Any]:
     """The decode kernel of an FP8-cache call: checks (this module's, then check_kvcache's on
     the caches as if they had q's dtype: strides and shapes are the same in elements), the
-    `kv_dtype: e4m3` spec of the device, and one launch. Returns (out, lse)."""
+    `kv_dtype: e4m3` spec of the device, the new rows appended (quantised), and one launch
+    (`_decode_kernel`). Returns (out, lse)."""
     import torch
     from flashgen.torch import kvcache as kc
     from flashgen.torch import kvcache_select as sel
@@ -239,9 +317,8 @@ def fp8_decode(
     batch = q.shape[0] if q.dim() == 4 else 0
     kv_heads = k_cache.shape[2] if k_cache.dim() == 4 else 0
     (kbs, khs), (vbs, vhs) = check_fp8_call(
-        qm, km, vm, as_meta(k_descale), as_meta(v_descale), batch=batch, kv_heads=kv_heads,
-        unsupported=unsupported,
-    )  # fmt: skip
+        qm, km, vm, as_meta(k_descale), as_meta(v_descale), batch=batch, kv_heads=kv_heads
+    )
     n_new = check_fp8_append(
         qm, km, None if k is None else _meta(k), None if v is None else _meta(v), cache_seqlens
     )
@@ -284,8 +361,25 @@ def fp8_decode(
         cache_seqlens = (lens_before + n_new).to(torch.int32)
     if kc._served_without_kernel(out, lse, k_cache, cache_seqlens, check_inputs, None):
         return out, lse
-    kd = _descale_tensor(k_descale, q.device)
-    vd = _descale_tensor(v_descale, q.device)
+    _decode_kernel(
+        spec, q, k_cache, v_cache, cache_seqlens, block_table, out, lse, pb, runtime, scale,
+        num_splits, (k_descale, v_descale), ((kbs, khs), (vbs, vhs)), check_inputs,
+        (bool(causal), left, right),
+    )  # fmt: skip
+    return out, lse
+
+
+def _decode_kernel(
+    spec, q, k_cache, v_cache, cache_seqlens, block_table, out, lse, pb, runtime, scale,
+    num_splits, descales, descale_strides, check_inputs, mask,
+) -> None:  # fmt: skip
+    """The launch of the FP8 decode kernel `spec`, writing out and lse. `mask` (causal,
+    left, right) is what `runtime` encodes (the CPU tests' emulation reads it)."""
+    from flashgen.torch import kvcache as kc
+
+    (kbs, khs), (vbs, vhs) = descale_strides
+    kd = _descale_tensor(descales[0], q.device)
+    vd = _descale_tensor(descales[1], q.device)
     params = kc._decode_params(
         q, k_cache, v_cache, cache_seqlens, block_table, out, lse, pb, runtime, scale, 0,
         num_splits, frozenset(), 0.0, None, None,
@@ -297,7 +391,6 @@ def fp8_decode(
     )  # fmt: skip
     kc._launch(kc._library(spec), params, pb, q.device, check_inputs)
     # (kd, vd live until the launch is queued; the stream orders their later reuse)
-    return out, lse
 
 
 def _descale_tensor(d: Any, device: Any) -> Any:

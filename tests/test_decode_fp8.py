@@ -313,12 +313,6 @@ def test_bad_fp8_arguments_are_refused_by_name(args, message):
         check_fp8_call(*args, batch=2, kv_heads=2)
 
 
-def test_what_fp8_calls_do_not_serve_yet_is_refused_by_name():
-    with pytest.raises(UnsupportedCall, match=r"cache_leftpad is not served with FP8"):
-        check_fp8_call(Q, K8, K8, DS, DS, batch=2, kv_heads=2,
-                       unsupported={"cache_leftpad": True})  # fmt: skip
-
-
 def test_either_fp8_cache_or_a_descale_takes_the_fp8_path_and_its_messages():
     torch = pytest.importorskip("torch")
     from flashgen.torch import flash_attn_with_kvcache

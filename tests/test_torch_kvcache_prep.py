@@ -43,6 +43,7 @@ from flashgen.torch import (  # noqa: E402
     kvcache,
     ops,
 )
+from flashgen.torch import kvcache_fp8 as _fp8  # noqa: E402
 from flashgen.torch import kvcache_prep as prep  # noqa: E402
 from flashgen.torch.kvcache_select import decode_serves  # noqa: E402
 from flashgen.torch.selection import UnsupportedCall  # noqa: E402
@@ -1092,3 +1093,237 @@ def test_calls_that_pad_or_copy_are_never_on_the_fast_path(kernels):
     for _ in range(2):
         flash_attn_with_kvcache(q32, odd, odd, cache_seqlens=lens)
     assert not kvcache._PLAIN_PLANS
+
+
+# ================================================================================================
+# FP8 caches through the composite path
+# ================================================================================================
+
+
+def _fp8_descales(kind, g, batch, kv):
+    """k_descale, v_descale in one of the accepted forms (flashgen.torch.kvcache_fp8)."""
+    if kind == "float":
+        return tuple(0.1 + 0.9 * torch.rand((), generator=g).item() for _ in "kv")
+    if kind == "scalar_tensor":
+        return tuple(0.1 + 0.9 * torch.rand(1, generator=g) for _ in "kv")
+    return tuple(0.1 + 0.9 * torch.rand(batch, kv, generator=g) for _ in "kv")
+
+
+def _per_sequence(descale, batch, kv):
+    """A descale as float64 (batch, kv_heads)."""
+    if isinstance(descale, float):
+        return torch.full((batch, kv), descale, dtype=torch.float64)
+    return descale.double().reshape(-1).expand(batch * kv).reshape(batch, kv) if (
+        descale.numel() == 1
+    ) else descale.double()
+
+
+def ref_kvcache_fp8(q, k8, v8, kd, vd, kw):
+    """flash_attn_with_kvcache over FP8 caches in float64: (out, lse, k codes after, v codes
+    after), the codes as uint8. Sequence b's keys are its cached codes times its descales
+    (`k_descale[b, hk]`, whichever cache row or pages hold them), its new rows are stored as
+    `quantize_rows` codes of k (after rotary) and attended as stored. Rotary comes from
+    `kvcache_prep.rotate` (tested against float64 above): the subject here is where the
+    codes go and how they are read."""
+    batch, sq, h, d = q.shape
+    kv = k8.shape[2]
+    KD, VD = _per_sequence(kd, batch, kv), _per_sequence(vd, batch, kv)
+    table = kw.get("block_table")
+    page = k8.shape[1]
+    cap = table.shape[1] * page if table is not None else k8.shape[1]
+    left, right = (int(x) for x in kw.get("window_size", (-1, -1)))
+    left = -1 if left >= cap else left
+    right = -1 if right >= cap else right
+    causal = kw.get("causal", False)
+    advance = causal or left >= 0 or right >= 0
+    lens = kw["cache_seqlens"]
+    if isinstance(lens, int):
+        lens = torch.full((batch,), lens, dtype=torch.int32)
+    starts = kw.get("cache_leftpad")
+    starts = [0] * batch if starts is None else [int(x) for x in starts]
+    rows = kw.get("cache_batch_idx")
+    rows = list(range(batch)) if rows is None else [int(x) for x in rows]
+    k, v = kw.get("k"), kw.get("v")
+    n_new = 0 if k is None else k.shape[1]
+    qr = q
+    if kw.get("rotary_cos") is not None:
+        cos, sin, inter = kw["rotary_cos"], kw["rotary_sin"], kw.get("rotary_interleaved", True)
+        qr = prep.rotate(q, cos, sin, prep.positions(lens, sq, advance), interleaved=inter)
+        k = prep.rotate(k, cos, sin, prep.positions(lens, n_new), interleaved=inter)
+    kc, vc = k8.view(torch.uint8).clone(), v8.view(torch.uint8).clone()
+
+    def where(b, p):
+        if table is not None:
+            return int(table[b, p // page]), p % page
+        return rows[b], p
+
+    if n_new:
+        k_codes = _fp8.quantize_rows(k, kd).view(torch.uint8)
+        v_codes = _fp8.quantize_rows(v, vd).view(torch.uint8)
+        for b in range(batch):
+            for i in range(n_new):
+                if int(lens[b]) + i < cap:
+                    kc[where(b, int(lens[b]) + i)] = k_codes[b, i]
+                    vc[where(b, int(lens[b]) + i)] = v_codes[b, i]
+    fp8 = torch.float8_e4m3fn
+    outs, lses = [], []
+    for b in range(batch):
+        span = range(starts[b], int(lens[b]) + n_new)
+        kb = torch.stack([kc[where(b, p)] for p in span]) if span else kc.new_zeros(0, kv, d)
+        vb = torch.stack([vc[where(b, p)] for p in span]) if span else vc.new_zeros(0, kv, d)
+        kb = kb.view(fp8).double() * KD[b][:, None]
+        vb = vb.view(fp8).double() * VD[b][:, None]
+        alibi = kw.get("alibi_slopes")
+        slopes = None if alibi is None else (alibi if alibi.dim() == 1 else alibi[b])
+        scale = d**-0.5
+        o, lse = ref_attention(qr[b], kb, vb, scale, causal, (left, right),
+                               kw.get("softcap", 0.0), slopes)  # fmt: skip
+        outs.append(o)
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses), kc, vc
+
+
+@pytest.fixture
+def fp8_kernels(kernels, monkeypatch):
+    """`kernels`, and the FP8 decode kernel's launch emulated in float64 from the codes and
+    descales it is given (recorded as "fp8_decode")."""
+    real_as_meta = _fp8.as_meta
+
+    def as_meta(t):
+        m = real_as_meta(t)
+        return m._replace(device="cuda") if getattr(m, "device", None) == "cpu" else m
+
+    def launch(spec, q, k_cache, v_cache, cache_seqlens, block_table, out, lse, pb, runtime,
+               scale, num_splits, descales, strides, check_inputs, mask):  # fmt: skip
+        causal, wl, wr = mask
+        kernels.calls.append(("fp8_decode", dict(q=q, k_cache=k_cache, v_cache=v_cache,
+                                                 cache_seqlens=cache_seqlens.clone(),
+                                                 block_table=block_table, spec=spec)))  # fmt: skip
+        batch, sq, h, d = q.shape
+        kv = k_cache.shape[2]
+        KD = _per_sequence(descales[0], batch, kv)
+        VD = _per_sequence(descales[1], batch, kv)
+        codes_k, codes_v = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        for b in range(batch):
+            n = int(cache_seqlens[b])
+            if block_table is None:
+                kb, vb = codes_k[b, :n], codes_v[b, :n]
+            else:
+                size = k_cache.shape[1]
+                pages = block_table[b, : -(-n // size)].long()
+                kb = codes_k[pages].reshape(-1, kv, d)[:n]
+                vb = codes_v[pages].reshape(-1, kv, d)[:n]
+            kb = kb.view(torch.float8_e4m3fn).double() * KD[b][:, None]
+            vb = vb.view(torch.float8_e4m3fn).double() * VD[b][:, None]
+            o, lb = ref_attention(q[b], kb, vb, scale, causal, (wl, wr))
+            out[b], lse[b] = o.to(q.dtype), lb.float()
+
+    monkeypatch.setattr(_fp8, "as_meta", as_meta)
+    monkeypatch.setattr(_fp8, "_decode_kernel", launch)
+    return kernels
+
+
+@settings(SETTINGS, max_examples=120)
+@given(
+    call=kvcache_calls(),
+    kind=st.sampled_from(["per_head", "float", "scalar_tensor"]),
+    scores=st.booleans(),
+)
+def test_fp8_caches_take_every_route_of_the_composite_path(fp8_kernels, call, kind, scores):
+    """flash_attn_with_kvcache's calls (appends, rotary, batch indices, left padding, paged
+    caches, any seqlen_q, windows, softcap, ALiBi, head dims and page sizes the FP8 decode
+    kernels do not take) over float8_e4m3fn caches with descales of each accepted form:
+    out and LSE against the float64 attention over `descale * code`, the caches' bytes after
+    the call exactly the reference's, and the route (the FP8 decode kernel on the caller's
+    caches or on a copy of the rows, or the varlen forward over a dequantised copy)."""
+    q, k16, v16, kw = call
+    if not scores:  # half the calls without softcap / ALiBi, which take the varlen route
+        kw = {n: x for n, x in kw.items() if n not in ("softcap", "alibi_slopes")}
+    g = torch.Generator().manual_seed(int(k16.float().abs().sum().item() * 1000) % 2**31)
+    batch, kv = q.shape[0], k16.shape[2]
+    kd, vd = _fp8_descales(kind, g, batch, kv)
+    k8, v8 = k16.float().to(torch.float8_e4m3fn), v16.float().to(torch.float8_e4m3fn)
+    want_o, want_lse, want_k, want_v = ref_kvcache_fp8(q, k8, v8, kd, vd, kw)
+    fp8_kernels.calls.clear()
+    ptr = (k8.data_ptr(), v8.data_ptr())
+    out, lse = flash_attn_with_kvcache(q, k8, v8, return_softmax_lse=True, k_descale=kd,
+                                       v_descale=vd, **kw)  # fmt: skip
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    _close(out, want_o, 4e-3 * max(1.0, want_o.abs().max().item()), "out")
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    top = want_lse[finite].abs().max().item() if finite.any() else 1.0
+    _close(lse[finite], want_lse[finite], 2e-3 * max(1.0, top), "lse")
+    assert (k8.data_ptr(), v8.data_ptr()) == ptr  # written in place, not replaced
+    assert torch.equal(k8.view(torch.uint8), want_k), "k_cache codes"
+    assert torch.equal(v8.view(torch.uint8), want_v), "v_cache codes"
+    ((name, args),) = fp8_kernels.calls
+    sq, d = q.shape[1], q.shape[-1]
+    page = k8.shape[1] if "block_table" in kw else None
+    scored = bool(kw.get("softcap")) or "alibi_slopes" in kw
+    packed = sq > 16 or not decode_serves(d, page) or d % 16 != 0 or scored
+    copied = "cache_batch_idx" in kw or "cache_leftpad" in kw
+    event(f"{name}, packed {packed}, scored {scored}, rows copied {copied}, appends {'k' in kw}")
+    event(f"d {d}, descales {kind}")
+    if packed:
+        assert name == "fwd" and args["max_q"] == sq
+        assert args["k"].dtype == q.dtype  # the dequantised copy
+        assert args["k"].shape[0] == int(args["cu_k"][-1])  # exactly the used keys
+    elif "cache_batch_idx" in kw or "cache_leftpad" in kw:
+        assert name == "fp8_decode" and args["block_table"] is None
+        assert args["k_cache"].shape == (batch, *k8.shape[1:])  # a copy of the rows' codes
+        assert args["k_cache"].dtype == torch.float8_e4m3fn
+    else:
+        assert name == "fp8_decode"
+        assert args["k_cache"].data_ptr() == k8.data_ptr()  # the caller's cache itself
+
+
+def test_fp8_descales_follow_the_sequence_not_its_cache_row(fp8_kernels):
+    """With cache_batch_idx, sequence b's keys (cached and appended) are scaled by
+    k_descale[b], wherever row cache_batch_idx[b] is: two sequences of very different scales
+    swapped between rows."""
+    cap, d = 12, 32
+    q = _rand(2, 1, 2, d, seed=90)
+    k8 = _rand(3, cap, 1, d, seed=91).float().to(torch.float8_e4m3fn)
+    v8 = _rand(3, cap, 1, d, seed=92).float().to(torch.float8_e4m3fn)
+    kd = torch.tensor([[0.125], [2.0]])
+    vd = torch.tensor([[4.0], [0.25]])
+    kw = dict(k=_rand(2, 2, 1, d, seed=93), v=_rand(2, 2, 1, d, seed=94),
+              cache_seqlens=torch.tensor([5, 7], dtype=torch.int32),
+              cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32))  # fmt: skip
+    want_o, _, want_k, want_v = ref_kvcache_fp8(q, k8, v8, kd, vd, kw)
+    out = flash_attn_with_kvcache(q, k8, v8, k_descale=kd, v_descale=vd, **kw)
+    _close(out, want_o, 4e-3 * max(1.0, want_o.abs().max().item()), "out")
+    assert torch.equal(k8.view(torch.uint8), want_k)
+    assert torch.equal(v8.view(torch.uint8), want_v)
+    # sequence 0's new key 0 sits in row 2 at 5, as the code of k / 0.125
+    code = (kw["k"][0, 0].float() / 0.125).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(k8[2, 5].view(torch.uint8), code.view(torch.uint8))
+
+
+def test_fp8_composite_refusals_write_nothing(fp8_kernels):
+    """A bad descale, a missing one, or new rows of another dtype refuse an FP8 call on the
+    composite path (rotary, left padding, more than 16 queries, softcap) before any code is
+    written."""
+    cap, d = 16, 32
+    q = _rand(2, 20, 4, d, seed=95)
+    k8 = _rand(2, cap, 2, d, seed=96).float().to(torch.float8_e4m3fn)
+    before = k8.view(torch.uint8).clone()
+    new = _rand(2, 2, 2, d, seed=97)
+    lens = torch.tensor([3, 4], dtype=torch.int32)
+    ok = torch.ones(2, 2)
+    cases = [
+        (dict(k_descale=ok, v_descale=ok[:1]), r"v_descale has shape \(1, 2\)"),
+        (dict(k_descale=ok), "needs v_descale"),
+        (dict(k_descale=ok, v_descale=ok.half()), "dtype float16"),
+        (dict(k_descale=ok, v_descale=ok, k=new.bfloat16(), v=new.bfloat16()), "dtype"),
+        (dict(k_descale=ok, v_descale=ok, softcap=5.0, cache_leftpad=lens[:1]), "cache_leftpad"),
+    ]
+    for extra, message in cases:
+        kw = dict(k=new, v=new, cache_seqlens=lens)
+        kw.update(extra)
+        with pytest.raises(UnsupportedCall, match=message):
+            flash_attn_with_kvcache(q, k8, k8, **kw)
+        assert torch.equal(k8.view(torch.uint8), before), extra
+    assert not fp8_kernels.calls
