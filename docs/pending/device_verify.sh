@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The pending patches' verification, one device call (about 8 minutes on an H200 with 16 CPU
-# cores): build every kernel, the sm_90a backward's GPU suite at 200 examples in 12 processes,
-# flashgen.torch's GPU tests, the three sanitizers on the sm_90a backward families, merged
-# into the records. Run from the repository root with the patches applied and generated;
+# The pending patches' verification, one device call (about 9 minutes on an H200 with 16 CPU
+# cores): build every kernel, the sm_90a backward's and forward's GPU suites at 200 examples
+# in 12 processes, flashgen.torch's GPU tests, the three sanitizers on the sm_90a backward and
+# forward families, merged into the records. Run from the repository root with the patches applied and generated;
 # records and logs go under $OUT (default bench/results/session): copy $OUT/rec/*.json to
 # verify/records/ afterwards. Needs PyCUDA importable (PYTHONPATH) and flashgen installed.
 set -u
@@ -14,8 +14,9 @@ export FLASHGEN_RECORDS_DIR=$OUT/rec OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} PYTHO
 flashgen compile specs/ examples/torch_kernels.yaml -j "$(nproc)" > "$OUT/compile.txt" 2>&1
 el "compile rc=$?"; tail -2 "$OUT/compile.txt"
 for i in $(seq 0 11); do
-  FLASHGEN_SHARD=$i/12 FLASHGEN_GPU_EXAMPLES=200 timeout 280 python3 -m pytest -q \
-    tests/gpu/test_backward.py -k "sm90a or many_key_tiles" -p no:cacheprovider \
+  FLASHGEN_SHARD=$i/12 FLASHGEN_GPU_EXAMPLES=200 timeout 330 python3 -m pytest -q \
+    tests/gpu/test_backward.py tests/gpu/test_forward.py -k "sm90a or many_key_tiles" \
+    -p no:cacheprovider \
     > "$OUT/suite_$i.txt" 2>&1 &
 done
 wait
@@ -23,10 +24,12 @@ el suite; for i in $(seq 0 11); do tail -1 "$OUT/suite_$i.txt"; done
 echo "records: $(ls "$OUT/rec" | wc -l)"
 timeout 200 python3 -m pytest -q tests/gpu/test_torch.py -p no:cacheprovider \
   > "$OUT/torch.txt" 2>&1 &
-for tool in memcheck racecheck synccheck; do
-  for i in 0 1 2 3; do
-    FLASHGEN_SANITIZE_ONLY=backward:sm_90a timeout 200 compute-sanitizer --tool $tool \
-      python3 -m flashgen.bench.sanitize run $i/4 > "$OUT/${tool}_$i.txt" 2>&1 &
+for kind in backward forward; do
+  for tool in memcheck racecheck synccheck; do
+    for i in 0 1; do
+      FLASHGEN_SANITIZE_ONLY=$kind:sm_90a timeout 220 compute-sanitizer --tool $tool \
+        python3 -m flashgen.bench.sanitize run $i/2 > "$OUT/${tool}_${kind}_$i.txt" 2>&1 &
+    done
   done
 done
 wait
