@@ -188,6 +188,15 @@ def ref_kvcache(q, k_cache, v_cache, *, k=None, v=None, cos=None, sin=None, cach
 # ================================================================================================
 
 
+def seq_keys(cache, b, n, block_table):
+    """The first n keys `(n, kv_heads, d)` of sequence b: row b of a contiguous cache, or its
+    pages through the block table."""
+    if block_table is None:
+        return cache[b, :n]
+    pages = block_table[b, : -(-n // cache.shape[1])].long()
+    return cache[pages].reshape(-1, *cache.shape[2:])[:n]
+
+
 class FakeKernels:
     """torch.ops.flashgen.decode / .fwd replaced: float64 attention of what each receives,
     every call recorded as (name, {argument: value})."""
@@ -208,13 +217,7 @@ class FakeKernels:
         lse = torch.empty(batch, h, sq, dtype=torch.float32)
         for b in range(batch):
             n = int(cache_seqlens[b])
-            if block_table is None:
-                kb, vb = k_cache[b, :n], v_cache[b, :n]
-            else:
-                size = k_cache.shape[1]
-                pages = block_table[b, : -(-n // size)].long()
-                kb = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:n]
-                vb = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:n]
+            kb, vb = (seq_keys(c, b, n, block_table) for c in (k_cache, v_cache))
             slopes = None if alibi is None else (alibi if alibi.dim() == 1 else alibi[b])
             o, lb = ref_attention(q[b], kb, vb, scale, causal, (wl, wr), softcap, slopes)
             out[b], lse[b] = o.to(q.dtype), lb.float()
@@ -1206,13 +1209,7 @@ def fp8_kernels(kernels, monkeypatch):
         codes_k, codes_v = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         for b in range(batch):
             n = int(cache_seqlens[b])
-            if block_table is None:
-                kb, vb = codes_k[b, :n], codes_v[b, :n]
-            else:
-                size = k_cache.shape[1]
-                pages = block_table[b, : -(-n // size)].long()
-                kb = codes_k[pages].reshape(-1, kv, d)[:n]
-                vb = codes_v[pages].reshape(-1, kv, d)[:n]
+            kb, vb = (seq_keys(c, b, n, block_table) for c in (codes_k, codes_v))
             kb = kb.view(torch.float8_e4m3fn).double() * KD[b][:, None]
             vb = vb.view(torch.float8_e4m3fn).double() * VD[b][:, None]
             o, lb = ref_attention(q[b], kb, vb, scale, causal, (wl, wr))
