@@ -77,10 +77,14 @@ def bwd_flops(batch: int, heads: int, n: int, d: int, causal: bool, d_v: int | N
     return f / 2 if causal else f
 
 
-def bench_case(kernel, fwd_kernel, d, causal, n, tokens, hidden, backends, check, d_v=None) -> dict:
+def bench_case(
+    kernel, fwd_kernel, d, causal, n, tokens, hidden, backends, check, d_v=None, twin=None
+) -> dict:
     """One row: the flashgen backward and each backend's on the same bf16 inputs, q and k of
     head dim d, v, out and dO of d_v (default d). O and LSE come from SDPA FLASH's forward,
-    or with d_v != d (which FLASH refuses) from the flashgen forward `fwd_kernel`."""
+    or with d_v != d (which FLASH refuses) from the flashgen forward `fwd_kernel`. `twin`: a
+    second flashgen backward timed on the same tensors (a deterministic kernel's
+    non-deterministic twin: row["twin"], and row["vs_twin"] = kernel's TFLOP/s / twin's)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -121,6 +125,12 @@ def bench_case(kernel, fwd_kernel, d, causal, n, tokens, hidden, backends, check
     ms = timed(launch)
     row["ms"]["flashgen"] = ms
     row["tflops"]["flashgen"] = fl_bwd / (ms * 1e-3) / 1e12 if ms else None
+    if twin is not None:
+        twin_launch, *_ = flashgen_backward(twin, q, k, v, o, lse, do, scale)
+        ms_twin = timed(twin_launch)
+        row["twin"] = {"kernel": twin.name, "ms": ms_twin,
+                       "tflops": fl_bwd / (ms_twin * 1e-3) / 1e12 if ms_twin else None}  # fmt: skip
+        row["vs_twin"] = ms_twin / ms if ms and ms_twin else None
     if fwd_kernel is not None:
         o2, lse2 = torch.empty_like(o), torch.empty(batch, heads, n, device="cuda")
         fwd = fwd_kernel.library.launcher(torch_params(fwd_kernel, q, k, v, o2, lse2, scale))
@@ -187,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", nargs="*", default=list(BACKENDS))
     ap.add_argument("--check", action="store_true", help="compare dQ, dK, dV with SDPA FLASH")
     ap.add_argument(
-        "--deterministic", action="store_true", help="benchmark the deterministic kernels only"
+        "--deterministic",
+        action="store_true",
+        help="benchmark the deterministic kernels only, each beside its non-deterministic "
+        "twin (same head dim, mask and target) when --specs holds one",
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -201,11 +214,11 @@ def main(argv: list[str] | None = None) -> int:
             and s.mask.causal.yaml in ("none", "bottom_right")
         )  # fmt: skip
 
-    specs = [
-        s
-        for s in load_paths(args.specs)
-        if s.kernel.yaml == "backward" and dense(s) and s.deterministic == args.deterministic
-    ]
+    loaded = [s for s in load_paths(args.specs) if s.kernel.yaml == "backward" and dense(s)]
+    specs = [s for s in loaded if s.deterministic == args.deterministic]
+    twins = {
+        (s.head_dim, s.mask.causal, s.target): s for s in loaded if not s.deterministic
+    } if args.deterministic else {}  # fmt: skip
     fwd = {
         (s.head_dim, s.head_dim_vo, s.mask.causal): s
         for s in load_paths(args.fwd_specs) if s.kernel.yaml == "forward" and dense(s)
@@ -219,13 +232,17 @@ def main(argv: list[str] | None = None) -> int:
         fspec = fwd.get((spec.head_dim, spec.head_dim_vo, spec.mask.causal))
         fkernel = load_kernel(fspec, args.libs) if fspec is not None else None
         causal = spec.mask.causal.yaml != "none"
+        tspec = twins.get((spec.head_dim, spec.mask.causal, spec.target))
+        twin = load_kernel(tspec, args.libs) if tspec is not None else None
         for n in args.seqlens:
             row = bench_case(
                 kernel, fkernel, spec.head_dim, causal, n, args.tokens, args.hidden,
-                args.backends, args.check, d_v=spec.head_dim_vo,
+                args.backends, args.check, d_v=spec.head_dim_vo, twin=twin,
             )  # fmt: skip
             rows.append(row)
             cells = "  ".join(f"{be}={t:6.1f}" for be, t in row["tflops"].items() if t)
+            if row.get("vs_twin"):
+                cells += f"  vs_twin={row['vs_twin']:.3f}"
             extra = f"  diff={row.get('max_abs_diff_vs_flash')}" if args.check else ""
             print(f"d={spec.head_dim:3d} causal={int(causal)} n={n:5d}  {cells}{extra}", flush=True)
     result = {

@@ -116,8 +116,13 @@ stage_bwd90() {
     > "$out/bench_bwd90.txt" 2>&1
 }
 stage_det() {
-  t 90 python3 -m flashgen.bench.bwd_bench --specs specs/bwd_det.yaml --deterministic \
-    --seqlens 4096 16384 --out "$out/bwd_det_h200.json" > "$out/bench_det.txt" 2>&1
+  # each deterministic kernel beside its non-deterministic twin (sm_90a: bwd_sm90a.yaml; sm_90:
+  # bwd_dense.yaml), then repeated runs of the sm_90a ones against their twins' (bitwise)
+  t 200 python3 -m flashgen.bench.bwd_bench --specs specs/bwd_det.yaml specs/bwd_sm90a.yaml \
+    specs/bwd_dense.yaml --deterministic --seqlens 1024 4096 16384 \
+    --out "$out/bwd_det_h200.json" > "$out/bench_det.txt" 2>&1
+  t 90 python3 -m flashgen.bench.det_repeat --out "$out/det_repeat_h200.json" \
+    > "$out/det_repeat.txt" 2>&1
 }
 stage_decode() {
   t 170 python3 -m flashgen.bench.decode_bench --out "$out/decode_h200.json" ${DECODE_ARGS:-} \

@@ -185,15 +185,17 @@ def forward_for(specs, bwd):
 
 def plain_twin(shipped, twin):
     """The shipped plain kernel of the twin's kind, target, dtype, head dim and mask, whatever
-    its tile and allow_spills (a modifier's tile rule may differ, e.g. softcap's on sm_90a)."""
+    its tile and allow_spills (a modifier's tile rule may differ, e.g. softcap's on sm_90a),
+    and deterministic when the twin is (a deterministic backward is `plain` too)."""
     for s in shipped:
-        if (s.kernel, s.target, s.dtype, s.head_dim, s.mask, s.gqa) == (
+        if (s.kernel, s.target, s.dtype, s.head_dim, s.mask, s.gqa, s.deterministic) == (
             twin.kernel,
             twin.target,
             twin.dtype,
             twin.head_dim,
             twin.mask,
             twin.gqa,
+            twin.deterministic,
         ) and s.tile_auto:
             return s
     return None

@@ -380,9 +380,8 @@ def target_for(capability: Sequence[int]) -> Target:
 
 # Kinds with a faster architecture-specific family on some capability: tried first there,
 # and used when that family serves the call (generator/families/forward_sm90.py and
-# backward_sm90.py name what they do not take, e.g. the backward's varlen, dropout,
-# deterministic mode and head dims above 128); otherwise the portable family of `target_for`
-# serves it.
+# backward_sm90.py name what they do not take, e.g. the backward's varlen, dropout and
+# head dims above 128); otherwise the portable family of `target_for` serves it.
 PREFERRED: dict[tuple[KernelKind, tuple[int, int]], Target] = {
     (KernelKind.FORWARD, (9, 0)): Target.SM90A,
     (KernelKind.BACKWARD, (9, 0)): Target.SM90A,

@@ -47,6 +47,13 @@ BWD_FEATURES = {
     "dense": "",
     "causal": "mask: {causal: bottom_right}\n",
     "window_gqa": "mask: {causal: top_left, window: true}\ngqa: true\n",
+    # ALiBi's distances beside P^T formed while dP^T runs (64 rows at 64 columns)
+    "alibi": "alibi: true\n",
+    # the ordered dQ adds: the counter and turn beside the dQ writer's 24 registers, and with
+    # a window the turn's search in the consumers
+    "deterministic_causal": "mask: {causal: bottom_right}\ndeterministic: true\n",
+    "deterministic_window_gqa": "mask: {causal: top_left, window: true}\ngqa: true\n"
+    "deterministic: true\n",
 }
 
 

@@ -655,7 +655,6 @@ def test_the_sm90a_backward_names_what_it_does_not_take_and_where_it_is():
     for extra, field in (
         ("head_dim: 64\ndropout: true\n", "dropout"),
         ("head_dim: 64\nmask: {varlen: true}\n", "mask.varlen"),
-        ("head_dim: 64\ndeterministic: true\n", "deterministic"),
         ("head_dim: 64\nsparsity: block\n", "sparsity"),
         ("head_dim: 64\ninstrument_io: true\n", "instrument_io"),
     ):
@@ -665,6 +664,33 @@ def test_the_sm90a_backward_names_what_it_does_not_take_and_where_it_is():
         load(base + "head_dim: 192\n")
     with pytest.raises(SpecError, match=r"tile.warps: 4 is not allowed on the sm_90a backward"):
         load(base + "head_dim: 64\ntile: {block_m: 64, block_n: 128, warps: 4, stages: 2}\n")
+
+
+def test_the_sm90a_backward_takes_deterministic_with_its_counters_and_tile_rule():
+    """deterministic on sm_90a: the kernel gets kDeterministic, the launcher zeroes dq_sem
+    (sized per query tile of the spec's block_m), and a window keeps 64 query rows at 64
+    padded columns (its turn's search spilled at 128)."""
+    from flashgen.generator.render import Renderer
+
+    def cu_of(spec):
+        files = Renderer().render(spec).files
+        return next(text.decode() for name, text in files.items() if name.endswith(".cu"))
+
+    base = "kernel: backward\ndtype: bf16\ntarget: sm_90a\ndeterministic: true\n"
+    spec = one(base + "head_dim: 64\n")
+    assert spec.deterministic and spec.tile.block_m == 128
+    assert "_det_" in Renderer().name(spec)
+    windowed = one(base + "head_dim: 64\nmask: {causal: top_left, window: true}\ngqa: true\n")
+    assert windowed.tile.block_m == 64
+    assert one(base.replace("deterministic: true\n", "") + "head_dim: 64\n").tile.block_m == 128
+    # ALiBi (like softcap) takes 64 rows at 64 columns
+    alibi = "kernel: backward\ndtype: bf16\ntarget: sm_90a\nhead_dim: 64\nalibi: true\n"
+    assert one(alibi).tile.block_m == 64
+    cu = cu_of(spec)
+    assert "kDeterministic = true" in cu
+    assert "cudaMemsetAsync(p.dq_sem, 0, fg::bwd_sem_used<Cfg>(p), stream)" in cu
+    plain_cu = cu_of(one(base.replace("deterministic: true\n", "") + "head_dim: 64\n"))
+    assert "kDeterministic = false" in plain_cu and "dq_sem" not in plain_cu
 
 
 def test_a_field_of_another_family_is_rejected_naming_where_it_applies():

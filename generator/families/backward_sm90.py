@@ -19,8 +19,12 @@ registers; larger head dims need the head dim split across warpgroups, not built
 Shared memory: K, V; `stages` Q and dO tiles; two dS^T buffers (block_n x block_m); `stages`
 LSE and D rows; the fp32 dQ tile (block_m x Dp) where `dq_by_tma`; 1024 bytes of alignment
 slack.
+`deterministic`: the dQ adds of each query tile are made in ascending key-tile order, one
+K/V tile at a time (a dq_sem counter per (batch, head, query tile) in the workspace's third
+part, as the mma.sync backward's): by the dQ writer after its turn, or by the consumers when
+they add dQ themselves, so dQ, dK and dV are bitwise repeatable.
 Not on this path (rejected by name; `target: sm_90` has them): varlen, dropout, block
-sparsity, deterministic, instrument_io.
+sparsity, instrument_io.
 """
 
 from __future__ import annotations
@@ -114,7 +118,6 @@ class BackwardSm90(Backward):
             (spec.mask.varlen, "mask.varlen"),
             (spec.dropout, "dropout"),
             (spec.sparse, "sparsity"),
-            (spec.deterministic, "deterministic"),
             (spec.instrument_io, "instrument_io"),
         ):
             if flag:
@@ -157,14 +160,21 @@ class BackwardSm90(Backward):
         (feature flags by field path)."""
         # softcap keeps its derivative beside the scores: 128 query rows a step then spill
         # (92 bytes at d 64, ptxas), 64 do not; a score_mod (positions, parameters and maybe a
-        # derivative) takes 64 rows likewise
-        light = not values.get("softcap") and values.get("score_mod") is None
+        # derivative) takes 64 rows likewise, and so do ALiBi (its distances beside P^T formed
+        # while dP^T runs: 16 bytes at 128 rows, d 64 without causal, ptxas 13.0) and a
+        # deterministic window (its turn is a search over the key tiles: 4 bytes at 128 rows)
+        light = (
+            not values.get("softcap")
+            and not values.get("alibi")
+            and values.get("score_mod") is None
+            and not (values.get("deterministic") and values.get("mask.window"))
+        )
         if head_dim_pad(head_dim) <= 64 and light:
             return Tile(block_m=128, block_n=128, warps=8, stages=2)
         return Tile(block_m=64, block_n=128, warps=8, stages=2)
 
     def config(self, spec: KernelSpec) -> dict[str, Any]:
-        return self.spec_config(spec)
+        return {**self.spec_config(spec), "deterministic": spec.deterministic}
 
 
 FAMILY = BackwardSm90()

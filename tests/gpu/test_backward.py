@@ -36,7 +36,7 @@ from flashgen.verify.blocksparse import compact_layout_for_spec
 from flashgen.verify.io_model_bwd import backward_bytes
 from flashgen.verify.passrule import TANH_APPROX_REL
 from flashgen.verify.runner_bwd import load_bwd_kernel
-from flashgen.verify.score_mods import softcap_factor
+from flashgen.verify.score_mods import check_score_args, softcap_factor
 from flashgen.verify.strategies import (
     block_layouts,
     fixed_score_args,
@@ -532,6 +532,30 @@ def test_rows_with_no_visible_key_give_dq_exactly_zero(spec, specs, recorder):  
     assert (~vis.any(axis=-1)).any(), "the case was meant to have rows with no visible key"
 
 
+ALIBI_SPECS = [s for s in SPECS if s.has("alibi") and s.score_mod is None]
+
+
+@pytest.mark.parametrize("spec", ALIBI_SPECS, ids=kernel_name)
+def test_negative_alibi_slopes_give_finite_gradients_past_the_sequence(spec, specs, recorder):  # noqa: ARG001
+    """Slopes -0.5 (and 0): the bias -slope |i - j| grows with the distance, to exp(+150)
+    for the query rows past the sequence in the last tile (their Q rows read as 0, and on
+    the sm_90a ring their LSE as 0). Nothing of them may reach dK, dV or dQ as inf or NaN;
+    the visible elements pass the rule as always."""
+    case = _fixed_case(spec, sq=300, sk=300, lens_q=[300, 77], lens_k=[300, 129],
+                       window=(200, 50))  # fmt: skip
+    heads = case["heads"]
+    slopes = np.full(heads, -0.5, np.float32)
+    slopes[-1] = 0.0
+    case["score"] = check_score_args(
+        20.0 if spec.has("softcap") else 0.0, slopes,
+        np.linspace(-2.0, 4.0, heads).astype(np.float32) if spec.has("sink") else None,
+        batch=case["batch"], heads=heads,
+    )  # fmt: skip
+    res, _ = run_and_check(spec, case, recorder, "bwd_negative_alibi")
+    for nm in ("dq", "dk", "dv"):
+        assert np.isfinite(getattr(res, nm)).all(), nm
+
+
 DETERMINISTIC = [s for s in SPECS if s.deterministic]
 REPEAT_SPECS = [s for s in SPECS if (s.gqa or s.mask.varlen) and not s.deterministic][:3]
 REPEAT_SPECS += [s for s in SPECS if _plain(s) and not s.deterministic][:2] + DETERMINISTIC
@@ -551,5 +575,26 @@ def test_repeated_runs_are_bitwise_identical_where_promised(spec, specs):  # noq
     for _ in range(2 if not spec.deterministic else 4):
         again = kernel.run(q, k, v, o, lse, dout, **run_kw)
         for nm in same:
+            a, b = getattr(first, nm), getattr(again, nm)
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), nm
+
+
+@pytest.mark.parametrize("spec", DETERMINISTIC, ids=kernel_name)
+def test_deterministic_dq_is_bitwise_repeatable_with_many_key_tiles(spec, specs):  # noqa: ARG001
+    """Many K/V tiles (18 to 36) add into every query tile of dQ: with unordered adds the fp32
+    sums differ from run to run; the deterministic builds' ordered turns make them identical.
+    With a window, later query tiles' first visiting key tile is past 0 (its turn starts
+    there), and keys past the window's right edge are never visited."""
+    n = 2304
+    case = _fixed_case(spec, sq=320 if not spec.mask.window else n, sk=n, lens_q=[320, 77],
+                       lens_k=[n, 1000], window=(1500, 0))  # fmt: skip
+    q, k, v, dout, run_kw, ref_kw = make_inputs(spec, case)
+    o, lse = forward_outputs(spec, q, k, v, ref_kw)
+    kernel = _kernel(spec)
+    first = kernel.run(q, k, v, o, lse, dout, **run_kw)
+    assert np.isfinite(first.dq).all() and np.abs(first.dq).max() > 0
+    for _ in range(4):
+        again = kernel.run(q, k, v, o, lse, dout, **run_kw)
+        for nm in ("dq", "dk", "dv"):
             a, b = getattr(first, nm), getattr(again, nm)
             assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), nm

@@ -12,8 +12,8 @@
 //              P^T = exp(scale S^T - LSE): the wgmma accumulator of 64 keys is the m16n8 C
 //              layout per warp with rows = keys and columns = queries, so P^T packs into the
 //              A registers of dV += P^T dO as P does into P V in the forward
-//   dP^T, dS^T V dO^T and dS^T = P^T * (dP^T - D), D = rowsum(dO * O) (the preprocess), the
-//              wgmma accumulating dP^T from -D
+//   dP^T, dS^T V dO^T and dS^T = P^T * (dP^T - D), D = rowsum(dO * O) (the preprocess); P^T
+//              is formed while dP^T is still on the tensor cores (kPFirst, below)
 //   dQ piece   dQ of a step = dS K (block_m x Dp, K = every key of the CTA) is cut into one
 //              64-row x kDqN piece per group; dS^T goes through shared memory for it (the A
 //              operand read MN-major); each group stores its piece into the step's fp32 dQ
@@ -34,11 +34,21 @@
 //              consumers issue no global atomics
 //   Dp         head_dim rounded up to 64 (TMA box width); columns d..Dp-1 read as 0 and are
 //              neither stored nor added
+//   dq_sem     deterministic builds: per (batch, head, query tile) the number of K/V tiles
+//              whose dQ adds have landed (the workspace's third part, as the mma.sync
+//              backward's). A step's adds wait for their turn, tile n - first_visitor(m)
+//              (n itself without a window: every K/V tile from 0 visits a visited query
+//              tile), and release the next one once they are complete in global memory, so
+//              the fp32 sums are made in ascending key-tile order on every run. CTAs wait
+//              only for CTAs of lower blockIdx (same batch and KV head, lower key tile),
+//              which the hardware starts first: no deadlock. Who waits: the dQ writer
+//              (kDqTma; the turn and counter index come in dq_job), else consumer thread 0,
+//              the other consumer threads held at a named barrier
 //   slot       ring position of a step's Q, dO, LSE and D (step % stages); full[slot]
 //              completes when its TMA bytes land and the producer warp has written LSE and D,
 //              empty[slot] when every consumer thread is done with it
 //
-// Per CTA: a producer warpgroup (24 registers): its first warp loads K, V once and then Q, dO
+// Per CTA: a producer warpgroup (40 registers): its first warp loads K, V once and then Q, dO
 // by TMA and LSE, D by plain loads, step by step, into the ring; its second warp is the dQ
 // writer. Each consumer group per step: S^T = K Q^T and dP^T = V dO^T (SS-wgmma), mask
 // (mask.cuh, transposed), P^T and dS^T in fp32 registers, dV += P^T dO and dK += dS^T Q
@@ -72,12 +82,22 @@ template <class S>
 struct BwdSm90Config : S {
   using S::kBlockM, S::kBlockN, S::kHeadDim, S::kWarps, S::kStages;
   using Elem = typename S::Elem;
-  static constexpr bool kDeterministic = false;  // the workspace helpers of bwd_kernel.cuh
+  // dQ adds ordered per query tile (dq_sem, below); also read by bwd_kernel.cuh's workspace
+  static constexpr bool kDeterministic = S::kDeterministic;
   static constexpr int kConsumerThreads = kWarps * 32;
   static constexpr int kThreads = kConsumerThreads + 128;
   static constexpr int kGroups = kWarps / 4;
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  // kRingCopies: the producer stages each step's LSE and D by cp.async (the consumers scale
+  // LSE to log2 units), with 40 registers and the consumers 232; otherwise it loads and
+  // converts them itself in 24, and the consumers have 240. setmaxnreg hands over exactly what
+  // is given up: 12 warps launch at 168, 4 x (168 - 40) = 8 x (232 - 168) (and 4 x 144 = 8 x
+  // 72). ptxas 13.0 over every sm_90a backward kernel: the copies at 24 spill 4-36 bytes
+  // beside the P^T-first consumers (the old loads 12), at 40 / 232 nothing does; a score stage
+  // with a derivative (softcap) or a user score_mod (positions, parameters) needs the
+  // consumers' 240 (8-184 bytes at 232) and keeps the loads.
+  static constexpr bool kRingCopies = !ScoreModOf<S, false>::kHasGrad && !ScoreModOf<S, false>::kUser;
+  static constexpr int kProducerRegs = kRingCopies ? 40 : 24;
+  static constexpr int kConsumerRegs = kRingCopies ? 232 : 240;
   using S::kHeadDimPad;  // head_dim rounded up to 64 (the TMA box)
   static_assert(kHeadDimPad == (kHeadDim + 63) / 64 * 64, "head_dim_pad: the next multiple of 64");
   // one head dim for Q, K, V and dO (families/backward_sm90.py refuses head_dim_v != head_dim)
@@ -102,7 +122,11 @@ struct BwdSm90Config : S {
   static constexpr int kSmemBytes = 2 * kKvBytes + 2 * kStages * kQBytes + 2 * kDsBytes +
                                     kDqBytes + 2 * kStages * kBlockM * 4 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory: 227 KiB per CTA on sm_90");
-  static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536, "registers");
+  // setmaxnreg.inc waits for registers the producer gave up: never ask for more than the
+  // launch's (65536 / kThreads, rounded down to 8, per thread)
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <=
+                    65536 / kThreads / 8 * 8 * kThreads,
+                "registers: the setmaxnreg split asks for more than the launch holds");
   static_assert(kWarps == 8, "two consumer warpgroups (block_n = 128)");
   static_assert(kBlockN == 64 * kGroups, "block_n = 64 keys per consumer warpgroup");
   static_assert(kBlockM == 64 || kBlockM == 128, "block_m: 64 or 128");
@@ -115,6 +139,35 @@ struct BwdSm90Config : S {
                 "varlen, sparsity, dropout and instrument_io are not on the sm_90a backward");
 };
 
+// Deterministic builds' turn-taking on one dq_sem counter (see the glossary): wait until
+// `turn` K/V tiles have added, then (after this tile's adds are complete and fenced) hand the
+// counter to the next one. The mma.sync backward spells the same two steps inline.
+__device__ __forceinline__ void dq_turn_wait(const int32_t* sem, int turn) {
+  while (ld_acquire(sem) != turn) __nanosleep(32);
+}
+// Global memory accesses of the async proxy (the dQ writer's reduce-adds) ordered with this
+// thread's generic-proxy ones (the turn's acquire before them, its release after).
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+__device__ __forceinline__ void dq_turn_release(int32_t* sem, int turn) {
+  __threadfence();  // cumulative: the adds this thread has seen complete come first
+  atomicExch(sem, turn + 1);
+}
+
+// The dq_sem counter of (batch b, head h, query tile m) and the turn of K/V tile nt there.
+template <class C, class Mask>
+__device__ __forceinline__ int dq_turn(const Mask& mask, int64_t m, int64_t nt, int64_t sk) {
+  if constexpr (C::kWindow) return static_cast<int>(nt - first_visitor(mask, m, nt, sk,
+                                                                       C::kBlockM, C::kBlockN));
+  return static_cast<int>(nt);
+}
+template <class C>
+__device__ __forceinline__ int dq_sem_index(const fg_bwd_params& p, int64_t b, int64_t h,
+                                            int64_t m) {
+  return static_cast<int>((b * p.heads + h) * ((p.seqlen_q + C::kBlockM - 1) / C::kBlockM) + m);
+}
+
 // dQ tile element (query row r, column c): box c / 32, and in its 128-byte row r the 16-byte
 // chunk (c % 32) / 4 at chunk ((c % 32) / 4) ^ (r % 8) (SW128, as TMA reads it).
 template <class C>
@@ -126,6 +179,41 @@ __device__ __forceinline__ int dq_tile_offset(int r, int c) {
 // 16-byte chunk c / 8 of row r sits at chunk (c / 8) ^ (r % 8) (what TMA would write).
 __device__ __forceinline__ int sw128_offset(int r, int c) {
   return r * 64 + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7);
+}
+
+// The LSE a row past the sequence gets on the copied ring: +inf, so P^T = exp2(y - inf) = 0
+// there whatever the score stage makes of its zero Q row (ALiBi's bias -slope |i - j| is
+// large and positive for a negative slope: with LSE 0 its exp2 overflowed to inf, and inf
+// times the row's zero dO is NaN in dV and dK).
+__device__ const float kLsePastEnd = INFINITY;
+
+// 4 bytes from global to shared memory by the async copy unit (cp.async): no register holds
+// the value. `valid` false: the 4 bytes are zero-filled and nothing is read.
+__device__ __forceinline__ void cp_async_4(float* smem, const float* gmem, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem),
+               "r"(valid ? 4 : 0)
+               : "memory");
+}
+// This thread's arrival on `bar` once every cp.async it issued so far has landed (.noinc: it
+// is the thread's arrive, counted in the barrier's expected count).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
+  const uint32_t b = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(b) : "memory");
+}
+
+// kRingCopies: LSE of the two query columns col, col + 1 of a step in log2 units, from the
+// ring (else the producer stored them so). The producer copied the caller's LSE (natural
+// log), +inf past the sequence (kLsePastEnd: P^T = 0). LSE = -inf (no visible key) stays
+// -inf: such rows are masked in every tile the walk visits (P^T = 0 after the exp2). A user
+// score_mod may be +inf or NaN there (an expression of i), so its kernels keep the producer's
+// loads (+inf for both: P^T = 0, or NaN, which they turn into 0).
+template <class C, class Mod>
+__device__ __forceinline__ float2 lse_log2(const float* lse_s, int col) {
+  static_assert(C::kRingCopies && !Mod::kUser, "the copied ring's LSE (natural log)");
+  constexpr float kLog2e = 1.4426950408889634f;
+  const float2 l = *reinterpret_cast<const float2*>(lse_s + col);
+  return make_float2(l.x * kLog2e, l.y * kLog2e);
 }
 
 template <class C>
@@ -145,7 +233,9 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
   float* sLse = sdQ + C::kDqBytes / 4;
   float* sD = sLse + C::kStages * C::kBlockM;
   __shared__ uint64_t bar_kv, full[C::kStages], empty[C::kStages], dq_full, dq_empty;
-  __shared__ int dq_job[2];  // the step's head and first query row, from consumer thread 0
+  // the step's head and first query row (deterministic: its dq_sem index and turn), from
+  // consumer thread 0 to the dQ writer
+  __shared__ int dq_job[C::kDeterministic ? 4 : 2];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = warp / 4, g = lane >> 2, t = lane & 3;
@@ -173,7 +263,7 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
     mbar_init(&bar_kv, 1);
 #pragma unroll
     for (int s = 0; s < C::kStages; ++s) {
-      mbar_init(&full[s], 1 + 32);  // the TMA transaction + the producer warp's LSE/D writes
+      mbar_init(&full[s], 1 + 32);  // the TMA transaction + the producer lanes' LSE/D copies
       mbar_init(&empty[s], C::kConsumerThreads);
     }
     if constexpr (C::kDqTma) {
@@ -200,19 +290,37 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
     if constexpr (C::kDqTma) {
       if (n_steps == 0 || warp > C::kWarps + 1) return;
       if (warp == C::kWarps + 1) {  // the dQ writer: each step's tile into dq_accum
+        [[maybe_unused]] const int w_b = static_cast<int>(b), w_nt = static_cast<int>(nt);
+        [[maybe_unused]] const int w_heads = static_cast<int>(p.heads);
+        [[maybe_unused]] const int w_num_mt = (w_sq + C::kBlockM - 1) / C::kBlockM;
         // Its head and rows come from the consumers (dq_job): this warp's 24 registers spilled
         // 40-130 bytes when it walked the steps itself (ptxas 13.0).
         if (lane != 0) return;
         for (int s = 0; s < n_steps; ++s) {
           mbar_wait(&dq_full, static_cast<uint32_t>(s & 1));
           const int h = dq_job[0], r0 = dq_job[1];
+          [[maybe_unused]] int32_t* sem = nullptr;
+          [[maybe_unused]] int turn = 0;
+          if constexpr (C::kDeterministic) {  // the counter from 32-bit parts (launch check)
+            sem = p.dq_sem + (w_b * w_heads + h) * w_num_mt + dq_job[2];
+            turn = C::kWindow ? dq_job[3] : w_nt;
+            dq_turn_wait(sem, turn);
+            fence_proxy_async_global();  // the acquire, then the async proxy's reduce-adds
+          }
 #pragma unroll
           for (int j = 0; j < C::kDqBoxes; ++j)
             tma_reduce_add_4d(sdQ + j * C::kDqBox, &maps.dq_accum, j * 32, h, r0,
                               static_cast<int>(b));
           bulk_commit();
           bulk_wait_read<0>();
-          mbar_arrive(&dq_empty);
+          mbar_arrive(&dq_empty);  // the tile is read: the consumers may store the next one
+          if constexpr (C::kDeterministic) {
+            // the adds complete in global memory (not only read out of shared memory), then
+            // the next key tile's turn
+            bulk_wait<0>();
+            fence_proxy_async_global();
+            dq_turn_release(sem, turn);
+          }
         }
         bulk_wait<0>();  // the adds have landed before the CTA's shared memory is released
         return;
@@ -243,21 +351,42 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
               h);
         }
       }
-      // LSE in log2 units (+inf where no key is visible or past the sequence: P = 0) and D.
-      for (int r = lane; r < C::kBlockM; r += 32) {
-        const int64_t row = r0 + r;
-        float lse2 = INFINITY, dsum = 0.f;
-        if (row < w_sq) {
-          const float lse = p.lse[seq.lse_off(p.lse_batch_stride, p.lse_head_stride, h, row)];
-          lse2 = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
-          dsum = p.dsum[seq.grow(row) * p.heads + h];
+      if constexpr (C::kRingCopies) {
+        // LSE (natural log, the caller's) and D of the step's rows, 4 bytes each by the async
+        // copy unit; past the sequence LSE +inf (kLsePastEnd) and D 0 (a zero fill: src-size
+        // 0 reads nothing): no register holds a value or waits for a load.
+        const int row0 = static_cast<int>(r0) + lane;
+        const float* lse_p = p.lse + seq.lse_off(p.lse_batch_stride, p.lse_head_stride, h, row0);
+        const float* d_p = p.dsum + seq.grow(row0) * p.heads + h;
+        const int64_t d_step = 32 * p.heads;
+#pragma unroll
+        for (int i = 0; i < C::kBlockM / 32; ++i) {
+          const bool in = row0 + 32 * i < w_sq;
+          cp_async_4(sLse + slot * C::kBlockM + lane + 32 * i, in ? lse_p : &kLsePastEnd, true);
+          cp_async_4(sD + slot * C::kBlockM + lane + 32 * i, d_p, in);
+          lse_p += 32;
+          d_p += d_step;
         }
-        sLse[slot * C::kBlockM + r] = lse2;
-        sD[slot * C::kBlockM + r] = dsum;
+        cp_async_mbar_arrive(&full[slot]);  // this lane's arrival, once its copies have landed
+      } else {
+        // LSE in log2 units (+inf where no key is visible or past the sequence: P = 0) and D.
+        for (int r = lane; r < C::kBlockM; r += 32) {
+          const int64_t row = r0 + r;
+          float lse2 = INFINITY, dsum = 0.f;
+          if (row < w_sq) {
+            const float lse = p.lse[seq.lse_off(p.lse_batch_stride, p.lse_head_stride, h, row)];
+            lse2 = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
+            dsum = p.dsum[seq.grow(row) * p.heads + h];
+          }
+          sLse[slot * C::kBlockM + r] = lse2;
+          sD[slot * C::kBlockM + r] = dsum;
+        }
+        mbar_arrive(&full[slot]);  // release: the writes above precede the phase's completion
       }
-      mbar_arrive(&full[slot]);  // release: the writes above precede the phase's completion
       if (++m == w_hi) m = w_lo, ++h_off;
     }
+    // the last copies land (and arrive) before this warp exits
+    if constexpr (C::kRingCopies) asm volatile("cp.async.wait_all;\n" ::: "memory");
     return;
   }
   regs_alloc<C::kConsumerRegs>();
@@ -288,10 +417,12 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
   const bool key_ok[2] = {key0 + wk * 16 + g < kr, key0 + wk * 16 + g + 8 < kr};
   [[maybe_unused]] const int64_t q_row_base = b * p.seqlen_q;  // dq_accum's rows (the adds)
   if (n_steps > 0) mbar_wait(&bar_kv, 0);
-  int h_off = 0, m = static_cast<int>(m_lo);  // the step's head offset and query tile
+  // the walk in 32 bits, as the producer's (fewer registers beside the step's peak)
+  const int c_lo = static_cast<int>(m_lo), c_hi = static_cast<int>(m_hi);
+  int h_off = 0, m = c_lo;  // the step's head offset and query tile
   for (int s = 0; s < n_steps; ++s) {
     const int slot = s % C::kStages;
-    const int64_t h = h0 + h_off, r0 = static_cast<int64_t>(m) * C::kBlockM;
+    const int h = static_cast<int>(h0) + h_off, r0 = m * C::kBlockM;
     uint64_t k_base = desc_k_major(sK + key0 * 64), v_base = desc_k_major(sV + key0 * 64);
     uint64_t q_base = desc_k_major(sQ + slot * C::kBlockM * C::kHeadDimPad);
     uint64_t do_base = desc_k_major(sdO + slot * C::kBlockM * C::kHeadDimPad);
@@ -299,9 +430,19 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
     Elem* ds_s = sdS + (s & 1) * C::kBlockN * C::kBlockM;
     mbar_wait(&full[slot], static_cast<uint32_t>((s / C::kStages) & 1));
 
-    // S^T = K Q^T, then dP^T - D = V dO^T - D, two wgmma groups (k16 slice kk: box kk / 4, 32
-    // bytes * (kk % 4) into the rows). D enters as dP^T's initial accumulator (column q holds
-    // -D[q]), so no register holds it beside the scores at the step's register peak.
+    // S^T = K Q^T, then dP^T = V dO^T, two wgmma groups (k16 slice kk: box kk / 4, 32 bytes *
+    // (kk % 4) into the rows). kPFirst: P^T is computed while dP^T is still on the tensor
+    // cores (into S^T's registers, in place), and dS^T once it lands; a modifier with a
+    // derivative computes both at once (its d(mod)/ds per element would be a third tile of
+    // registers). kDInit: D enters as dP^T's initial accumulator (column q holds -D[q]), so
+    // no register holds D at the step's peak, but ptxas then waits for S^T before it issues
+    // dP^T (C7517: the two products do not overlap); otherwise dP^T starts from 0 and D is
+    // read where dS^T is formed. H200, ab_bench (docs/benchmarks.md): the choice below.
+    constexpr bool kPFirst = !Mod::kHasGrad;
+    // Without causal or a window only keys past the sequence are masked, and key_ok covers
+    // those: no element test at all (its predicates cost registers at the step's peak).
+    constexpr bool kMasks = C::kCausal != Causal::kNone || C::kWindow;
+    constexpr bool kDInit = C::kBlockM == 128 && !kMasks;
     const float* lse_s = sLse + slot * C::kBlockM;
     const float* d_s = sD + slot * C::kBlockM;
     float acc_s[1][C::kMT][4], acc_dp[1][C::kMT][4];
@@ -316,60 +457,86 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
                                               desc_at(q_base, off_q), kk > 0);
     }
     wgmma_commit();
+    if constexpr (kDInit) {
 #pragma unroll
-    for (int j = 0; j < C::kMT; ++j) {  // while S^T is on the tensor cores
-      const float2 dsum = *reinterpret_cast<const float2*>(d_s + j * 8 + 2 * t);
-      acc_dp[0][j][0] = acc_dp[0][j][2] = -dsum.x;
-      acc_dp[0][j][1] = acc_dp[0][j][3] = -dsum.y;
+      for (int j = 0; j < C::kMT; ++j) {
+        const float2 dsum = *reinterpret_cast<const float2*>(d_s + j * 8 + 2 * t);
+        acc_dp[0][j][0] = acc_dp[0][j][2] = -dsum.x;
+        acc_dp[0][j][1] = acc_dp[0][j][3] = -dsum.y;
+      }
+      wgmma_fence();
     }
-    wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < C::kHeadDimPad / 16; ++kk) {
       const int off_kv = (kk / 4) * C::kKvBox + (kk % 4) * 16;
       const int off_q = (kk / 4) * C::kQBox + (kk % 4) * 16;
       Wgmma<Elem, C::kBlockM>::template ss<0>(dp_flat, desc_at(v_base, off_kv),
-                                              desc_at(do_base, off_q), 1);
+                                              desc_at(do_base, off_q), kDInit || kk > 0);
     }
     wgmma_commit();
 
-    // Per k16 slice kk2 (S^T's n8 tiles 2 kk2 and 2 kk2 + 1): mask (transposed: element (key
-    // kl, query ql) is visible iff the tile mask says (ql, kl)), P^T = exp2(S^T scale log2 e -
-    // LSE log2 e) and dS^T = P^T (dP^T - D) in fp32, packed at once as RS-wgmma A operands,
-    // so the fp32 scores die slice by slice (the step's register peak is its start: dK, dV,
-    // S^T and dP^T).
+    // Mask (transposed: element (key kl, query ql) is visible iff the tile mask says (ql, kl)),
+    // P^T = exp2(S^T scale log2 e - LSE log2 e) and dS^T = P^T (dP^T - D) in fp32, packed per
+    // k16 slice kk2 (S^T's n8 tiles 2 kk2 and 2 kk2 + 1) as RS-wgmma A operands, so the fp32
+    // tiles die slice by slice (the step's register peak is at the waits: dK, dV, S^T and
+    // dP^T).
     const Mod mod = mod0.at(p.score, p.softmax_scale, b, h, io, false, BwdIo::kMeta);
     // element (query ql, key kl) lies at diagonal distance dist0 + kl - ql (as an int: a float
     // base per key row measured 24 bytes of spill here with softcap and ALiBi, ptxas)
     const TileAt at = tile_at(r0, c0, mask);  // and its positions, for a score_mod
     const int dist0 = at.dist0;
-    const bool masked = mask.tile_needs_mask(r0, min(r0 + C::kBlockM, sq) - 1, nt, C::kBlockN);
+    const bool masked =
+        kMasks && mask.tile_needs_mask(r0, min(int64_t{r0} + C::kBlockM, sq) - 1, nt, C::kBlockN);
     TileMask tm = mask.tile(r0, c0);
     tm.col_end = 1 << 30;  // keys past the sequence: key_ok above
-    uint32_t pf[C::kBlockM / 16][4], dsf[C::kBlockM / 16][4];
-    wgmma_wait<0>();
+    // P^T of element e of n8 tile j (and d(mod)/ds in gm).
+    auto p_of = [&](int j, int e, float lse_e, float& gm) {
+      const int ql = j * 8 + 2 * t;
+      const int kl = key0 + wk * 16 + g + (e >> 1) * 8;
+      const float y = mod.logit(acc_s[0][j][e], static_cast<float>(dist0 + kl - (ql + (e & 1))),
+                                at.pos(ql + (e & 1), kl), gm);
+      float pe = exp2_approx(__fsub_rn(__fmul_rn(y, mod.scale_log2), lse_e));
+      // rows past the sequence (and, with the producer's loads, rows with no visible key)
+      // have lse = +inf: P = 0, but a score_mod's +inf or NaN there (an expression of i past
+      // seqlen_q) gives NaN, which fmaxf turns into 0 (one FMNMX; an explicit select of those
+      // rows spilled 40 bytes more than this in the bias-table kernel, ptxas 13.0). A NaN of
+      // a visible score becomes 0 too: the forward shows it.
+      if constexpr (Mod::kUser) pe = fmaxf(pe, 0.f);
+      if (masked && !tm.visible(ql + (e & 1), kl)) pe = 0.f;
+      return pe;
+    };
+    wgmma_wait<kPFirst ? 1 : 0>();
     reg_fence(s_flat);
+    if constexpr (kPFirst) {
+#pragma unroll
+      for (int j = 0; j < C::kMT; ++j) {
+        float2 lse2;  // (a helper taking both cases spilled one kernel 24 bytes: ptxas 13.0)
+        if constexpr (C::kRingCopies) lse2 = lse_log2<C, Mod>(lse_s, j * 8 + 2 * t);
+        else lse2 = *reinterpret_cast<const float2*>(lse_s + j * 8 + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float gm;
+          acc_s[0][j][e] = p_of(j, e, (e & 1) ? lse2.y : lse2.x, gm);
+        }
+      }
+      wgmma_wait<0>();
+    }
     reg_fence(dp_flat);
+    uint32_t pf[C::kBlockM / 16][4], dsf[C::kBlockM / 16][4];
 #pragma unroll
     for (int j = 0; j < C::kMT; ++j) {
-      const int ql = j * 8 + 2 * t;
-      const float2 lse2 = *reinterpret_cast<const float2*>(lse_s + ql);
+      float2 lse2;  // (a helper taking both cases spilled one kernel 24 bytes: ptxas 13.0)
+      if constexpr (C::kRingCopies) lse2 = lse_log2<C, Mod>(lse_s, j * 8 + 2 * t);
+      else lse2 = *reinterpret_cast<const float2*>(lse_s + j * 8 + 2 * t);
+      const float2 dsum = kDInit ? make_float2(0.f, 0.f)
+                                 : *reinterpret_cast<const float2*>(d_s + j * 8 + 2 * t);
       float pe[4], ds[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int kl = key0 + wk * 16 + g + (e >> 1) * 8;
         float gm;
-        const float y = mod.logit(acc_s[0][j][e], static_cast<float>(dist0 + kl - (ql + (e & 1))),
-                                  at.pos(ql + (e & 1), kl), gm);
-        const float lse_e = (e & 1) ? lse2.y : lse2.x;
-        pe[e] = exp2_approx(__fsub_rn(__fmul_rn(y, mod.scale_log2), lse_e));
-        // rows past the sequence (or with no visible key) have lse = +inf: P = 0, but a
-        // score_mod's +inf or NaN there (an expression of i past seqlen_q) gives NaN, which
-        // fmaxf turns into 0 (one FMNMX; an explicit select of those rows spilled 40 bytes
-        // more than this in the bias-table kernel, ptxas 13.0). A NaN of a visible score
-        // becomes 0 too: the forward shows it.
-        if constexpr (Mod::kUser) pe[e] = fmaxf(pe[e], 0.f);
-        if (masked && !tm.visible(ql + (e & 1), kl)) pe[e] = 0.f;
-        ds[e] = pe[e] * acc_dp[0][j][e];
+        pe[e] = kPFirst ? acc_s[0][j][e] : p_of(j, e, (e & 1) ? lse2.y : lse2.x, gm);
+        const float dp = kDInit ? acc_dp[0][j][e] : acc_dp[0][j][e] - ((e & 1) ? dsum.y : dsum.x);
+        ds[e] = pe[e] * dp;
         // d(mod)/ds where P = 0 is never used: it may be inf or NaN there (0 * inf = NaN)
         if constexpr (Mod::kHasGrad) ds[e] = Mod::kUserGrad && pe[e] == 0.f ? 0.f : ds[e] * gm;
       }
@@ -453,11 +620,22 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
           *reinterpret_cast<float2*>(dq_t + (j / 4) * C::kDqBox + r * 8 * 32 +
                                      (((2 * (j & 3)) ^ x) << 2)) =
               make_float2(acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
-      if (tid == 0) dq_job[0] = static_cast<int>(h), dq_job[1] = static_cast<int>(r0);
+      if (tid == 0) {
+        dq_job[0] = static_cast<int>(h), dq_job[1] = static_cast<int>(r0);
+        if constexpr (C::kDeterministic) {  // the query tile, and with a window the turn
+          dq_job[2] = m;
+          if constexpr (C::kWindow) dq_job[3] = dq_turn<C>(mask, m, nt, sk);
+        }
+      }
       fence_proxy_async_smem();  // the stores, seen by the bulk engine (the async proxy)
       mbar_arrive(&dq_full);
     } else {
       // The piece's adds: element 4 j + 2 r + e is (row 16 wk + g + 8 r, column 8 j + 2 t + e).
+      if constexpr (C::kDeterministic) {  // thread 0 waits for the turn, the others with it
+        if (tid == 0)
+          dq_turn_wait(p.dq_sem + dq_sem_index<C>(p, b, h, m), dq_turn<C>(mask, m, nt, sk));
+        named_bar_sync(2, C::kConsumerThreads);
+      }
       const int64_t qr = min(static_cast<int64_t>(C::kBlockM), sq - r0);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -471,8 +649,13 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
               red_add_v2(dst + j * 8, acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
         }
       }
+      if constexpr (C::kDeterministic) {  // every consumer's adds precede thread 0's release
+        named_bar_sync(2, C::kConsumerThreads);
+        if (tid == 0)
+          dq_turn_release(p.dq_sem + dq_sem_index<C>(p, b, h, m), dq_turn<C>(mask, m, nt, sk));
+      }
     }
-    if (++m == m_hi) m = static_cast<int>(m_lo), ++h_off;
+    if (++m == c_hi) m = c_lo, ++h_off;
   }
 
   // ---- epilogue: dK = scale * dS^T Q and dV, rows of the group's keys --------------------

@@ -16,9 +16,14 @@ namespace fg {
 template <class C>
 const char* check_bwd_sm90_params(const fg_bwd_params& p) {
   if (p.batch == 0 || p.seqlen_q == 0 || p.seqlen_k == 0) return nullptr;  // nothing is loaded
-  if (p.seqlen_q >= (int64_t{1} << 31) || p.seqlen_k >= (int64_t{1} << 31) ||
-      p.heads >= (int64_t{1} << 31) || p.batch >= (int64_t{1} << 31))
-    return "seqlen_q, seqlen_k, heads and batch must be below 2^31 (TMA coordinates are 32-bit)";
+  constexpr int64_t kLimit = (int64_t{1} << 31) - 256;  // a tile's last row stays below 2^31
+  if (p.seqlen_q >= kLimit || p.seqlen_k >= kLimit || p.heads >= kLimit || p.batch >= kLimit)
+    return "seqlen_q, seqlen_k, heads and batch must be below 2^31 - 256 (TMA coordinates and "
+           "the walk's rows are 32-bit)";
+  if (C::kDeterministic &&
+      p.batch * p.heads * ((p.seqlen_q + C::kBlockM - 1) / C::kBlockM) >= (int64_t{1} << 31))
+    return "deterministic: batch * heads * ceil(seqlen_q / block_m) must be below 2^31 (the "
+           "dq_sem counters are indexed in 32 bits)";
   struct Tensor {
     const void* base;
     int64_t batch_stride, row_stride, head_stride;
