@@ -63,7 +63,7 @@ def find_spec(specs, kind: str, target: str, d: int, causal: bool, d_v: int | No
             return s
     raise SystemExit(
         f"shapes_bench: no plain bf16 {kind} spec for {target} d={d} d_v={d_v or d} "
-        f"causal={causal} in specs/"
+        f"causal={causal} in the --specs files (the d_v rows need specs/dv.yaml; default: specs/)"
     )
 
 

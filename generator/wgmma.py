@@ -11,8 +11,9 @@ instructions take transpose immediates (`imm-trans-a`, shared-memory A only, and
 Rendered by `templates/wgmma/`:
 
 - the 16-bit rows into `include/flashgen/sm90.cuh`, the section from `SECTION_START` to
-  `SECTION_END` (wrappers and the `Wgmma<Elem, N>` dispatch), byte for byte what was written
-  there by hand, so no kernel that includes sm90.cuh changes name;
+  `SECTION_END` (wrappers and the `Wgmma<Elem, N>` dispatch);
+- the narrow 16-bit rows (N 8 to 56 but 32: the sm_90a forward's P V tail) into
+  `include/flashgen/sm90_narrow.cuh`, which only the sm_90a forward includes;
 - the e4m3 rows into `include/flashgen/sm90_fp8.cuh`, a header of its own that no kernel
   includes yet (the FP8 forward will), so adding them renames nothing.
 
@@ -34,6 +35,7 @@ from flashgen.generator.spec import ELEMENTS
 __all__ = [
     "Dispatch",
     "HEADERS",
+    "NARROW_N",
     "ROWS",
     "SECTION_END",
     "SECTION_START",
@@ -140,6 +142,9 @@ def _check_row(r: WgmmaRow) -> None:
         raise ValueError(f"{r}: 16-bit A and B have one type; FP8 A and B are both FP8")
 
 
+# N of the narrow 16-bit rows (sm90_narrow.cuh); the others (32, 64, 128) are sm90.cuh's.
+NARROW_N = (8, 16, 24, 40, 48, 56)
+
 # The table. Order is rendering order (the 16-bit rows as sm90.cuh has always listed them).
 ROWS: tuple[WgmmaRow, ...] = (
     WgmmaRow(64, 32, 16, "bf16", "bf16", "f32", "ss"),
@@ -154,6 +159,13 @@ ROWS: tuple[WgmmaRow, ...] = (
     WgmmaRow(64, 128, 16, "bf16", "bf16", "f32", "rs"),
     WgmmaRow(64, 128, 16, "f16", "f16", "f32", "ss"),
     WgmmaRow(64, 128, 16, "f16", "f16", "f32", "rs"),
+    # the sm_90a forward's P V tail below 128 columns (d_v % 64: 8..56; 32 is above)
+    *(
+        WgmmaRow(64, n, 16, t, t, "f32", s)
+        for n in NARROW_N
+        for t in ("bf16", "f16")
+        for s in ("ss", "rs")
+    ),
     # FP8 forward (Q K^T over d, P V over keys; both K-major).
     WgmmaRow(64, 64, 32, "e4m3", "e4m3", "f32", "ss"),
     WgmmaRow(64, 64, 32, "e4m3", "e4m3", "f32", "rs"),
@@ -212,9 +224,14 @@ HEADERS: tuple[Header, ...] = (
     Header(
         "include/flashgen/sm90.cuh",
         "wgmma/sm90_section.cuh.j2",
-        tuple(r for r in ROWS if r.transposable),
+        tuple(r for r in ROWS if r.transposable and r.n not in NARROW_N),
         SECTION_START,
         SECTION_END,
+    ),
+    Header(
+        "include/flashgen/sm90_narrow.cuh",
+        "wgmma/sm90_narrow.cuh.j2",
+        tuple(r for r in ROWS if r.transposable and r.n in NARROW_N),
     ),
     Header(
         "include/flashgen/sm90_fp8.cuh",

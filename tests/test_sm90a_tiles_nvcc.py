@@ -47,8 +47,11 @@ BWD_FEATURES = {
     "dense": "",
     "causal": "mask: {causal: bottom_right}\n",
     "window_gqa": "mask: {causal: top_left, window: true}\ngqa: true\n",
-    # ALiBi's distances beside P^T formed while dP^T runs (64 rows at 64 columns)
+    # ALiBi's distances beside P^T formed while dP^T runs (64 rows at 64 columns), and with a
+    # mask at 128 rows
     "alibi": "alibi: true\n",
+    "alibi_causal": "mask: {causal: bottom_right}\nalibi: true\n",
+    "alibi_window_gqa": "mask: {causal: top_left, window: true}\ngqa: true\nalibi: true\n",
     # the ordered dQ adds: the counter and turn beside the dQ writer's 24 registers, and with
     # a window the turn's search in the consumers
     "deterministic_causal": "mask: {causal: bottom_right}\ndeterministic: true\n",
@@ -70,7 +73,11 @@ def _assert_auto_tiles_do_not_spill(kind, features, head_dim, tmp_path):
         assert not r.spills, f"{kind} d={head_dim} {feature} ({r.kernel}) spills"
 
 
-@pytest.mark.parametrize("head_dim", range(16, 257, 16))
+# every multiple of 16, and the multiples of 8 below 128 (the P V tail's widths 8..56)
+FWD_HEAD_DIMS = sorted({*range(16, 257, 16), *range(8, 128, 16)})
+
+
+@pytest.mark.parametrize("head_dim", FWD_HEAD_DIMS)
 def test_hopper_auto_tiles_do_not_spill(head_dim, tmp_path):
     _assert_auto_tiles_do_not_spill("forward", FEATURES, head_dim, tmp_path)
 

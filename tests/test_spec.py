@@ -683,9 +683,12 @@ def test_the_sm90a_backward_takes_deterministic_with_its_counters_and_tile_rule(
     windowed = one(base + "head_dim: 64\nmask: {causal: top_left, window: true}\ngqa: true\n")
     assert windowed.tile.block_m == 64
     assert one(base.replace("deterministic: true\n", "") + "head_dim: 64\n").tile.block_m == 128
-    # ALiBi (like softcap) takes 64 rows at 64 columns
+    # ALiBi without a mask takes 64 rows at 64 columns (128 spill); with causal or a window 128
     alibi = "kernel: backward\ndtype: bf16\ntarget: sm_90a\nhead_dim: 64\nalibi: true\n"
     assert one(alibi).tile.block_m == 64
+    assert one(alibi + "mask: {causal: bottom_right}\n").tile.block_m == 128
+    assert one(alibi + "mask: {causal: none, window: true}\n").tile.block_m == 128
+    assert one(alibi.replace("64", "128") + "mask: {causal: bottom_right}\n").tile.block_m == 64
     cu = cu_of(spec)
     assert "kDeterministic = true" in cu
     assert "cudaMemsetAsync(p.dq_sem, 0, fg::bwd_sem_used<Cfg>(p), stream)" in cu

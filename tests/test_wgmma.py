@@ -23,18 +23,33 @@ def test_rendered_headers_are_current():
 
 
 def test_table_has_the_16_bit_and_e4m3_rows_each_header_renders_its_own():
-    assert len(ROWS) == len(set(ROWS)) == 18
-    sixteen = [r for r in ROWS if r.k == 16]
+    assert len(ROWS) == len(set(ROWS)) == 42
+    sixteen = [r for r in ROWS if r.k == 16 and r.n in (32, 64, 128)]
     assert {(r.n, r.a, r.src) for r in sixteen} == {
         (n, t, s) for n in (32, 64, 128) for t in ("bf16", "f16") for s in ("ss", "rs")
+    }
+    narrow = [r for r in ROWS if r.k == 16 and r.n not in (32, 64, 128)]
+    assert {(r.n, r.a, r.src) for r in narrow} == {
+        (n, t, s) for n in wgmma.NARROW_N for t in ("bf16", "f16") for s in ("ss", "rs")
     }
     fp8 = [r for r in ROWS if r.a == "e4m3"]
     assert {(r.n, r.k, r.b, r.src) for r in fp8} == {
         (n, 32, "e4m3", s) for n in (64, 128, 256) for s in ("ss", "rs")
     }
-    sm90, sm90_fp8 = HEADERS
+    sm90, sm90_narrow, sm90_fp8 = HEADERS
     assert set(sm90.rows) == set(sixteen) and set(sm90_fp8.rows) == set(fp8)
-    assert all(r.transposable for r in sixteen) and not any(r.transposable for r in fp8)
+    assert set(sm90_narrow.rows) == set(narrow)
+    assert all(r.transposable for r in sixteen + narrow) and not any(r.transposable for r in fp8)
+
+
+def test_only_the_sm90a_forward_includes_the_narrow_header():
+    """sm90_narrow.cuh renames the sm_90a forward kernels only."""
+    users = [
+        p.relative_to(TEMPLATES_DIR).as_posix()
+        for p in TEMPLATES_DIR.rglob("*")
+        if p.is_file() and '#include "sm90_narrow.cuh"' in p.read_text(errors="replace")
+    ]
+    assert users == ["include/flashgen/fwd_sm90_kernel.cuh"]
 
 
 def test_no_kernel_template_includes_the_fp8_header():
@@ -54,9 +69,9 @@ def test_a_changed_row_is_reported_stale(tmp_path, monkeypatch):
     root = tmp_path / "templates"
     shutil.copytree(TEMPLATES_DIR, root)
     assert wgmma.check(root) == []
-    sm90, fp8 = HEADERS
+    sm90, narrow, fp8 = HEADERS
     changed = tuple(r._replace(n=96) if r.n == 128 else r for r in sm90.rows)
-    monkeypatch.setattr(wgmma, "HEADERS", (sm90._replace(rows=changed), fp8))
+    monkeypatch.setattr(wgmma, "HEADERS", (sm90._replace(rows=changed), narrow, fp8))
     assert wgmma.check(root) == ["include/flashgen/sm90.cuh"]
     assert wgmma.write(root) == ["include/flashgen/sm90.cuh"] and wgmma.check(root) == []
     text = (root / sm90.path).read_text()
@@ -115,7 +130,7 @@ def _calls(r: WgmmaRow) -> list[str]:
 
 
 def _source() -> str:
-    lines = ['#include "sm90_fp8.cuh"', "using namespace fg::sm90;"]
+    lines = ['#include "sm90_fp8.cuh"', '#include "sm90_narrow.cuh"', "using namespace fg::sm90;"]
     for i, r in enumerate(ROWS):
         a = (
             "uint64_t desc_a = p[0];"

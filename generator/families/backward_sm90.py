@@ -33,7 +33,7 @@ from typing import Any
 
 from flashgen.generator.families.backward import Backward
 from flashgen.generator.families.forward_sm90 import head_dim_pad
-from flashgen.generator.spec import Dtype, KernelSpec, Target, Tile
+from flashgen.generator.spec import Causal, Dtype, KernelSpec, Target, Tile
 
 HEAD_DIMS = tuple(range(8, 129, 8))  # shared memory holds them as 64 or 128 columns
 TILE_WARPS = (8,)
@@ -160,12 +160,14 @@ class BackwardSm90(Backward):
         (feature flags by field path)."""
         # softcap keeps its derivative beside the scores: 128 query rows a step then spill
         # (92 bytes at d 64, ptxas), 64 do not; a score_mod (positions, parameters and maybe a
-        # derivative) takes 64 rows likewise, and so do ALiBi (its distances beside P^T formed
-        # while dP^T runs: 16 bytes at 128 rows, d 64 without causal, ptxas 13.0) and a
+        # derivative) takes 64 rows likewise, and so do ALiBi without a mask (its distances
+        # beside P^T formed while dP^T runs: 16 bytes at 128 rows, d 64, ptxas 13.0; with
+        # causal none, and 64 rows cost it 15-20%, H200, scoremod_bench) and a
         # deterministic window (its turn is a search over the key tiles: 4 bytes at 128 rows)
+        masked = values.get("mask.causal") not in (None, Causal.NONE) or values.get("mask.window")
         light = (
             not values.get("softcap")
-            and not values.get("alibi")
+            and not (values.get("alibi") and not masked)
             and values.get("score_mod") is None
             and not (values.get("deterministic") and values.get("mask.window"))
         )

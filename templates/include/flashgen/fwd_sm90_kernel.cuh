@@ -8,7 +8,9 @@
 //              warp (sm90.cuh), so mask, dropout and the online softmax are the mma.sync
 //              forward's own functions (frag.cuh, softmax.cuh) on acc[1][kNT][4]
 //   Dp         head_dim rounded up to 64 (the TMA box width): columns d..Dp-1 read as 0 and
-//              are never stored, so every head dim runs on 64-column SW128 boxes
+//              are never stored, so every head dim runs on 64-column SW128 boxes. The MMAs
+//              skip what is zero: Q K^T runs ceil(d / 16) k16 slices, and below 128 columns
+//              P V runs 64-column chunks then a tail of d_v % 64 (kOTail), not Dp_v
 //   d, d_v     kHeadDim: Q and K (Dp, kBoxes boxes); kHeadDimV: V and O (kHeadDimVPad,
 //              kBoxesV boxes); d_v = d unless the spec sets head_dim_v
 //   slot       ring position of a K/V tile (it % stages); full[slot] completes when its TMA
@@ -57,6 +59,7 @@
 #include "philox.cuh"
 #include "schedule.cuh"
 #include "sm90.cuh"
+#include "sm90_narrow.cuh"
 #include "score_mod.cuh"
 #include "softmax.cuh"
 #include "tile_io.cuh"
@@ -108,8 +111,15 @@ struct FwdSm90Config : S {
   static_assert(kHeadDimPad == (kHeadDim + 63) / 64 * 64, "head_dim_pad: the next multiple of 64");
   static_assert(kHeadDimVPad == (kHeadDimV + 63) / 64 * 64, "head_dim_v_pad: next multiple of 64");
   static constexpr int kBoxes = kHeadDimPad / 64, kBoxesV = kHeadDimVPad / 64;  // Q/K, V
-  static constexpr int kOChunk = kHeadDimVPad % 128 == 0 ? 128 : 64;  // wgmma N of P V
-  static constexpr int kOChunks = kHeadDimVPad / kOChunk;
+  // Q K^T's k16 slices: the columns past head_dim are zero (TMA's fill) in Q and K alike
+  static constexpr int kQkSlices = (kHeadDim + 15) / 16;
+  // P V's wgmma N: kOChunks chunks of kOChunk columns, then, below 128 columns when d_v is
+  // not a multiple of 64, one tail chunk of kOTailN = d_v % 64 (the boxes' zero-filled
+  // columns are not multiplied); otherwise chunks over all of kHeadDimVPad, as before
+  static constexpr bool kOTail = kHeadDimV < 128 && kHeadDimV % 64 != 0;
+  static constexpr int kOChunk = kOTail ? 64 : kHeadDimVPad % 128 == 0 ? 128 : 64;
+  static constexpr int kOChunks = kOTail ? kHeadDimV / 64 : kHeadDimVPad / kOChunk;
+  static constexpr int kOTailN = kOTail ? kHeadDimV % 64 : 0;
   static constexpr int kNT = kBlockN / 8;
   static constexpr int kQBox = kBlockM * 64, kKvBox = kBlockN * 64;  // elements per box
   static constexpr int kElem = static_cast<int>(sizeof(Elem));
@@ -263,13 +273,19 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
   if constexpr (C::kRegRealloc) regs_alloc<C::kConsumerRegs>();
 
   RowState st[2] = {RowState{-INFINITY, 0.f}, RowState{-INFINITY, 0.f}};
-  float acc_o[C::kOChunks][C::kOChunk / 8][4];
+  // O's accumulators: the chunks, then the tail (arrays of at least one, unused when empty)
+  float acc_o[C::kOChunks > 0 ? C::kOChunks : 1][C::kOChunk / 8][4];
+  float acc_t[C::kOTail ? C::kOTailN / 8 : 1][4];
 #pragma unroll
   for (int c = 0; c < C::kOChunks; ++c)
 #pragma unroll
     for (int j = 0; j < C::kOChunk / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_o[c][j][e] = 0.f;
+#pragma unroll
+  for (int j = 0; j < C::kOTailN / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_t[j][e] = 0.f;
 
   const int row0 = warp * 16;  // the warp's first row of the tile (group * 64 + 16 * w)
   const ScoreModOf<C> mod(p.score, p.softmax_scale, b, h, io, tid == 0, FwdIo::kMeta);
@@ -284,7 +300,7 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
     mbar_wait(&full[it % C::kStages], (it / C::kStages) & 1);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < C::kHeadDimPad / 16; ++kk) {
+    for (int kk = 0; kk < C::kQkSlices; ++kk) {
       const int box = kk / 4, col = (kk % 4) * 16;
       Wgmma<Elem, C::kBlockN>::template ss<0>(
           s, desc_k_major(sQ + box * C::kQBox + group * 64 * 64 + col),
@@ -332,16 +348,28 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
                           C::kKvBox * C::kElem),
             1);
     }
+    if constexpr (C::kOTail) {  // the tail: the first d_v % 64 columns of the last box
+      auto& t_flat = reinterpret_cast<float(&)[C::kOTailN / 2]>(acc_t);
+#pragma unroll
+      for (int kk2 = 0; kk2 < C::kBlockN / 16; ++kk2)
+        Wgmma<Elem, C::kOTailN>::template rs<1>(
+            t_flat, pf[kk2],
+            desc_mn_major(slot_v(it) + C::kOChunks * C::kKvBox + kk2 * 16 * 64,
+                          C::kKvBox * C::kElem),
+            1);
+    }
     wgmma_commit();
   };
   auto fence_o = [&] {
 #pragma unroll
     for (int c = 0; c < C::kOChunks; ++c)
       reg_fence(reinterpret_cast<float(&)[C::kOChunk / 2]>(acc_o[c]));
+    if constexpr (C::kOTail) reg_fence(reinterpret_cast<float(&)[C::kOTailN / 2]>(acc_t));
   };
   auto scale_o = [&](const float (&alpha)[2]) {
 #pragma unroll
     for (int c = 0; c < C::kOChunks; ++c) scale_rows(acc_o[c], alpha);
+    if constexpr (C::kOTail) scale_rows(acc_t, alpha);
   };
   // This thread is done with tile it's slot (every consumer thread arrives: no divergence
   // beside in-flight wgmma).
@@ -441,6 +469,11 @@ __device__ __forceinline__ void fwd_sm90_kernel_body(const fg_fwd_params& p,
                        MmaT::pack(acc_o[c][j][2 * r] * inv_l, acc_o[c][j][2 * r + 1] * inv_l),
                        io, FwdIo::kO);
         }
+#pragma unroll
+      for (int j = 0; j < C::kOTailN / 8; ++j)  // the tail's columns are all below d_v
+        store_pair(gO + row * p.o_row_stride + C::kOChunks * C::kOChunk + j * 8 + 2 * t,
+                   MmaT::pack(acc_t[j][2 * r] * inv_l, acc_t[j][2 * r + 1] * inv_l), io,
+                   FwdIo::kO);
       if (t == 0) store_f32(gLse + row, lse, io, FwdIo::kLse);
     }
   }
