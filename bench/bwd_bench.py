@@ -202,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         help="benchmark the deterministic kernels only, each beside its non-deterministic "
         "twin (same head dim, mask and target) when --specs holds one",
     )
+    ap.add_argument("--target", default=None, help="only kernels of this target (e.g. sm_90a)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -215,7 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
 
     loaded = [s for s in load_paths(args.specs) if s.kernel.yaml == "backward" and dense(s)]
-    specs = [s for s in loaded if s.deterministic == args.deterministic]
+    specs = [
+        s for s in loaded
+        if s.deterministic == args.deterministic and args.target in (None, s.target.yaml)
+    ]  # fmt: skip
     twins = {
         (s.head_dim, s.mask.causal, s.target): s for s in loaded if not s.deterministic
     } if args.deterministic else {}  # fmt: skip

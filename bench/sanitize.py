@@ -41,7 +41,8 @@ def sample_specs():
     """One spec per family key below; with FLASHGEN_SANITIZE_FEATURES=1 only those with a score
     modifier (a session that changed the score stage alone); with FLASHGEN_SANITIZE_ONLY=KIND
     or KIND:TARGET (`backward`, `forward:sm_90a`) only that kernel kind on that target (a
-    session that changed one mainloop)."""
+    session that changed one mainloop); with FLASHGEN_SANITIZE_MATCH=REGEX only kernels whose
+    name matches it (a change to one feature of a mainloop, e.g. `_det_`)."""
     import os
 
     from flashgen.generator.load import load_paths
@@ -51,12 +52,18 @@ def sample_specs():
     kind, _, target = only.partition(":")
     if kind not in ("", "forward", "backward"):
         raise SystemExit(f"FLASHGEN_SANITIZE_ONLY={only!r}: the kind is forward or backward")
+    try:
+        match = re.compile(os.environ.get("FLASHGEN_SANITIZE_MATCH", ""))
+    except re.error as e:
+        raise SystemExit(f"FLASHGEN_SANITIZE_MATCH is not a regular expression: {e}") from None
 
     picked, seen = [], set()
     for s in load_paths([REPO / "specs"]):
         if s.kernel.yaml not in ("forward", "backward") or (features_only and not s.features):
             continue
         if (kind and s.kernel.yaml != kind) or (target and s.target.yaml != target):
+            continue
+        if not match.search(kernel_name(s)):
             continue
         family = (
             s.kernel,

@@ -917,13 +917,14 @@ def _composite(
         known = pc.capacity if cache_seqlens is None else cache_seqlens
         lens = torch.full((pc.batch,), known, dtype=torch.int32, device=device)
     score = (softcap, alibi_slopes, learnable_sink)
-    # FP8 caches with a score modifier: the FP8 decode kernels have no score stage (yet), so
-    # the varlen forward reads a dequantised copy, as for more than 16 queries
-    packed = not pc.decode or (
-        fp8 is not None
-        and (bool(softcap) or alibi_slopes is not None or learnable_sink is not None)
-    )
-    packed = packed or (fp8 is not None and not _fp8_decode_serves(q, k_cache, block_table))
+    # The varlen forward over a packed copy: past 16 queries (no decode kernel), and for FP8
+    # caches the decode kernels do not serve (a score modifier: they have no score stage yet;
+    # a head dim or layout they lack), over a dequantised copy
+    fp8_packed = fp8 is not None and (
+        bool(softcap) or alibi_slopes is not None or learnable_sink is not None
+        or not _fp8_decode_serves(q, k_cache, block_table)
+    )  # fmt: skip
+    packed = not pc.decode or fp8_packed
     checked = None
     if packed or check_inputs:
         checked = prep.check_values(

@@ -56,6 +56,17 @@ def test_sanitizer_samples_one_kernel_per_family_including_the_hopper_forward():
     assert any(sanitize._same_tokens(s) for s in specs)
 
 
+def test_sanitizer_sample_narrows_to_a_kind_a_target_and_a_name(monkeypatch):
+    monkeypatch.setenv("FLASHGEN_SANITIZE_ONLY", "backward:sm_90a")
+    monkeypatch.setenv("FLASHGEN_SANITIZE_MATCH", "_det_")
+    specs = sanitize.sample_specs()
+    assert specs and all(s.deterministic and s.target.yaml == "sm_90a" for s in specs)
+    assert any(s.mask.causal.yaml != "none" for s in specs)
+    monkeypatch.setenv("FLASHGEN_SANITIZE_MATCH", "([")
+    with pytest.raises(SystemExit, match="FLASHGEN_SANITIZE_MATCH is not a regular expression"):
+        sanitize.sample_specs()
+
+
 def test_every_sanitized_call_passes_the_runners_validation():
     """What `sanitize run` hands each sampled kernel is accepted by the runners' validation
     (no GPU needed): on an H200 three of four sanitizer processes once stopped at the first

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The pending patches' verification, one device call (3 minutes for the suite with the build, 5
-# more for the sanitizers, on an H200 with 16 CPU cores): build every kernel, the sm_90a backward's and forward's GPU suites at 200 examples
-# in 12 processes, flashgen.torch's GPU tests, the three sanitizers on the sm_90a backward and
-# forward families, merged into the records. Run from the repository root with the patches
-# applied and generated; records and logs go into $OUT/verify.tgz (default OUT: bench/results/session): copy its
-# rec/*.json to verify/records/ afterwards. Needs PyCUDA importable (PYTHONPATH) and flashgen installed.
+# The pending patches' verification, one device call (3 minutes for the suite with the
+# build, 5 more for the sanitizers, on an H200 with 16 CPU cores): build every kernel, the
+# sm_90a backward's and forward's GPU suites at 200 examples (the extras' dropout,
+# block-sparse and IO tests too) in 12 processes, flashgen.torch's GPU tests, the three
+# sanitizers on the sm_90a backward and forward families, merged into the records. Run from
+# the repository root with the patches applied and generated; records and logs go into
+# $OUT/verify.tgz (default OUT: bench/results/session): copy its rec/*.json to
+# verify/records/ afterwards. Needs PyCUDA importable (PYTHONPATH) and flashgen installed.
 # STAGES (default "suite sanitize") picks the halves: under the 600 s a device call allows,
 # run `STAGES=suite` and then `STAGES=sanitize` as two calls (the build is cached between
 # them on a machine kept warm; each call builds what is missing). Copy the first call's
@@ -25,7 +27,8 @@ el "compile rc=$?"; tail -2 "$OUT/compile.txt"
 if [[ " $STAGES " == *" suite "* ]]; then
 for i in $(seq 0 11); do
   FLASHGEN_SHARD=$i/12 FLASHGEN_GPU_EXAMPLES=200 timeout 330 python3 -m pytest -q \
-    tests/gpu/test_backward.py tests/gpu/test_forward.py -k "sm90a or many_key_tiles" \
+    tests/gpu/test_backward.py tests/gpu/test_forward.py tests/gpu/test_extras.py \
+    -k "sm90a or many_key_tiles" \
     -p no:cacheprovider \
     > "$OUT/suite_$i.txt" 2>&1 &
 done
