@@ -18,12 +18,10 @@ Needs a GPU, PyTorch and Triton; the kernel libraries come from `flashgen compil
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
-from pathlib import Path
 
-from flashgen.bench.fwd_bench import environment, flops, torch_params
+from flashgen.bench.fwd_bench import flops, torch_params, write_result
 
 BACKENDS = ("FLASH", "CUDNN", "EFFICIENT")
 SEL = {"FLASH": "FLASH_ATTENTION", "CUDNN": "CUDNN_ATTENTION", "EFFICIENT": "EFFICIENT_ATTENTION"}
@@ -249,15 +247,9 @@ def main(argv: list[str] | None = None) -> int:
                 cells += f"  vs_twin={row['vs_twin']:.3f}"
             extra = f"  diff={row.get('max_abs_diff_vs_flash')}" if args.check else ""
             print(f"d={spec.head_dim:3d} causal={int(causal)} n={n:5d}  {cells}{extra}", flush=True)
-    result = {
-        "environment": environment(),
-        "convention": "TFLOP/s = 2.5 * 4*b*h*n^2*d (/2 causal) / time (backward only); "
-        "with d_v != d, 2*b*h*n^2*(3d + 2d_v)",
-        "rows": rows,
-    }
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    convention = ("TFLOP/s = 2.5 * 4*b*h*n^2*d (/2 causal) / time (backward only); "
+                  "with d_v != d, 2*b*h*n^2*(3d + 2d_v)")  # fmt: skip
+    write_result(args.out, convention, rows)
     print(format_table(rows))
     return 0
 

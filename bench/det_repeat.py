@@ -16,10 +16,9 @@ import argparse
 import json
 import math
 import sys
-from pathlib import Path
 
 from flashgen.bench.bwd_bench import flashgen_backward
-from flashgen.bench.fwd_bench import environment
+from flashgen.bench.fwd_bench import write_result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,15 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         }  # fmt: skip
         print(json.dumps(row), flush=True)
         rows.append(row)
-    result = {
-        "environment": environment(),
-        "convention": "elements of dQ, dK, dV (bf16) that differ bitwise from the first run, "
-        "summed over the later runs",
-        "rows": rows,
-    }
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, "elements of dQ, dK, dV (bf16) that differ bitwise from the first "
+                 "run, summed over the later runs", rows)  # fmt: skip
     bad = [r["kernel"] for r in rows if r["deterministic"] and any(
         r["elements_differing_from_first_run"].values())]  # fmt: skip
     if bad:

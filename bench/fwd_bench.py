@@ -164,6 +164,16 @@ def bench_case(
     return row
 
 
+def write_result(out: str | None, convention: str, rows: list) -> dict:
+    """The result JSON every bench writes: the environment block, the TFLOP/s (or count)
+    convention and the rows; written to `out` when one is given."""
+    result = {"environment": environment(), "convention": convention, "rows": rows}
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
 def environment() -> dict:
     import torch
 
@@ -247,14 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"d={spec.head_dim:3d} causal={int(causal)} n={n:5d}  {cells}  ({kernel.name})",
                 flush=True,
             )
-    result = {
-        "environment": environment(),
-        "convention": "TFLOP/s = 4*b*h*n^2*d (/2 causal) / time",
-        "rows": rows,
-    }
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, "TFLOP/s = 4*b*h*n^2*d (/2 causal) / time", rows)
     print(format_table(rows))
     return 0
 
