@@ -26,7 +26,9 @@ CASES = [
     ("fa_fwd_d72_bf16_m128n128w8s3_sm90a_", 72, 128, (64, 8)),
     ("fa_fwd_d96_bf16_m128n128w8s3_sm90a_", 96, 128, (64, 32)),
     ("fa_fwd_d40_bf16_m192n128w12s3_sm90a_", 40, 128, (40,)),
-    ("fa_fwd_d200_bf16_m128n64w8s2_sm90a_", 200, 64, (128, 128)),  # above 128: as before
+    ("fa_fwd_d136_bf16_m128n64w8s3_sm90a_", 136, 64, (64, 64, 8)),  # above 128 columns too
+    ("fa_fwd_d200_bf16_m128n64w8s2_sm90a_", 200, 64, (64, 64, 64, 8)),
+    ("fa_fwd_d256_bf16_m128n64w8s2_sm90a_", 256, 64, (128, 128)),  # no tail: 128-wide chunks
 ]
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call (about three minutes on an H200) for sm90a-deterministic-descending.patch,
-# applied and generated: the sm_90a backward's suite at 200 examples (every one of its 52
+# One device call (about three minutes on an H100 or H200) for a change to the sm_90a backward,
+# applied and generated: the sm_90a backward's suite at 200 examples (every one of its 53
 # kernels is renamed; FLASHGEN_SPECS builds only the files that hold them), memcheck on the
 # deterministic kernels, the deterministic backward beside its twins and the repeat control.
 # Records and logs in $OUT/verify.tgz, the JSONs beside it.

@@ -19,10 +19,12 @@ registers; larger head dims need the head dim split across warpgroups, not built
 Shared memory: K, V; `stages` Q and dO tiles; two dS^T buffers (block_n x block_m); `stages`
 LSE and D rows; the fp32 dQ tile (block_m x Dp) where `dq_by_tma`; 1024 bytes of alignment
 slack.
-`deterministic`: the dQ adds of each query tile are made in ascending key-tile order, one
-K/V tile at a time (a dq_sem counter per (batch, head, query tile) in the workspace's third
-part, as the mma.sync backward's): by the dQ writer after its turn, or by the consumers when
-they add dQ themselves, so dQ, dK and dV are bitwise repeatable.
+`deterministic`: the dQ adds of each query tile are made in one key-tile order, one K/V tile
+at a time (a dq_sem counter per (batch, head, query tile) in the workspace's third part, as
+the mma.sync backward's): by the dQ writer after its turn, or by the consumers when they add
+dQ themselves, so dQ, dK and dV are bitwise repeatable. The order ascends, except with causal
+and no window, where it descends and the CTAs take their key tiles in that order (the last
+key tile that sees a query tile adds first; ascending, the causal CTAs ran as a wavefront).
 Not on this path (rejected by name; `target: sm_90` has them): varlen, dropout, block
 sparsity, instrument_io.
 """

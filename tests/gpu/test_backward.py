@@ -584,17 +584,26 @@ def test_deterministic_dq_is_bitwise_repeatable_with_many_key_tiles(spec, specs)
     """Many K/V tiles (18 to 36) add into every query tile of dQ: with unordered adds the fp32
     sums differ from run to run; the deterministic builds' ordered turns make them identical.
     With a window, later query tiles' first visiting key tile is past 0 (its turn starts
-    there), and keys past the window's right edge are never visited."""
+    there), and keys past the window's right edge are never visited. With causal alone the
+    turns descend from each query tile's last visiting key tile: a square problem (the
+    diagonal crosses every query tile) and one with more queries than keys run as well."""
     n = 2304
-    case = _fixed_case(spec, sq=320 if not spec.mask.window else n, sk=n, lens_q=[320, 77],
-                       lens_k=[n, 1000], window=(1500, 0))  # fmt: skip
-    q, k, v, dout, run_kw, ref_kw = make_inputs(spec, case)
-    o, lse = forward_outputs(spec, q, k, v, ref_kw)
+    if spec.mask.window:
+        shapes = [(n, n)]
+    elif spec.mask.causal.yaml != "none":
+        shapes = [(320, n), (n, n), (n, 1100)]
+    else:
+        shapes = [(320, n)]
     kernel = _kernel(spec)
-    first = kernel.run(q, k, v, o, lse, dout, **run_kw)
-    assert np.isfinite(first.dq).all() and np.abs(first.dq).max() > 0
-    for _ in range(4):
-        again = kernel.run(q, k, v, o, lse, dout, **run_kw)
-        for nm in ("dq", "dk", "dv"):
-            a, b = getattr(first, nm), getattr(again, nm)
-            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), nm
+    for sq, sk in shapes:
+        case = _fixed_case(spec, sq=sq, sk=sk, lens_q=[min(sq, 320), 77],
+                           lens_k=[sk, 1000], window=(1500, 0))  # fmt: skip
+        q, k, v, dout, run_kw, ref_kw = make_inputs(spec, case)
+        o, lse = forward_outputs(spec, q, k, v, ref_kw)
+        first = kernel.run(q, k, v, o, lse, dout, **run_kw)
+        assert np.isfinite(first.dq).all() and np.abs(first.dq).max() > 0
+        for _ in range(4):
+            again = kernel.run(q, k, v, o, lse, dout, **run_kw)
+            for nm in ("dq", "dk", "dv"):
+                a, b = getattr(first, nm), getattr(again, nm)
+                assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), (nm, sq, sk)

@@ -36,14 +36,21 @@
 //              neither stored nor added
 //   dq_sem     deterministic builds: per (batch, head, query tile) the number of K/V tiles
 //              whose dQ adds have landed (the workspace's third part, as the mma.sync
-//              backward's). A step's adds wait for their turn, tile n - first_visitor(m)
-//              (n itself without a window: every K/V tile from 0 visits a visited query
-//              tile), and release the next one once they are complete in global memory, so
-//              the fp32 sums are made in ascending key-tile order on every run. CTAs wait
-//              only for CTAs of lower blockIdx (same batch and KV head, lower key tile),
-//              which the hardware starts first: no deadlock. Who waits: the dQ writer
-//              (kDqTma; the turn and counter index come in dq_job), else consumer thread 0,
-//              the other consumer threads held at a named barrier
+//              backward's). A step's adds wait for their turn and release the next one once
+//              they are complete in global memory, so the fp32 sums are made in one
+//              key-tile order on every run: ascending, tile n - first_visitor(m) (n itself
+//              without a mask: every K/V tile from 0 visits every query tile), except with
+//              causal alone (kDescendingTurns), where the last visitor of m adds first (turn
+//              last_visitor(m) - n) and the CTAs take the key tiles in descending order:
+//              then the tiles past the diagonal add first, and a CTA's first query tiles are
+//              its first turns (ascending, CTA n waited for n earlier tiles' adds at its
+//              first query tile, and the causal CTAs ran as a wavefront: 0.52-0.60x the
+//              non-deterministic kernel, H200, bwd_bench; with sk much above sq the tiles
+//              that see every query still take turns there). CTAs wait only for CTAs of lower
+//              blockIdx (same batch and KV head; lower key tile, or higher one when
+//              descending), which the hardware starts first: no deadlock. Who waits: the dQ
+//              writer (kDqTma; the turn and counter index come in dq_job), else consumer
+//              thread 0, the other consumer threads held at a named barrier
 //   slot       ring position of a step's Q, dO, LSE and D (step % stages); full[slot]
 //              completes when its TMA bytes land and the producer warp has written LSE and D,
 //              empty[slot] when every consumer thread is done with it
@@ -84,6 +91,10 @@ struct BwdSm90Config : S {
   using Elem = typename S::Elem;
   // dQ adds ordered per query tile (dq_sem, below); also read by bwd_kernel.cuh's workspace
   static constexpr bool kDeterministic = S::kDeterministic;
+  // deterministic with causal and no window: turns in descending key-tile order, and the CTAs
+  // take their key tiles in that order (dq_sem in the glossary)
+  static constexpr bool kDescendingTurns =
+      S::kDeterministic && S::kCausal != Causal::kNone && !S::kWindow;
   static constexpr int kConsumerThreads = kWarps * 32;
   static constexpr int kThreads = kConsumerThreads + 128;
   static constexpr int kGroups = kWarps / 4;
@@ -155,11 +166,32 @@ __device__ __forceinline__ void dq_turn_release(int32_t* sem, int turn) {
   atomicExch(sem, turn + 1);
 }
 
-// The dq_sem counter of (batch b, head h, query tile m) and the turn of K/V tile nt there.
+// The last K/V tile whose schedule visits query tile m, with causal alone: tile n visits the
+// query tiles from m_lo(n) = floor((n block_n - shift) / block_m) on (MaskPolicy::q_tile_range),
+// so the last is the largest n with n block_n <= (m + 1) block_m + shift - 1. Every tile below
+// it visits m too.
+template <class Mask>
+__device__ __forceinline__ int64_t last_visitor(const Mask& mask, int64_t m, int64_t num_n,
+                                                int block_m, int block_n) {
+  return min(num_n - 1, floor_div((m + 1) * block_m + mask.shift - 1, block_n));
+}
+
+// The K/V tile of a CTA: blockIdx.x's, reversed where the turns descend.
+template <class C>
+__device__ __forceinline__ int64_t cta_key_tile(int64_t bid, int64_t num_nt) {
+  const int64_t n = bid % num_nt;
+  return C::kDescendingTurns ? num_nt - 1 - n : n;
+}
+
+// The turn of K/V tile nt at query tile m (ascending from the first visitor, or with causal
+// alone descending from the last), and the dq_sem counter of (batch b, head h, query tile m).
 template <class C, class Mask>
-__device__ __forceinline__ int dq_turn(const Mask& mask, int64_t m, int64_t nt, int64_t sk) {
+__device__ __forceinline__ int dq_turn(const Mask& mask, int64_t m, int64_t nt, int64_t num_nt,
+                                       int64_t sk) {
   if constexpr (C::kWindow) return static_cast<int>(nt - first_visitor(mask, m, nt, sk,
                                                                        C::kBlockM, C::kBlockN));
+  if constexpr (C::kDescendingTurns)
+    return static_cast<int>(last_visitor(mask, m, num_nt, C::kBlockM, C::kBlockN) - nt);
   return static_cast<int>(nt);
 }
 template <class C>
@@ -244,7 +276,7 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
   // ---- which (K/V tile, KV head, batch) this CTA is (the backward's order) ---------------
   const int64_t num_nt = (p.seqlen_k + C::kBlockN - 1) / C::kBlockN;
   int64_t bid = blockIdx.x;
-  const int64_t nt = bid % num_nt;
+  const int64_t nt = cta_key_tile<C>(bid, num_nt);
   bid /= num_nt;
   const int64_t hk = bid % p.kv_heads, b = bid / p.kv_heads;
   if (b >= p.batch) return;
@@ -303,7 +335,7 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
           [[maybe_unused]] int turn = 0;
           if constexpr (C::kDeterministic) {  // the counter from 32-bit parts (launch check)
             sem = p.dq_sem + (w_b * w_heads + h) * w_num_mt + dq_job[2];
-            turn = C::kWindow ? dq_job[3] : w_nt;
+            turn = C::kWindow || C::kDescendingTurns ? dq_job[3] : w_nt;
             dq_turn_wait(sem, turn);
             fence_proxy_async_global();  // the acquire, then the async proxy's reduce-adds
           }
@@ -622,9 +654,10 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
               make_float2(acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
       if (tid == 0) {
         dq_job[0] = static_cast<int>(h), dq_job[1] = static_cast<int>(r0);
-        if constexpr (C::kDeterministic) {  // the query tile, and with a window the turn
+        if constexpr (C::kDeterministic) {  // the query tile, and the turn where it is searched
           dq_job[2] = m;
-          if constexpr (C::kWindow) dq_job[3] = dq_turn<C>(mask, m, nt, sk);
+          if constexpr (C::kWindow || C::kDescendingTurns)
+            dq_job[3] = dq_turn<C>(mask, m, nt, num_nt, sk);
         }
       }
       fence_proxy_async_smem();  // the stores, seen by the bulk engine (the async proxy)
@@ -633,7 +666,7 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
       // The piece's adds: element 4 j + 2 r + e is (row 16 wk + g + 8 r, column 8 j + 2 t + e).
       if constexpr (C::kDeterministic) {  // thread 0 waits for the turn, the others with it
         if (tid == 0)
-          dq_turn_wait(p.dq_sem + dq_sem_index<C>(p, b, h, m), dq_turn<C>(mask, m, nt, sk));
+          dq_turn_wait(p.dq_sem + dq_sem_index<C>(p, b, h, m), dq_turn<C>(mask, m, nt, num_nt, sk));
         named_bar_sync(2, C::kConsumerThreads);
       }
       const int64_t qr = min(static_cast<int64_t>(C::kBlockM), sq - r0);
@@ -652,7 +685,7 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
       if constexpr (C::kDeterministic) {  // every consumer's adds precede thread 0's release
         named_bar_sync(2, C::kConsumerThreads);
         if (tid == 0)
-          dq_turn_release(p.dq_sem + dq_sem_index<C>(p, b, h, m), dq_turn<C>(mask, m, nt, sk));
+          dq_turn_release(p.dq_sem + dq_sem_index<C>(p, b, h, m), dq_turn<C>(mask, m, nt, num_nt, sk));
       }
     }
     if (++m == c_hi) m = c_lo, ++h_off;
@@ -661,7 +694,8 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
   // ---- epilogue: dK = scale * dS^T Q and dV, rows of the group's keys --------------------
   // (the CTA's coordinates are derived again from blockIdx: nothing of the prologue but the
   // accumulators stays live through the walk)
-  const int64_t e_nt = blockIdx.x % num_nt, e_hk = blockIdx.x / num_nt % p.kv_heads;
+  const int64_t e_nt = cta_key_tile<C>(blockIdx.x, num_nt);
+  const int64_t e_hk = blockIdx.x / num_nt % p.kv_heads;
   const int64_t e_b = blockIdx.x / num_nt / p.kv_heads, e_c0 = e_nt * C::kBlockN;
   const int64_t e_kr = min(static_cast<int64_t>(C::kBlockN), p.seqlen_k - e_c0);
   const float scale = static_cast<float>(p.softmax_scale);

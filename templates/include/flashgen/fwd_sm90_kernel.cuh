@@ -9,8 +9,9 @@
 //              forward's own functions (frag.cuh, softmax.cuh) on acc[1][kNT][4]
 //   Dp         head_dim rounded up to 64 (the TMA box width): columns d..Dp-1 read as 0 and
 //              are never stored, so every head dim runs on 64-column SW128 boxes. The MMAs
-//              skip what is zero: Q K^T runs ceil(d / 16) k16 slices, and below 128 columns
-//              P V runs 64-column chunks then a tail of d_v % 64 (kOTail), not Dp_v
+//              skip what is zero: Q K^T runs ceil(d / 16) k16 slices, and where d_v is not
+//              a multiple of 64 P V runs 64-column chunks then a tail of d_v % 64 (kOTail),
+//              not Dp_v
 //   d, d_v     kHeadDim: Q and K (Dp, kBoxes boxes); kHeadDimV: V and O (kHeadDimVPad,
 //              kBoxesV boxes); d_v = d unless the spec sets head_dim_v
 //   slot       ring position of a K/V tile (it % stages); full[slot] completes when its TMA
@@ -113,10 +114,10 @@ struct FwdSm90Config : S {
   static constexpr int kBoxes = kHeadDimPad / 64, kBoxesV = kHeadDimVPad / 64;  // Q/K, V
   // Q K^T's k16 slices: the columns past head_dim are zero (TMA's fill) in Q and K alike
   static constexpr int kQkSlices = (kHeadDim + 15) / 16;
-  // P V's wgmma N: kOChunks chunks of kOChunk columns, then, below 128 columns when d_v is
-  // not a multiple of 64, one tail chunk of kOTailN = d_v % 64 (the boxes' zero-filled
-  // columns are not multiplied); otherwise chunks over all of kHeadDimVPad, as before
-  static constexpr bool kOTail = kHeadDimV < 128 && kHeadDimV % 64 != 0;
+  // P V's wgmma N: kOChunks chunks of kOChunk columns, then, when d_v is not a multiple of
+  // 64, one tail chunk of kOTailN = d_v % 64 (the boxes' zero-filled columns are not
+  // multiplied); otherwise chunks over all of kHeadDimVPad (128 wide where they divide it)
+  static constexpr bool kOTail = kHeadDimV % 64 != 0;
   static constexpr int kOChunk = kOTail ? 64 : kHeadDimVPad % 128 == 0 ? 128 : 64;
   static constexpr int kOChunks = kOTail ? kHeadDimV / 64 : kHeadDimVPad / kOChunk;
   static constexpr int kOTailN = kOTail ? kHeadDimV % 64 : 0;
