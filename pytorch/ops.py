@@ -976,6 +976,9 @@ def _bwd_impl(
         "head_dim_v": v.shape[-1],
         "cu_seqlens_q": 0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
         "cu_seqlens_k": 0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
+        # varlen: rows of the packed tensors (the sm_90a backward's tensor maps span them)
+        "total_q": q.shape[0] if pb.varlen else 0,
+        "total_k": k.shape[0] if pb.varlen else 0,
         "softmax_scale": softmax_scale,
         "window_left": win_l,
         "window_right": win_r,

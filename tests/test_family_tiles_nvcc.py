@@ -10,7 +10,7 @@ builds from `tile: auto` and asserts that ptxas reports no stack frame and no sp
 By default the head dims are the edges and the odd multiples of 8 the suite keeps records
 for (8, 40, 64, 72, 128, 136, 192, 200, 248, 256, where the family serves them); with
 `FLASHGEN_AUTO_TILES=full` every head dim the family serves (a many-core machine's job:
-432 kernels). `KNOWN_SPILLS` lists the combinations that spill with every tile the
+448 kernels). `KNOWN_SPILLS` lists the combinations that spill with every tile the
 family can take; they are strict xfails, so a fix shows up here.
 Kernels go to a temporary folder, or to `$FLASHGEN_BUILD_DIR` (the `flashgen compile` cache).
 """
@@ -48,8 +48,9 @@ FAMILIES: tuple[tuple[str, str, str, dict[str, str]], ...] = (
     }),
     ("backward_sm90", "backward", "sm_90a", {
         "plain": "",
-        "masked": "mask: {causal: bottom_right, window: true}\ngqa: true\n",
+        "masked": "mask: {causal: bottom_right, window: true, varlen: true}\ngqa: true\n",
         "alibi_sink": "mask: {causal: bottom_right}\nalibi: true\nsink: true\n",
+        "det_varlen": "mask: {causal: bottom_right, varlen: true}\ndeterministic: true\n",
     }),
     ("decode", "decode", "sm_90", {
         "gqa": "gqa: true\n",
@@ -60,7 +61,7 @@ FAMILIES: tuple[tuple[str, str, str, dict[str, str]], ...] = (
 )  # fmt: skip
 
 # (family label, head dim, combination): `tile: auto` spills there today (ptxas 13.0, the full
-# sweep: 14 of 432 cells, all in the mma.sync backward; the other three families are clean).
+# sweep: 14 of 448 cells, all in the mma.sync backward; the other three families are clean).
 # Strict xfails: a tile rule that fixes one fails here until its row is removed. What spills:
 # dropout with varlen + GQA on 160 and 256 columns on chip (d 129-160, 193-256: 36-80 bytes)
 # and the three score modifiers together there (16-32 bytes): every tile the warp layouts

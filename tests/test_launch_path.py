@@ -37,12 +37,17 @@ GOOD = {
 }
 
 
+def _built(tmp_path_factory, spec, folder: str) -> KernelLibrary:
+    """`spec`'s kernel built into its host library in a fresh folder, loaded."""
+    out = tmp_path_factory.mktemp(folder)
+    (res,) = compile_specs([spec], out, jobs=1, progress=False)
+    assert res.ok, res.error
+    return KernelLibrary(spec, out)
+
+
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
-    out = tmp_path_factory.mktemp("libs")
-    (res,) = compile_specs([DENSE], out, jobs=1, progress=False)
-    assert res.ok, res.error
-    return KernelLibrary(DENSE, out)
+    return _built(tmp_path_factory, DENSE, "libs")
 
 
 def test_the_c_launcher_accepts_good_parameters(library):
@@ -94,10 +99,7 @@ HOPPER_GOOD = {
 
 @pytest.fixture(scope="module")
 def hopper(tmp_path_factory):
-    out = tmp_path_factory.mktemp("libs90a")
-    (res,) = compile_specs([HOPPER], out, jobs=1, progress=False)
-    assert res.ok, res.error
-    return KernelLibrary(HOPPER, out)
+    return _built(tmp_path_factory, HOPPER, "libs90a")
 
 
 def test_the_hopper_launcher_accepts_good_parameters(hopper):
@@ -142,26 +144,70 @@ HOPPER_VARLEN_GOOD = {
 
 @pytest.fixture(scope="module")
 def hopper_varlen(tmp_path_factory):
-    out = tmp_path_factory.mktemp("libs90a_varlen")
-    (res,) = compile_specs([HOPPER_VARLEN], out, jobs=1, progress=False)
-    assert res.ok, res.error
-    return KernelLibrary(HOPPER_VARLEN, out)
+    return _built(tmp_path_factory, HOPPER_VARLEN, "libs90a_varlen")
 
 
-def test_the_hopper_varlen_launcher_accepts_packed_tensors_with_their_totals(hopper_varlen):
+# Varlen on the Hopper backward: the same totals, for its four loaded tensors' maps (dq_accum's
+# map stays dense: batch x the longest sequence).
+HOPPER_BWD_VARLEN = load_spec_text(
+    "kernel: backward\ndtype: bf16\nhead_dim: 64\ntarget: sm_90a\n"
+    "mask: {causal: bottom_right, varlen: true}\n"
+)[0]
+HOPPER_BWD_VARLEN_GOOD = {
+    **{t: 0x1000 * (i + 1) for i, t in enumerate(
+        ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "dq_accum", "dsum"))},
+    **{f"{t}_{k}": v for t in ("q", "o", "do", "dq", "k", "v", "dk", "dv") for k, v in
+       (("batch_stride", 0), ("row_stride", H * D), ("head_stride", D))},
+    "lse_batch_stride": 0,
+    "lse_head_stride": TQ,
+    "cu_seqlens_q": 0x20000,
+    "cu_seqlens_k": 0x21000,
+    "batch": 2,
+    "heads": H,
+    "kv_heads": H,
+    "seqlen_q": 4,
+    "seqlen_k": 5,
+    "total_q": TQ,
+    "total_k": TK,
+    "softmax_scale": 0.125,
+    "window_left": -1,
+    "window_right": -1,
+    "head_dim": D,
+    "head_dim_v": D,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hopper_bwd_varlen(tmp_path_factory):
+    return _built(tmp_path_factory, HOPPER_BWD_VARLEN, "libs90a_bwd_varlen")
+
+
+VARLEN_LAUNCHERS = {
+    "hopper_varlen": HOPPER_VARLEN_GOOD,
+    "hopper_bwd_varlen": HOPPER_BWD_VARLEN_GOOD,
+}
+
+
+@pytest.mark.parametrize("lib", VARLEN_LAUNCHERS)
+def test_the_hopper_varlen_launchers_accept_packed_tensors_with_their_totals(request, lib):
     # (batch strides 0: a packed tensor has none, and TMA's stride rule does not apply to them)
-    assert hopper_varlen.check(HOPPER_VARLEN_GOOD) is None
+    assert request.getfixturevalue(lib).check(VARLEN_LAUNCHERS[lib]) is None
 
 
 @pytest.mark.parametrize(
-    ("change", "message"),
+    ("lib", "change", "message"),
     [
-        ({"total_q": 0}, "varlen needs total_q"),
-        ({"total_k": 4}, "varlen needs total_k"),
-        ({"total_k": 2**31}, "below 2^31"),
+        ("hopper_varlen", {"total_q": 0}, "varlen needs total_q"),
+        ("hopper_varlen", {"total_k": 4}, "varlen needs total_k"),
+        ("hopper_varlen", {"total_k": 2**31}, "below 2^31"),
+        ("hopper_bwd_varlen", {"total_q": 3}, "varlen needs total_q"),
+        ("hopper_bwd_varlen", {"total_k": 0}, "varlen needs total_k"),
+        ("hopper_bwd_varlen", {"total_q": 2**31}, "below 2^31"),
+        ("hopper_bwd_varlen", {"do_row_stride": 100}, "multiples of 8 elements"),
     ],
 )
-def test_the_hopper_varlen_launcher_names_the_missing_total(hopper_varlen, change, message):
-    assert message in hopper_varlen.check({**HOPPER_VARLEN_GOOD, **change})
+def test_the_hopper_varlen_launchers_name_what_is_wrong(request, lib, change, message):
+    library, params = request.getfixturevalue(lib), {**VARLEN_LAUNCHERS[lib], **change}
+    assert message in library.check(params)
     with pytest.raises(LaunchError, match=re.escape(message)):
-        hopper_varlen.launch({**HOPPER_VARLEN_GOOD, **change})
+        library.launch(params)

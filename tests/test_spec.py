@@ -654,16 +654,30 @@ def test_the_sm90a_backward_names_what_it_does_not_take_and_where_it_is():
     assert spec.tile.block_n == 128 and spec.threads == 384  # two consumer + one producer WG
     for extra, field in (
         ("head_dim: 64\ndropout: true\n", "dropout"),
-        ("head_dim: 64\nmask: {varlen: true}\n", "mask.varlen"),
         ("head_dim: 64\nsparsity: block\n", "sparsity"),
         ("head_dim: 64\ninstrument_io: true\n", "instrument_io"),
     ):
         with pytest.raises(SpecError, match=rf"{field}: not on the sm_90a .*target: sm_90"):
             load(base + extra)
+    with pytest.raises(SpecError, match=r"mask.varlen: not with a score_mod on the sm_90a"):
+        load(base + 'head_dim: 64\nmask: {varlen: true}\nscore_mod: "s * 0.5"\n')
     with pytest.raises(SpecError, match=r"head_dim: 192 is not allowed on the sm_90a backward"):
         load(base + "head_dim: 192\n")
     with pytest.raises(SpecError, match=r"tile.warps: 4 is not allowed on the sm_90a backward"):
         load(base + "head_dim: 64\ntile: {block_m: 64, block_n: 128, warps: 4, stages: 2}\n")
+
+
+def test_the_sm90a_backward_takes_varlen():
+    from flashgen.generator.families import family
+    from flashgen.generator.render import Renderer
+
+    spec = one(
+        "kernel: backward\ndtype: bf16\ntarget: sm_90a\nhead_dim: 128\n"
+        "mask: {causal: bottom_right, varlen: true}\ndeterministic: true\n"
+    )
+    assert family(spec).templates == "backward_sm90" and spec.mask.varlen
+    cu = next(t.decode() for n, t in Renderer().render(spec).files.items() if n.endswith(".cu"))
+    assert "kVarlen = true" in cu
 
 
 def test_the_sm90a_backward_takes_deterministic_with_its_counters_and_tile_rule():

@@ -126,8 +126,9 @@ def test_hopper_prefers_the_wgmma_backward_where_it_serves_the_call():
     assert backward_spec(call(causal=Causal.BOTTOM_RIGHT, gqa=True)).target is Target.SM90A
     assert backward_spec(call(head_dim=128, window=True)).target is Target.SM90A
     assert backward_spec(call(deterministic=True)).target is Target.SM90A
+    assert backward_spec(call(varlen=True, causal=Causal.BOTTOM_RIGHT)).target is Target.SM90A
     # what the sm_90a backward does not take falls back to the portable family
-    for kw in ({"dropout": True}, {"varlen": True}, {"head_dim": 192}):
+    for kw in ({"dropout": True}, {"head_dim": 192}):
         assert backward_spec(call(**kw)).target is Target.SM90, kw
 
 

@@ -343,6 +343,8 @@ class BwdKernel:
             if pb.varlen:
                 params["cu_seqlens_q"] = upload(pb.cu_seqlens_q)
                 params["cu_seqlens_k"] = upload(pb.cu_seqlens_k)
+                # rows of the packed tensors (the sm_90a backward's tensor maps span them)
+                params["total_q"], params["total_k"] = q.shape[0], k.shape[0]
             keep_buf = None
             keep_shape = (pb.batch, pb.heads, pb.seqlen_q, pb.seqlen_k)
             if spec.debug_keep_mask:

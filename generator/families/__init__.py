@@ -71,7 +71,8 @@ def params_table(text: str) -> tuple[ParamField, ...]:
 SCORE_PARAM_FIELDS: tuple[ParamField, ...] = tuple(
     ParamField(r.name, r.ctype) for r in SCORE_PARAMS
 )
-# ... and then with the caller's head dims, which `<name>_check` compares with the kernel's.
+# ... and then with the caller's head dims, which `<name>_check` compares with the kernel's
+# (fields a family added later follow them: the structs only grow at their end).
 SHAPE_PARAM_FIELDS: tuple[ParamField, ...] = (
     ParamField("head_dim", "i64"),
     ParamField("head_dim_v", "i64"),

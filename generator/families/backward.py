@@ -107,6 +107,13 @@ PARAMS = (
     )
     + SCORE_PARAM_FIELDS
     + SHAPE_PARAM_FIELDS
+    # varlen on the sm_90a backward: the packed tensors' rows its tensor maps span
+    + params_table(
+        """
+    i64 total_q
+    i64 total_k
+    """
+    )
 )
 IO_KEYS = (
     "Q",

@@ -25,8 +25,13 @@ the mma.sync backward's): by the dQ writer after its turn, or by the consumers w
 dQ themselves, so dQ, dK and dV are bitwise repeatable. The order ascends, except with causal
 and no window, where it descends and the CTAs take their key tiles in that order (the last
 key tile that sees a query tile adds first; ascending, the causal CTAs ran as a wavefront).
-Not on this path (rejected by name; `target: sm_90` has them): varlen, dropout, block
-sparsity, instrument_io.
+Varlen (`mask.varlen`): the maps of Q, K, V and dO span the packed tensors (`total_q`,
+`total_k` in `fg_bwd_params`, as the forward's), a sequence's tiles start at its packed row,
+and dq_accum keeps its dense rows (batch x longest sequence), so a tile's reduce-adds past
+its sequence's end stay in that sequence's own rows; a key tile past a shorter sequence's
+keys leaves at once, and deterministic turns count the sequence's own key tiles.
+Not on this path (rejected by name; `target: sm_90` has them): dropout, block sparsity,
+instrument_io, and varlen together with a spec's `score_mod` (not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -117,7 +122,6 @@ class BackwardSm90(Backward):
             )
             return out
         for flag, name in (
-            (spec.mask.varlen, "mask.varlen"),
             (spec.dropout, "dropout"),
             (spec.sparse, "sparsity"),
             (spec.instrument_io, "instrument_io"),
@@ -126,6 +130,15 @@ class BackwardSm90(Backward):
                 out.append(
                     (name, "not on the sm_90a (wgmma) backward yet: use target: sm_90 for it")
                 )
+        if spec.mask.varlen and spec.score_mod is not None:
+            # not run on a GPU yet: a spec's score_mod over packed sequences stays on sm_90
+            out.append(
+                (
+                    "mask.varlen",
+                    "not with a score_mod on the sm_90a (wgmma) backward yet: use target: "
+                    "sm_90 for it",
+                )
+            )
         tile = tile_problems(spec.tile, spec.head_dim)
         out.extend(tile)
         if not tile and not out:

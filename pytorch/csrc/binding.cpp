@@ -536,6 +536,8 @@ void bwd_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   p.head_dim = q.size(-1), p.head_dim_v = v.size(-1);
   p.cu_seqlens_q = varlen ? cu_q->data_ptr<int32_t>() : nullptr;
   p.cu_seqlens_k = varlen ? cu_k->data_ptr<int32_t>() : nullptr;
+  p.total_q = varlen ? q.size(0) : 0;
+  p.total_k = varlen ? k.size(0) : 0;
   p.softmax_scale = scale;
   p.window_left = plan->window_left, p.window_right = plan->window_right;
   p.dropout_p = a[12].toDouble();

@@ -96,6 +96,9 @@ struct BwdSm90Config : S {
   static constexpr bool kDescendingTurns =
       S::kDeterministic && S::kCausal != Causal::kNone && !S::kWindow;
   static constexpr int kConsumerThreads = kWarps * 32;
+  // dq_accum's rows are b * seqlen_q + r, varlen too (bwd_kernel.cuh): the dQ writer adds whole
+  // tiles of block_m rows, and those past a sequence's end must stay in its own rows
+  static constexpr bool kDqAccumPacked = false;
   static constexpr int kThreads = kConsumerThreads + 128;
   static constexpr int kGroups = kWarps / 4;
   // kRingCopies: the producer stages each step's LSE and D by cp.async (the consumers scale
@@ -146,8 +149,8 @@ struct BwdSm90Config : S {
   static_assert(kDqN == 32 || kDqN == 64 || kDqN == 128, "dQ piece width");
   static_assert(kDqRowBlocks * kDqColBlocks == kGroups, "one dQ piece per warpgroup");
   static_assert(kStages >= 1 && kStages <= 4, "stages");
-  static_assert(!S::kVarlen && !S::kSparse && !S::kInstrumentIo && !S::kDropout,
-                "varlen, sparsity, dropout and instrument_io are not on the sm_90a backward");
+  static_assert(!S::kSparse && !S::kInstrumentIo && !S::kDropout,
+                "sparsity, dropout and instrument_io are not on the sm_90a backward");
 };
 
 // Deterministic builds' turn-taking on one dq_sem counter (see the glossary): wait until
@@ -280,9 +283,14 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
   bid /= num_nt;
   const int64_t hk = bid % p.kv_heads, b = bid / p.kv_heads;
   if (b >= p.batch) return;
-  const SeqInfo<false> seq(b, p.seqlen_q, p.seqlen_k, nullptr, nullptr, io, false);
+  const SeqInfo<C::kVarlen> seq(b, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k, io,
+                                false);
   const int64_t sq = seq.sq, sk = seq.sk, c0 = nt * C::kBlockN;
+  // varlen: a key tile past a shorter sequence's keys has nothing to do (the whole CTA leaves,
+  // before any barrier), and the turns count the sequence's own key tiles
+  if (C::kVarlen && c0 >= sk) return;
   const int64_t kr = min(static_cast<int64_t>(C::kBlockN), sk - c0);
+  const int64_t seq_nt = C::kVarlen ? (sk + C::kBlockN - 1) / C::kBlockN : num_nt;
   const int heads_per_kv = C::kGqa ? static_cast<int>(p.heads / p.kv_heads) : 1;
   const int64_t h0 = hk * heads_per_kv;
   const MaskPolicy<C::kCausal, C::kWindow> mask(sq, sk, p.window_left, p.window_right);
@@ -306,9 +314,16 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
   }
   __syncthreads();
 
+  // TMA coordinates (column, row, head, batch): the sequence's own rows (dense: batch
+  // coordinate b) or packed rows (varlen: the maps' one batch entry, from q0 / k0), as the
+  // forward's. A varlen tile past its sequence's end loads the next sequence's rows: keys
+  // past sk only reach dK and dV rows that are never stored (key_ok keeps them out of dQ),
+  // and queries past sq have LSE +inf (P^T = 0, so dS^T = 0: finite dO rows are assumed
+  // there, as the forward assumes finite V rows).
+  const int tma_b = C::kVarlen ? 0 : static_cast<int>(b);
   auto tma = [&](Elem* dst, const CUtensorMap& map, bool heads_inner, uint64_t* bar, int col,
                  int64_t row, int64_t head) {
-    tma_load_bshd(dst, &map, heads_inner, bar, col, row, head, static_cast<int>(b));
+    tma_load_bshd(dst, &map, heads_inner, bar, col, row, head, tma_b);
   };
 
   // ---- producer warpgroup: its first warp fills the ring, its second writes dQ ------------
@@ -324,7 +339,9 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
       if (warp == C::kWarps + 1) {  // the dQ writer: each step's tile into dq_accum
         [[maybe_unused]] const int w_b = static_cast<int>(b), w_nt = static_cast<int>(nt);
         [[maybe_unused]] const int w_heads = static_cast<int>(p.heads);
-        [[maybe_unused]] const int w_num_mt = (w_sq + C::kBlockM - 1) / C::kBlockM;
+        // dq_sem's rows per (batch, head): the longest sequence's query tiles (dq_sem_index)
+        [[maybe_unused]] const int w_num_mt =
+            static_cast<int>((p.seqlen_q + C::kBlockM - 1) / C::kBlockM);
         // Its head and rows come from the consumers (dq_job): this warp's 24 registers spilled
         // 40-130 bytes when it walked the steps itself (ptxas 13.0).
         if (lane != 0) return;
@@ -364,8 +381,8 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
       mbar_arrive_expect_tx(&bar_kv, 2 * C::kKvBytes);
 #pragma unroll
       for (int j = 0; j < C::kBoxes; ++j) {
-        tma(sK + j * C::kKvBox, maps.k, maps.kv_heads_inner, &bar_kv, j * 64, c0, hk);
-        tma(sV + j * C::kKvBox, maps.v, maps.kv_heads_inner, &bar_kv, j * 64, c0, hk);
+        tma(sK + j * C::kKvBox, maps.k, maps.kv_heads_inner, &bar_kv, j * 64, seq.k0 + c0, hk);
+        tma(sV + j * C::kKvBox, maps.v, maps.kv_heads_inner, &bar_kv, j * 64, seq.k0 + c0, hk);
       }
     }
     int h_off = 0, m = w_lo;  // the step's head offset and query tile
@@ -378,9 +395,10 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
         const int off = slot * C::kBlockM * C::kHeadDimPad;
 #pragma unroll
         for (int j = 0; j < C::kBoxes; ++j) {
-          tma(sQ + off + j * C::kQBox, maps.q, maps.q_heads_inner, &full[slot], j * 64, r0, h);
-          tma(sdO + off + j * C::kQBox, maps.dout, maps.do_heads_inner, &full[slot], j * 64, r0,
-              h);
+          tma(sQ + off + j * C::kQBox, maps.q, maps.q_heads_inner, &full[slot], j * 64,
+              seq.q0 + r0, h);
+          tma(sdO + off + j * C::kQBox, maps.dout, maps.do_heads_inner, &full[slot], j * 64,
+              seq.q0 + r0, h);
         }
       }
       if constexpr (C::kRingCopies) {
@@ -447,7 +465,7 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
   // stored, and dQ through dS^T in shared memory, where they are written as 0 (times K's zero
   // rows they would vanish, but P^T = exp(-LSE) may overflow to inf, and inf * 0 = NaN).
   const bool key_ok[2] = {key0 + wk * 16 + g < kr, key0 + wk * 16 + g + 8 < kr};
-  [[maybe_unused]] const int64_t q_row_base = b * p.seqlen_q;  // dq_accum's rows (the adds)
+  [[maybe_unused]] const int64_t q_row_base = dq_accum_row<C>(p, seq, 0);  // dq_accum's rows
   if (n_steps > 0) mbar_wait(&bar_kv, 0);
   // the walk in 32 bits, as the producer's (fewer registers beside the step's peak)
   const int c_lo = static_cast<int>(m_lo), c_hi = static_cast<int>(m_hi);
@@ -657,7 +675,7 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
         if constexpr (C::kDeterministic) {  // the query tile, and the turn where it is searched
           dq_job[2] = m;
           if constexpr (C::kWindow || C::kDescendingTurns)
-            dq_job[3] = dq_turn<C>(mask, m, nt, num_nt, sk);
+            dq_job[3] = dq_turn<C>(mask, m, nt, seq_nt, sk);
         }
       }
       fence_proxy_async_smem();  // the stores, seen by the bulk engine (the async proxy)
@@ -666,7 +684,7 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
       // The piece's adds: element 4 j + 2 r + e is (row 16 wk + g + 8 r, column 8 j + 2 t + e).
       if constexpr (C::kDeterministic) {  // thread 0 waits for the turn, the others with it
         if (tid == 0)
-          dq_turn_wait(p.dq_sem + dq_sem_index<C>(p, b, h, m), dq_turn<C>(mask, m, nt, num_nt, sk));
+          dq_turn_wait(p.dq_sem + dq_sem_index<C>(p, b, h, m), dq_turn<C>(mask, m, nt, seq_nt, sk));
         named_bar_sync(2, C::kConsumerThreads);
       }
       const int64_t qr = min(static_cast<int64_t>(C::kBlockM), sq - r0);
@@ -685,7 +703,7 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
       if constexpr (C::kDeterministic) {  // every consumer's adds precede thread 0's release
         named_bar_sync(2, C::kConsumerThreads);
         if (tid == 0)
-          dq_turn_release(p.dq_sem + dq_sem_index<C>(p, b, h, m), dq_turn<C>(mask, m, nt, num_nt, sk));
+          dq_turn_release(p.dq_sem + dq_sem_index<C>(p, b, h, m), dq_turn<C>(mask, m, nt, seq_nt, sk));
       }
     }
     if (++m == c_hi) m = c_lo, ++h_off;
@@ -697,11 +715,13 @@ __device__ __forceinline__ void bwd_sm90_kernel_body(const fg_bwd_params& p,
   const int64_t e_nt = cta_key_tile<C>(blockIdx.x, num_nt);
   const int64_t e_hk = blockIdx.x / num_nt % p.kv_heads;
   const int64_t e_b = blockIdx.x / num_nt / p.kv_heads, e_c0 = e_nt * C::kBlockN;
-  const int64_t e_kr = min(static_cast<int64_t>(C::kBlockN), p.seqlen_k - e_c0);
+  const SeqInfo<C::kVarlen> e_seq(e_b, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k,
+                                  io, false);
+  const int64_t e_kr = min(static_cast<int64_t>(C::kBlockN), e_seq.sk - e_c0);
   const float scale = static_cast<float>(p.softmax_scale);
-  Elem* gdK = static_cast<Elem*>(p.dk) + e_b * p.dk_batch_stride + e_c0 * p.dk_row_stride +
+  Elem* gdK = static_cast<Elem*>(p.dk) + e_seq.k_off(p.dk_batch_stride, p.dk_row_stride, e_c0) +
               e_hk * p.dk_head_stride;
-  Elem* gdV = static_cast<Elem*>(p.dv) + e_b * p.dv_batch_stride + e_c0 * p.dv_row_stride +
+  Elem* gdV = static_cast<Elem*>(p.dv) + e_seq.k_off(p.dv_batch_stride, p.dv_row_stride, e_c0) +
               e_hk * p.dv_head_stride;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {

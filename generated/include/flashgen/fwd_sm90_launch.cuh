@@ -9,7 +9,6 @@
 //   cache    the last calls' maps of one kernel (sm90_cache.h, shared with the backward)
 #pragma once
 
-#include <limits.h>
 #include <stdint.h>
 
 #include "fwd_sm90_kernel.cuh"
@@ -19,37 +18,21 @@
 
 namespace fg {
 
-// The batch stride a map gets (the check and the map share it): the tensor's own, or, varlen
-// (one batch entry, never stepped over), the packed tensor's extent, its outer stride times
-// that dimension's size, so the map's dimensions do not overlap. Saturates instead of
-// overflowing (TMA's 2^40-byte stride rule then refuses it).
+// The batch stride a map gets (the check and the map share it): sm90::map_batch_stride.
 template <class C>
 int64_t fwd_sm90_batch_stride(int64_t batch_stride, int64_t row_stride, int64_t head_stride,
                               int64_t total, int64_t heads) {
-  if (!C::kVarlen) return batch_stride;
-  const int64_t outer = row_stride > head_stride ? row_stride : head_stride;
-  const int64_t size = row_stride > head_stride ? (total > 1 ? total : 1) : heads;
-  const int64_t too_large = int64_t{1} << 40;  // elements: over TMA's limit, no overflow in * 2
-  return outer > 0 && size > too_large / outer ? too_large : outer * size;
+  return sm90::map_batch_stride(C::kVarlen, batch_stride, row_stride, head_stride, total, heads);
 }
 
-// TMA's rules on q, k, v (fg_fwd_params' strides are in elements), and varlen's packed totals:
-// nullptr or the problem. Whether total_q >= cu_seqlens_q[batch] (and total_k) holds can only
-// be checked on the device; the host checks what it can: a total at least the longest
-// sequence (seqlen_q, seqlen_k) and below 2^31 (the int32 cu_seqlens and TMA coordinates).
+// TMA's rules on q, k, v (fg_fwd_params' strides are in elements), and varlen's packed totals
+// (sm90::varlen_totals_problem): nullptr or the problem.
 template <class C>
 const char* check_fwd_sm90_params(const fg_fwd_params& p) {
   if (p.batch == 0 || p.seqlen_q == 0) return nullptr;  // nothing is loaded
-  if (C::kVarlen) {
-    if (p.total_q < p.seqlen_q)
-      return "varlen needs total_q, the rows of the packed q tensor (>= cu_seqlens_q[batch], "
-             "so >= seqlen_q): the sm_90a forward's tensor maps span them";
-    if (p.total_k < p.seqlen_k)
-      return "varlen needs total_k, the rows of the packed k and v tensors (>= "
-             "cu_seqlens_k[batch], so >= seqlen_k): the sm_90a forward's tensor maps span them";
-    if (p.total_q > INT32_MAX || p.total_k > INT32_MAX)
-      return "total_q and total_k must be below 2^31 (cu_seqlens and TMA coordinates are int32)";
-  }
+  if (C::kVarlen)
+    if (const char* m = sm90::varlen_totals_problem(p.total_q, p.total_k, p.seqlen_q, p.seqlen_k))
+      return m;
   if (const char* m = sm90::tmap_bshd_problem(
           p.q, fwd_sm90_batch_stride<C>(p.q_batch_stride, p.q_row_stride, p.q_head_stride,
                                    p.total_q, p.heads),

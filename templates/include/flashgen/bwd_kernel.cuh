@@ -13,9 +13,13 @@
 //   warp layouts  each stage tiles its output over the warps differently: S/dP over (query
 //              rows, keys), dK/dV over (keys, head dim), dQ over (query rows, head dim); P
 //              and dS go through shared memory between them (as in FlashAttention-2)
-//   dq_accum   fp32 workspace (rows, heads, d), rows = batch * seqlen_q (varlen: packed);
-//              steps add their dQ = dS K into it with atomics; the convert kernel scales it
-//              by softmax_scale and writes dQ
+//   dq_accum   fp32 workspace (rows, heads, d), rows = batch * seqlen_q (varlen: seqlen_q is
+//              the longest sequence); query row r of sequence b is row seq.grow(r) (varlen:
+//              packed) or, where C::kDqAccumPacked is false (the sm_90a backward, which adds
+//              whole tiles by TMA), b * seqlen_q + r, so that a tile's rows past a varlen
+//              sequence's end stay in that sequence's own rows (dq_accum_row); steps add their
+//              dQ = dS K into it with atomics; the convert kernel scales it by softmax_scale and
+//              writes dQ
 //   dq_sem     deterministic builds: per (batch, head, query tile) the number of K/V tiles
 //              whose dQ adds are done; the CTA of K/V tile n waits for its turn (the K/V
 //              tiles visiting query tile m are a contiguous range, added in ascending order),
@@ -73,6 +77,7 @@ struct BwdConfig : S {
   using S::kBlockM, S::kBlockN, S::kHeadDim, S::kHeadDimV, S::kWarps, S::kStages;
   using Elem = typename S::Elem;
   static constexpr int kThreads = kWarps * 32;
+  static constexpr bool kDqAccumPacked = true;  // dq_accum's varlen rows (glossary)
   // kHeadDimPad: the head dim on chip (families/backward.py chip_head_dim: the next multiple
   // of 16, beyond 128 of 32). Columns d..kHeadDimPad-1 of the K, V, Q and dO tiles are
   // zero-filled in smem (never read from HBM), so every product's padded columns are 0, and
@@ -136,6 +141,14 @@ __device__ __forceinline__ int ld_acquire(const int32_t* p) {
 
 // The first K/V tile (of tiles [0, n]) whose dense schedule visits query tile m: m_hi grows
 // with the tile, so a binary search over m_hi(n') > m finds it.
+// dq_accum's row of query row r of sequence `seq` (glossary: packed, or b * seqlen_q + r).
+template <class C, class Seq>
+__device__ __forceinline__ int64_t dq_accum_row(const fg_bwd_params& p, const Seq& seq,
+                                                int64_t r) {
+  if constexpr (C::kDqAccumPacked) return seq.grow(r);
+  return seq.b * p.seqlen_q + r;
+}
+
 template <class Mask>
 __device__ __forceinline__ int64_t first_visitor(const Mask& mask, int64_t m, int64_t n,
                                                  int64_t sk, int block_m, int block_n) {
@@ -558,8 +571,8 @@ __device__ __forceinline__ void bwd_kernel_body(const fg_bwd_params& p) {
         for (int r = 0; r < 2; ++r) {
           const int row = q_row0 + mt * 16 + g8 + r * 8;
           if (row < qr) {
-            float* dst = p.dq_accum + (seq.grow(r0 + row) * p.heads + h) * C::kHeadDim + q_col0 +
-                         2 * t4;
+            float* dst = p.dq_accum + (dq_accum_row<C>(p, seq, r0 + row) * p.heads + h) *
+                                          C::kHeadDim + q_col0 + 2 * t4;
 #pragma unroll
             for (int dt = 0; dt < C::kQDT; ++dt) {
               if (C::kHeadDimPad != C::kHeadDim && q_col0 + dt * 8 >= C::kHeadDim) continue;
@@ -727,7 +740,7 @@ __device__ __forceinline__ void bwd_convert_body(const fg_bwd_params& p) {
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int64_t r = r_first + warp * kRowsPerWarp + i;
     if (r >= seq.sq) break;
-    const float* acc = p.dq_accum + (seq.grow(r) * p.heads + h) * C::kHeadDim;
+    const float* acc = p.dq_accum + (dq_accum_row<C>(p, seq, r) * p.heads + h) * C::kHeadDim;
     Elem* dq = static_cast<Elem*>(p.dq) + seq.q_off(p.dq_batch_stride, p.dq_row_stride, r) +
                h * p.dq_head_stride;
     for (int c = lane; c < C::kHeadDim / 8; c += 32) {

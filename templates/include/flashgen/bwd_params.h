@@ -9,7 +9,9 @@
 // a context-parallel caller may pass merged ones), and dout = dL/dO. Outputs dq, dk, dv have
 // the layouts of q, k, v. The workspace (fp32, caller-allocated, see <name>_workspace_bytes)
 // holds dq_accum (rows, heads, head_dim) and dsum = rowsum(dO * O) (rows, heads), rows being
-// batch * seqlen_q (varlen: the same bound, rows indexed by packed position); deterministic
+// batch * seqlen_q (varlen: the same bound, rows indexed by packed position, except the sm_90a
+// backward's dq_accum, indexed by b * seqlen_q + row so a tile never reaches the next
+// sequence's rows); deterministic
 // builds also need dq_sem, one int32 per (batch, head, query tile), which orders the dQ adds.
 #ifndef FLASHGEN_BWD_PARAMS_H
 #define FLASHGEN_BWD_PARAMS_H
@@ -88,6 +90,11 @@ typedef struct fg_bwd_params {
   /* the caller's head dims: q and k (head_dim), v and o (head_dim_v); <name>_check refuses any
      but the kernel's, so a caller built against another kernel cannot pass a mismatch */
   int64_t head_dim, head_dim_v;
+
+  /* varlen on the sm_90a backward: the rows of the packed q (and o, dout, dq) and of the packed
+     k and v (and dk, dv) tensors, which its tensor maps span (>= cu_seqlens_q[batch] and
+     cu_seqlens_k[batch]); the mma.sync backward does not read them */
+  int64_t total_q, total_k;
 } fg_bwd_params;
 
 /* Every pointer NULL, every stride and size 0, windows unbounded, one shared layout. */

@@ -11,6 +11,7 @@
 
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include <limits.h>
 #include <stdint.h>
 
 namespace fg {
@@ -95,6 +96,38 @@ inline const char* tmap_bshd_problem(const void* base, int64_t batch_stride, int
       return "TMA needs positive row, head and batch strides that are multiples of 8 elements "
              "(16 bytes) and below 2^40 bytes";
   if (box_rows < 1 || box_rows > 256) return "TMA boxes have 1 to 256 rows";
+  return nullptr;
+}
+
+// Varlen (packed tensors, total rows): the batch stride a map gets. The maps span the packed
+// (total, heads, cols) tensors as one batch entry, never stepped over, so the stride is the
+// packed tensor's extent (its outer stride times that dimension's size), and the map's
+// dimensions do not overlap; it saturates instead of overflowing (tmap_bshd_problem's 2^40
+// bytes then refuses it). Dense tensors keep their own.
+inline int64_t map_batch_stride(bool varlen, int64_t batch_stride, int64_t row_stride,
+                                int64_t head_stride, int64_t total, int64_t heads) {
+  if (!varlen) return batch_stride;
+  const int64_t outer = row_stride > head_stride ? row_stride : head_stride;
+  const int64_t size = row_stride > head_stride ? (total > 1 ? total : 1) : heads;
+  const int64_t too_large = int64_t{1} << 40;  // elements: over TMA's limit, no overflow in * 2
+  return outer > 0 && size > too_large / outer ? too_large : outer * size;
+}
+
+// Varlen's packed totals, which the launcher learns from the params (cu_seqlens are on the
+// device): nullptr or the problem. Whether total_q >= cu_seqlens_q[batch] (and total_k) holds
+// can only be checked on the device; the host checks what it can: a total at least the
+// longest sequence (seqlen_q, seqlen_k) and below 2^31 (the int32 cu_seqlens and TMA
+// coordinates).
+inline const char* varlen_totals_problem(int64_t total_q, int64_t total_k, int64_t seqlen_q,
+                                         int64_t seqlen_k) {
+  if (total_q < seqlen_q)
+    return "varlen needs total_q, the rows of the packed q tensor (>= cu_seqlens_q[batch], so "
+           ">= seqlen_q): the sm_90a kernels' tensor maps span them";
+  if (total_k < seqlen_k)
+    return "varlen needs total_k, the rows of the packed k and v tensors (>= "
+           "cu_seqlens_k[batch], so >= seqlen_k): the sm_90a kernels' tensor maps span them";
+  if (total_q > INT32_MAX || total_k > INT32_MAX)
+    return "total_q and total_k must be below 2^31 (cu_seqlens and TMA coordinates are int32)";
   return nullptr;
 }
 
