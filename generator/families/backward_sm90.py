@@ -8,8 +8,8 @@ streams Q, dO (TMA) and LSE, D into a ring; two consumer warpgroups of 64 keys e
 S^T = K Q^T and dP^T = V dO^T (SS-wgmma), then dV += P^T dO and dK += dS^T Q from registers
 (RS-wgmma), and dQ = dS K through shared memory, added to the fp32 workspace: through an
 fp32 dQ tile in shared memory that the producer warpgroup's second warp adds by TMA
-reduce-add (`dq_by_tma`), or by each thread's red.add (the workspace's layout is the
-mma.sync backward's either way).
+reduce-add (`dq_by_tma`), or by each thread's red.add (the workspace is the mma.sync
+backward's either way, but for varlen dq_accum's rows: dense here, packed there).
 
 Tile rules: `warps` 8 (two consumer warpgroups), `block_n` 128 (64 keys each), `block_m` 64
 or 128 query rows a step (dQ of a step is cut into one 64-row piece per warpgroup: 64 x Dp/2
