@@ -27,27 +27,38 @@ BACKENDS = ("FLASH", "CUDNN", "EFFICIENT")
 SEL = {"FLASH": "FLASH_ATTENTION", "CUDNN": "CUDNN_ATTENTION", "EFFICIENT": "EFFICIENT_ATTENTION"}
 
 
-def bwd_params(q, k, v, o, lse, do, dq, dk, dv, ws, scale: float, dq_accum_bytes: int) -> dict:
-    """fg_bwd_params for contiguous torch tensors (b, s, h, d); lse (b, h, s); the workspace
-    `ws` holds dq_accum, dsum and (deterministic builds) dq_sem, each 256-byte aligned."""
-    b, s, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+def tensor_params(q, k, v, o, lse, do, dq, dk, dv, packed: bool = False) -> dict:
+    """The pointers and strides of fg_bwd_params for torch tensors (b, s, h, d), lse (b, h, s);
+    `packed` (varlen): (total, h, d) tensors, which have no batch stride, and lse (h, total)."""
     p = {
         "q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(),
         "dout": do.data_ptr(), "lse": lse.data_ptr(), "dq": dq.data_ptr(),
-        "dk": dk.data_ptr(), "dv": dv.data_ptr(), "dq_accum": ws.data_ptr(),
-        "dsum": ws.data_ptr() + dq_accum_bytes,
-        "dq_sem": ws.data_ptr() + dq_accum_bytes + -(-b * s * h * 4 // 256) * 256,
-        "batch": b, "heads": h, "kv_heads": hk, "seqlen_q": s, "seqlen_k": sk,
-        "head_dim": q.shape[-1], "head_dim_v": v.shape[-1],
-        "softmax_scale": scale, "window_left": -1, "window_right": -1,
-        "lse_batch_stride": lse.stride(0), "lse_head_stride": lse.stride(1),
+        "dk": dk.data_ptr(), "dv": dv.data_ptr(),
+        "lse_batch_stride": 0 if packed else lse.stride(0),
+        "lse_head_stride": lse.stride(0 if packed else 1),
     }  # fmt: skip
     for nm, t in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do), ("dq", dq), ("dk", dk),
                   ("dv", dv)):  # fmt: skip
-        st = t.stride()
-        p[f"{nm}_batch_stride"], p[f"{nm}_row_stride"], p[f"{nm}_head_stride"] = st[0], st[1], st[2]
+        st = (0, *t.stride()) if packed else t.stride()
+        p[f"{nm}_batch_stride"], p[f"{nm}_row_stride"], p[f"{nm}_head_stride"] = st[:3]
     return p
+
+
+def bwd_launcher(kernel, params: dict, batch: int, seqlen_q: int, heads: int, head_dim: int):
+    """The kernel's launch callable on `params` plus a workspace sized by its
+    `<name>_workspace_bytes` and carved as runtime.workspace lays it out (dq_accum, dsum, then
+    dq_sem, which kernels that are not deterministic ignore); the callable keeps it alive."""
+    import torch
+    from flashgen.runtime.workspace import workspace_layout
+
+    ws = torch.empty(kernel.library.workspace_bytes(params), dtype=torch.uint8, device="cuda")
+    carve = workspace_layout(batch, seqlen_q, heads, head_dim, deterministic=True)
+    base = ws.data_ptr()
+    launch = kernel.library.launcher(
+        {**params, **{nm: base + carve[nm] for nm in ("dq_accum", "dsum", "dq_sem")}}
+    )
+    launch.keep = (ws,)
+    return launch
 
 
 def flashgen_backward(kernel, q, k, v, o, lse, do, scale, extra: dict | None = None):
@@ -57,13 +68,14 @@ def flashgen_backward(kernel, q, k, v, o, lse, do, scale, extra: dict | None = N
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     b, s, h, d = q.shape
-    acc_bytes = -(-b * s * h * d * 4 // 256) * 256
-    shape_only = bwd_params(q, k, v, o, lse, do, dq, dk, dv, q, scale, 0)
-    ws = torch.empty(kernel.library.workspace_bytes(shape_only), dtype=torch.uint8, device="cuda")
-    params = bwd_params(q, k, v, o, lse, do, dq, dk, dv, ws, scale, acc_bytes)
-    launch = kernel.library.launcher({**params, **(extra or {})})
-    launch.keep = (ws,)
-    return launch, dq, dk, dv
+    params = {
+        **tensor_params(q, k, v, o, lse, do, dq, dk, dv),
+        "batch": b, "heads": h, "kv_heads": k.shape[2], "seqlen_q": s, "seqlen_k": k.shape[1],
+        "head_dim": d, "head_dim_v": v.shape[-1],
+        "softmax_scale": scale, "window_left": -1, "window_right": -1,
+        **(extra or {}),
+    }  # fmt: skip
+    return bwd_launcher(kernel, params, b, s, h, d), dq, dk, dv
 
 
 def bwd_flops(batch: int, heads: int, n: int, d: int, causal: bool, d_v: int | None = None):

@@ -24,7 +24,13 @@ import math
 import random
 import sys
 
-from flashgen.bench.bwd_bench import SEL, bwd_flops, flashgen_backward
+from flashgen.bench.bwd_bench import (
+    SEL,
+    bwd_flops,
+    bwd_launcher,
+    flashgen_backward,
+    tensor_params,
+)
 from flashgen.bench.fwd_bench import write_result
 
 BACKENDS = ("FLASH", "CUDNN")
@@ -40,46 +46,23 @@ def packings(tokens: int, seed: int = 0) -> dict[str, list[int]]:
     return {"equal": [2048] * max(1, tokens // 2048), "mixed": mixed}
 
 
-def varlen_params(q, k, v, o, lse, do, dq, dk, dv, cu, max_len: int, scale: float) -> dict:
-    """fg_bwd_params of packed (total, heads, d) tensors, lse (heads, total), int32 `cu`
-    (batch + 1 offsets, the same for queries and keys); the workspace is added by `launch`."""
+def varlen_backward(kernel, q, k, v, o, lse, do, cu, max_len: int, scale: float):
+    """(launch callable, dq, dk, dv) of a varlen backward kernel on packed (total, heads, d)
+    tensors, lse (heads, total) and int32 `cu` (batch + 1 offsets, the same for queries and
+    keys)."""
+    import torch
+
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     total, h, d = q.shape
-    p = {
-        "q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(),
-        "dout": do.data_ptr(), "lse": lse.data_ptr(), "dq": dq.data_ptr(),
-        "dk": dk.data_ptr(), "dv": dv.data_ptr(),
+    params = {
+        **tensor_params(q, k, v, o, lse, do, dq, dk, dv, packed=True),
         "batch": cu.numel() - 1, "heads": h, "kv_heads": k.shape[1],
         "seqlen_q": max_len, "seqlen_k": max_len, "total_q": total, "total_k": k.shape[0],
         "cu_seqlens_q": cu.data_ptr(), "cu_seqlens_k": cu.data_ptr(),
         "head_dim": d, "head_dim_v": v.shape[-1], "softmax_scale": scale,
         "window_left": -1, "window_right": -1,
-        "lse_batch_stride": 0, "lse_head_stride": lse.stride(0),
     }  # fmt: skip
-    for nm, t in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do), ("dq", dq), ("dk", dk),
-                  ("dv", dv)):  # fmt: skip
-        p[f"{nm}_batch_stride"], p[f"{nm}_row_stride"], p[f"{nm}_head_stride"] = 0, *t.stride()[:2]
-    return p
-
-
-def varlen_backward(kernel, spec, q, k, v, o, lse, do, cu, max_len: int, scale: float):
-    """(launch callable, dq, dk, dv) of a varlen backward kernel on packed tensors."""
-    import torch
-    from flashgen.runtime.workspace import workspace_layout
-
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    params = varlen_params(q, k, v, o, lse, do, dq, dk, dv, cu, max_len, scale)
-    carve = workspace_layout(
-        params["batch"], max_len, q.shape[1], q.shape[2],
-        block_m=spec.tile.block_m, deterministic=spec.deterministic,
-    )  # fmt: skip
-    ws = torch.empty(kernel.library.workspace_bytes(params), dtype=torch.uint8, device="cuda")
-    params["dq_accum"] = ws.data_ptr() + carve["dq_accum"]
-    params["dsum"] = ws.data_ptr() + carve["dsum"]
-    if carve["dq_sem"] is not None:
-        params["dq_sem"] = ws.data_ptr() + carve["dq_sem"]
-    launch = kernel.library.launcher(params)
-    launch.keep = (ws,)
-    return launch, dq, dk, dv
+    return bwd_launcher(kernel, params, cu.numel() - 1, max_len, h, d), dq, dk, dv
 
 
 def bench_case(kernels: dict, d: int, causal: bool, packing: str, lens: list[int], hidden: int,
@@ -122,9 +105,9 @@ def bench_case(kernels: dict, d: int, causal: bool, packing: str, lens: list[int
 
     grads = {}
     for name in ("sm90a_varlen", "sm90_varlen"):
-        spec, kernel = kernels[name]
+        _, kernel = kernels[name]
         row["kernels"][name] = kernel.name
-        launch, *g = varlen_backward(kernel, spec, q, k, v, o, lse, do, cu, max_len, scale)
+        launch, *g = varlen_backward(kernel, q, k, v, o, lse, do, cu, max_len, scale)
         timed(name, launch)
         launch()
         torch.cuda.synchronize()
@@ -138,7 +121,7 @@ def bench_case(kernels: dict, d: int, causal: bool, packing: str, lens: list[int
         qb, kb, vb, ob, dob = (t.view(b, n, heads, d) for t in (q, k, v, o, do))
         lseb = lse.view(heads, b, n).transpose(0, 1).contiguous()
         if kernels.get("sm90a_dense"):
-            spec, kernel = kernels["sm90a_dense"]
+            _, kernel = kernels["sm90a_dense"]
             row["kernels"]["sm90a_dense"] = kernel.name
             timed("sm90a_dense", flashgen_backward(kernel, qb, kb, vb, ob, lseb, dob, scale)[0])
         qt, kt, vt, dot = (t.transpose(1, 2) for t in (qb, kb, vb, dob))
