@@ -22,8 +22,8 @@ heads, kv_heads, context, page_size, kernel, num_splits, gbps: {"flashgen": x, "
 `git archive <commit> generated | tar -x -C <empty folder>`); its decode kernels with the same
 readable names as this version's (the name without the hash) are compiled here with the
 same nvcc flags and launched through their own C launchers with the same `fg_decode_params`
-(the struct is unchanged since the first decode version), on the same tensors, in the same
-graphs, right after this version's.
+(the struct only grows at its end, so an older launcher reads its own prefix), on the same
+tensors, in the same graphs, right after this version's.
 
 Issue 20's form (this version): the JSON is `{"rows": [...], "environment": {...}}`; every
 row has `q_len` (1 here); a paged row's gbps has `flashgen_paged` (its own kernel) next to

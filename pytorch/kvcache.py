@@ -42,12 +42,14 @@ those arguments (the plain decode step) takes the decode kernel directly, as bef
 
 Bad cache metadata (docs/decode.md, "Bad input"): a block-table entry outside `[0,
 num_pages)` for a used page, or a `cache_seqlens` entry outside `[0, capacity]`, is never
-dereferenced: the kernel sets a bit of the workspace's error word and the outputs are
-meaningless; an appended row whose destination is out of range is dropped. Reading that word
-costs a device-to-host copy and a sync per call (and is not possible under CUDA graph
-capture), so it is opt-in: `check_inputs=True` (a keyword-only argument flash-attn does not
-have), or the environment variable FLASHGEN_KVCACHE_CHECK=1 for callers that cannot pass it; a
-flagged call then raises `kvcache_select.CacheInputError`. On the composite path the same flag
+dereferenced, and by default the kernel stops with a device-side assert, as flash-attn's guard
+does (no sync; the CUDA context is lost, and the next synchronising call raises
+`RuntimeError: CUDA error: device-side assert triggered`); an appended row whose destination
+is out of range is dropped, and the kernel then traps on the length. Instead of the assert, a
+call can read the kernel's error word back (a device-to-host copy and a sync per call, not
+possible under CUDA graph capture): `check_inputs=True` (a keyword-only argument flash-attn
+does not have), or the environment variable FLASHGEN_KVCACHE_CHECK=1 for callers that cannot
+pass it; a flagged call then raises `kvcache_select.CacheInputError` and the context survives. On the composite path the same flag
 first checks the device values before anything is written (`kvcache_prep.check_values`,
 raising `UnsupportedCall`); calls with more than 16 queries always do (they sync anyway).
 """
@@ -280,8 +282,10 @@ def _outputs(q: Tensor, pb: KvProblem) -> tuple[Tensor, Tensor]:
 
 def _decode_params(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, pb, window,
                    softmax_scale, max_seqlen_k, num_splits, feats, softcap, alibi_slopes,
-                   learnable_sink) -> dict:  # fmt: skip
-    """The decode kernel's launch fields (the workspace's are added at the launch)."""
+                   learnable_sink, trap: bool = True) -> dict:  # fmt: skip
+    """The decode kernel's launch fields (the workspace's are added at the launch). `trap`: a
+    bad device value stops the kernel with a device-side assert (flash-attn's behaviour, no
+    sync); off when the caller reads the error word instead (check_inputs)."""
     params = {
         "q": q.data_ptr(),
         "k": k_cache.data_ptr(),
@@ -312,6 +316,7 @@ def _decode_params(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, pb
         "window_left": window[0],
         "window_right": window[1],
         "num_splits": num_splits,
+        "trap_on_error": int(trap),
     }
     if feats:
         params.update(_score_params(feats, softcap, alibi_slopes, learnable_sink))
@@ -358,6 +363,7 @@ def _decode_impl(
     params = _decode_params(
         q, k_cache, v_cache, cache_seqlens, block_table, out, lse, pb, window, softmax_scale,
         max_seqlen_k, num_splits, feats, softcap, alibi_slopes, learnable_sink,
+        trap=not check_inputs,
     )  # fmt: skip
     _launch(_library(spec), params, pb, q.device, check_inputs)
     return out, lse

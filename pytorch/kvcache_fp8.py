@@ -382,7 +382,7 @@ def _decode_kernel(
     vd = _descale_tensor(descales[1], q.device)
     params = kc._decode_params(
         q, k_cache, v_cache, cache_seqlens, block_table, out, lse, pb, runtime, scale, 0,
-        num_splits, frozenset(), 0.0, None, None,
+        num_splits, frozenset(), 0.0, None, None, trap=not check_inputs,
     )  # fmt: skip
     params.update(
         k_descale=kd.data_ptr(), v_descale=vd.data_ptr(),

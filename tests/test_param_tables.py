@@ -152,7 +152,10 @@ def test_score_params_header_is_the_rendering_of_the_feature_registry():
 
 # Fields a struct grew after its head dims (the structs only grow at their end, so an older
 # launcher reads its own prefix of today's: ab_bench runs an earlier version's kernels so).
-GROWN_AFTER_HEAD_DIMS = {"fg_bwd_params": ("total_q", "total_k")}
+GROWN_AFTER_HEAD_DIMS = {
+    "fg_bwd_params": ("total_q", "total_k"),
+    "fg_decode_params": ("trap_on_error",),
+}
 
 
 @FAMILIES

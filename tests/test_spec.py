@@ -659,8 +659,9 @@ def test_the_sm90a_backward_names_what_it_does_not_take_and_where_it_is():
     ):
         with pytest.raises(SpecError, match=rf"{field}: not on the sm_90a .*target: sm_90"):
             load(base + extra)
-    with pytest.raises(SpecError, match=r"mask.varlen: not with a score_mod on the sm_90a"):
-        load(base + 'head_dim: 64\nmask: {varlen: true}\nscore_mod: "s * 0.5"\n')
+    # varlen with a score_mod is taken (a sequence's own positions): served here, not refused
+    spec = one(base + 'head_dim: 64\nmask: {varlen: true}\nscore_mod: "s * 0.5"\n')
+    assert spec.mask.varlen and spec.score_mod is not None and spec.tile.block_n == 128
     with pytest.raises(SpecError, match=r"head_dim: 192 is not allowed on the sm_90a backward"):
         load(base + "head_dim: 192\n")
     with pytest.raises(SpecError, match=r"tile.warps: 4 is not allowed on the sm_90a backward"):

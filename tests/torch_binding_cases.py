@@ -599,13 +599,16 @@ def test_decode_keys_hit_and_check_inputs_takes_the_python_path(monkeypatch, moc
     for max_k in (0, 60, 100):  # a per-call value: one key
         args[10] = max_k
         torch.ops.flashgen.decode.default(*args)
-        assert taken_decode(mock)["max_seqlen_k"] == min(max_k, 100)
+        taken = taken_decode(mock)
+        assert taken["max_seqlen_k"] == min(max_k, 100)
+        assert taken["trap_on_error"] == 1  # unchecked: bad device values trap (flash-attn's)
     s1 = ops.BINDING.stats()
     assert (s1["misses"] - s0["misses"], s1["hits"] - s0["hits"]) == (1, 2)
     monkeypatch.setattr(torch.Tensor, "item", lambda self: 0)  # the error word: no error
     args[11] = True
     torch.ops.flashgen.decode.default(*args)
     assert ops.BINDING.stats()["fallbacks"] - s1["fallbacks"] == 1
+    assert taken_decode(mock)["trap_on_error"] == 0  # checked: the word is read instead
 
 
 # -- flashgen::merge_states ----------------------------------------------------------------------

@@ -30,8 +30,9 @@ Varlen (`mask.varlen`): the maps of Q, K, V and dO span the packed tensors (`tot
 and dq_accum keeps its dense rows (batch x longest sequence), so a tile's reduce-adds past
 its sequence's end stay in that sequence's own rows; a key tile past a shorter sequence's
 keys leaves at once, and deterministic turns count the sequence's own key tiles.
-Not on this path (rejected by name; `target: sm_90` has them): dropout, block sparsity,
-instrument_io, and varlen together with a spec's `score_mod` (not yet run on a GPU).
+A spec's `score_mod` sees a sequence's own positions and lengths (i, j, seqlen_q, seqlen_k)
+and its index b, varlen or not. Not on this path (rejected by name; `target: sm_90` has
+them): dropout, block sparsity, instrument_io.
 """
 
 from __future__ import annotations
@@ -130,15 +131,6 @@ class BackwardSm90(Backward):
                 out.append(
                     (name, "not on the sm_90a (wgmma) backward yet: use target: sm_90 for it")
                 )
-        if spec.mask.varlen and spec.score_mod is not None:
-            # not run on a GPU yet: a spec's score_mod over packed sequences stays on sm_90
-            out.append(
-                (
-                    "mask.varlen",
-                    "not with a score_mod on the sm_90a (wgmma) backward yet: use target: "
-                    "sm_90 for it",
-                )
-            )
         tile = tile_problems(spec.tile, spec.head_dim)
         out.extend(tile)
         if not tile and not out:

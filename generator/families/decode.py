@@ -122,6 +122,8 @@ PARAMS = (
     )
     + SCORE_PARAM_FIELDS
     + SHAPE_PARAM_FIELDS
+    # 1: a bad device value also traps (a device-side assert); flashgen.torch's default
+    + params_table("i64 trap_on_error")
 )
 IO_KEYS = ("Q", "K", "V", "O", "LSE", "O_PARTS", "LSE_PARTS", "SEQLENS", "BLOCK_TABLE")
 GRID_FORMULA = "ceil(seqlen_q*heads/kv_heads/block_m) * splits * kv_heads * batch (+ combine)"

@@ -500,8 +500,6 @@ def test_bad_page_ids_raise_with_check_inputs():
     with pytest.raises(CacheInputError, match=r"page id outside \[0, 12\)"):
         flash_attn_with_kvcache(q, pages, pages, cache_seqlens=lens, block_table=table,
                                 check_inputs=True)  # fmt: skip
-    out = flash_attn_with_kvcache(q, pages, pages, cache_seqlens=lens, block_table=table)
-    assert torch.isfinite(out).all()  # unchecked: no sync, finite but meaningless
 
 
 def test_cache_seqlens_beyond_the_capacity_raise_with_check_inputs(monkeypatch):
@@ -513,6 +511,62 @@ def test_cache_seqlens_beyond_the_capacity_raise_with_check_inputs(monkeypatch):
     monkeypatch.setenv(kvcache.CHECK_ENV, "1")
     with pytest.raises(CacheInputError, match=r"cache_seqlens holds an entry"):
         flash_attn_with_kvcache(q, pages, pages, cache_seqlens=bad, block_table=table)
+
+
+# Without check_inputs a bad device value stops the kernel with a device-side assert, as
+# flash-attn's guard does (no sync; the CUDA context is lost), so each call runs in its own
+# process. The script: the inputs of _paged_inputs, then one call with `lens` and `edit`.
+_TRAP_SCRIPT = """
+import sys, torch
+from flashgen.torch import flash_attn_with_kvcache
+dev = "cuda"
+q = torch.randn(2, 1, 4, 128, device=dev).bfloat16()
+pages = torch.randn(12, 16, 1, 128, device=dev).bfloat16()
+table = torch.arange(10, dtype=torch.int32, device=dev).reshape(2, 5)
+lens = torch.tensor({lens}, dtype=torch.int32, device=dev)
+{edit}
+out = flash_attn_with_kvcache(q, pages, pages, cache_seqlens=lens, block_table=table{extra})
+torch.cuda.synchronize()
+print("NO_ERROR", bool(torch.isfinite(out).all()))
+"""
+
+
+def _run_trap_script(lens, edit="", extra=""):
+    import subprocess
+    import sys
+
+    script = _TRAP_SCRIPT.format(lens=list(lens), edit=edit, extra=extra)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=600, env=os.environ.copy())  # fmt: skip
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "lens, edit, allowed",
+    [
+        ((40, 81), "", r"cache_seqlens\[b\] <= capacity"),  # 5 pages of 16: capacity 80
+        ((40, -1), "", r"cache_seqlens\[b\] <= capacity"),
+        ((40, 70), "table[1, 2] = 12", r"block_table entries of used pages in \[0, num_pages\)"),
+        ((40, 70), "table[0, 1] = -3", r"block_table entries of used pages in \[0, num_pages\)"),
+    ],
+)
+def test_unchecked_bad_values_stop_the_kernel_with_a_device_side_assert(lens, edit, allowed):
+    import re
+
+    rc, output = _run_trap_script(lens, edit)
+    assert rc != 0 and "NO_ERROR" not in output, output
+    assert "device-side assert" in output, output
+    assert re.search(allowed, output), output  # the assert's message says what is allowed
+
+
+def test_values_at_the_bounds_do_not_trap():
+    """The positive controls: a length at the capacity and the last page id are served; an
+    unused column may hold anything (the kernels never read it); and with the check on, the
+    bad value is a Python exception instead (the context survives)."""
+    rc, output = _run_trap_script((80, 0), "table[0, 4] = 11; table[1, :] = 99")
+    assert rc == 0 and "NO_ERROR True" in output, output
+    rc, output = _run_trap_script((40, 81), "", ", check_inputs=True")
+    assert rc != 0 and "CacheInputError" in output and "device-side" not in output, output
 
 
 # -- operators -----------------------------------------------------------------------------------

@@ -17,6 +17,7 @@
 //   workspace <name>_workspace_bytes(&p) bytes, 16-byte aligned, caller-allocated; its first
 //             4 bytes are a sticky error word (see FG_DECODE_ERR_*) that the kernels OR into and
 //             never clear: zero it once after allocating, read it when you want to know
+//             (with trap_on_error = 1 a bad value stops the kernel instead, see below)
 //
 // merge_states (<name>_merge_states) reads o_parts (num_parts, batch, seqlen_q, heads, d)
 // (float32, or the kernel's dtype when parts_dtype = 1) and lse_parts (num_parts, batch,
@@ -97,6 +98,12 @@ typedef struct fg_decode_params {
   /* the caller's head dims: q and k (head_dim), v and o (head_dim_v); <name>_check refuses any
      but the kernel's, so a caller built against another kernel cannot pass a mismatch */
   int64_t head_dim, head_dim_v;
+
+  /* 1: a bad device value (FG_DECODE_ERR_*) also stops the kernel with a device-side assert,
+     as flash-attn's guard does: the launch's stream reports cudaErrorAssert and the CUDA
+     context is lost. 0 (the default): only the error word says so. flashgen.torch passes 1
+     unless asked to read the word (check_inputs). */
+  int64_t trap_on_error;
 } fg_decode_params;
 
 /* Every pointer NULL, every stride and size 0, windows unbounded, the split heuristic on. */

@@ -107,6 +107,24 @@ __device__ __forceinline__ void decode_wait_for_parts() {
 #endif
 }
 
+// A bad device value (a length past the capacity, a page id outside the pool): never read or
+// written through (the caller clamps or zero-fills), the error word's bit set, and with
+// trap_on_error a device-side assert that ends the launch with cudaErrorAssert, as
+// flash-attn's guard does. `allowed` names what is allowed; the assert prints it.
+__device__ __forceinline__ void decode_bad_input(unsigned int* word, unsigned int bits, int64_t trap,
+                                              const char* allowed) {
+  raise_error_flag(word, bits);
+  if (!trap) return;
+#if defined(__CUDACC_RTC__)
+  __assertfail(allowed, "flashgen decode kernel", 0, "bad input", 1);
+#elif defined(__GNUC__)
+  __assert_fail(allowed, "flashgen decode kernel", 0, "bad input");  // what assert() calls
+#else
+  printf("flashgen decode kernel: bad input; allowed: %s\n", allowed);
+  __trap();  // no assert entry point known here: an unspecified launch failure instead
+#endif
+}
+
 // S: the spec as named constants (templates/common/spec_struct.j2, plus kPaged).
 template <class S>
 struct DecConfig : S {
@@ -505,7 +523,10 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
   const int64_t capacity = C::kPaged ? p.max_pages * p.page_size : p.seqlen_k;
   int64_t sk = load_index(p.cache_seqlens + b, io, DecIo::kSeqlens, tid == 0);
   if (sk < 0 || sk > capacity) {
-    if (tid == 0) raise_error_flag(err, FG_DECODE_ERR_SEQLEN);
+    if (tid == 0)
+      decode_bad_input(err, FG_DECODE_ERR_SEQLEN, p.trap_on_error,
+                       "cache_seqlens[b] <= capacity (block_table columns * page_size, or "
+                       "the contiguous cache's rows), and >= 0");
     sk = sk < 0 ? 0 : capacity;
   }
 
@@ -576,7 +597,8 @@ __device__ __forceinline__ void decode_kernel_body(const fg_decode_params& p) {
                                          static_cast<int>((key >> page_shift) - win_page0));
           if (key >= sk) return nullptr;
           if (id < 0 || id >= p.num_pages) {  // never read out of bounds: zero rows, and say so
-            raise_error_flag(err, FG_DECODE_ERR_PAGE_ID);
+            decode_bad_input(err, FG_DECODE_ERR_PAGE_ID, p.trap_on_error,
+                             "block_table entries of used pages in [0, num_pages)");
             return nullptr;
           }
           return base + id * page_stride + (key & (p.page_size - 1)) * row_stride;
