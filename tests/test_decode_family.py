@@ -295,3 +295,40 @@ def test_tiles_whose_rows_do_not_split_evenly_over_the_threads_are_refused():
             "dtype: bf16\nhead_dim: 128\ngqa: true\n"
             "tile: {block_m: 32, block_n: 64, warps: 8, stages: 2}\n"
         )
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_the_launchers_check_takes_trap_on_error_0_or_1_only(tmp_path):
+    """`<name>_check` of a generated decode kernel (nvcc, no GPU): trap_on_error 0 and 1 pass
+    its rule (the next rule, heads >= 1, speaks for the defaults), anything else is named."""
+    from flashgen.generator.render import Renderer
+
+    spec = one("dtype: bf16\nhead_dim: 64\n")
+    renderer = Renderer()
+    out = renderer.render(spec)
+    for rel, data in renderer.include_files().items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(data)
+    name = out.name
+    for fname, data in out.files.items():
+        (tmp_path / fname).write_bytes(data)
+    (tmp_path / "main.cu").write_text(
+        f'#include <cstdio>\n#include "{name}.h"\n'
+        "int main() {\n"
+        "  for (long long t : {0LL, 1LL, 2LL, -1LL}) {\n"
+        "    fg_decode_params p = fg_decode_params_default();\n"
+        "    p.trap_on_error = t;\n"
+        f"    const char* m = {name}_check(&p);\n"
+        '    printf("%s\\n", m ? m : "ok");\n'
+        "  }\n  return 0;\n}\n"
+    )
+    exe = tmp_path / "main"
+    subprocess.run(["nvcc", "-std=c++17", "-O0", "-arch=sm_90", f"-I{tmp_path}", "-o", str(exe),
+                    str(tmp_path / "main.cu"), str(tmp_path / f"{name}.cu")],
+                   check=True, capture_output=True, text=True)  # fmt: skip
+    got = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    lines = got.splitlines()
+    assert lines[0] == lines[1] == "batch must be >= 0, heads and kv_heads >= 1"
+    want = "trap_on_error must be 0 (flag bad device values in the error word) or 1 (and trap)"
+    assert lines[2] == lines[3] == want
