@@ -49,9 +49,10 @@ is out of range is dropped, and the kernel then traps on the length. Instead of 
 call can read the kernel's error word back (a device-to-host copy and a sync per call, not
 possible under CUDA graph capture): `check_inputs=True` (a keyword-only argument flash-attn
 does not have), or the environment variable FLASHGEN_KVCACHE_CHECK=1 for callers that cannot
-pass it; a flagged call then raises `kvcache_select.CacheInputError` and the context survives. On the composite path the same flag
-first checks the device values before anything is written (`kvcache_prep.check_values`,
-raising `UnsupportedCall`); calls with more than 16 queries always do (they sync anyway).
+pass it; a flagged call then raises `kvcache_select.CacheInputError` and the context
+survives. On the composite path the same flag first checks the device values before anything
+is written (`kvcache_prep.check_values`, raising `UnsupportedCall`); calls with more than 16
+queries always do (they sync anyway).
 """
 
 import operator
