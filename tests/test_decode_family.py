@@ -302,17 +302,11 @@ def test_tiles_whose_rows_do_not_split_evenly_over_the_threads_are_refused():
 def test_the_launchers_check_takes_trap_on_error_0_or_1_only(tmp_path):
     """`<name>_check` of a generated decode kernel (nvcc, no GPU): trap_on_error 0 and 1 pass
     its rule (the next rule, heads >= 1, speaks for the defaults), anything else is named."""
-    from flashgen.generator.render import Renderer
+    from flashgen.generator.writer import apply_plan, plan_generate
 
     spec = one("dtype: bf16\nhead_dim: 64\n")
-    renderer = Renderer()
-    out = renderer.render(spec)
-    for rel, data in renderer.include_files().items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_bytes(data)
-    name = out.name
-    for fname, data in out.files.items():
-        (tmp_path / fname).write_bytes(data)
+    apply_plan(plan_generate([spec], tmp_path))  # as `flashgen generate` writes it
+    name = kernel_name(spec)
     (tmp_path / "main.cu").write_text(
         f'#include <cstdio>\n#include "{name}.h"\n'
         "int main() {\n"
