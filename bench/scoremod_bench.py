@@ -25,7 +25,7 @@ from pathlib import Path
 from flashgen.bench.bwd_bench import flashgen_backward
 from flashgen.bench.fwd_bench import environment, flops, torch_params
 
-SOFTCAP, SINK_SCALE = 30.0, 2.0
+SOFTCAP, SINK_SCALE = 30.0, 2.0  # SOFTCAP: the default of --softcap
 
 
 def alibi_slopes(heads: int):
@@ -36,13 +36,13 @@ def alibi_slopes(heads: int):
                         device="cuda", dtype=torch.float32)  # fmt: skip
 
 
-def score_values(spec, heads: int) -> tuple[dict, dict]:
+def score_values(spec, heads: int, softcap: float = SOFTCAP) -> tuple[dict, dict]:
     """(params fields, reference kwargs) for the spec's modifiers."""
     import torch
 
     fields, ref = {}, {}
     if spec.has("softcap"):
-        fields["softcap"] = ref["softcap"] = SOFTCAP
+        fields["softcap"] = ref["softcap"] = softcap
     if spec.has("alibi"):
         s = alibi_slopes(heads)
         fields["alibi_slopes"], fields["alibi_batch_stride"] = s.data_ptr(), 0
@@ -82,7 +82,7 @@ def _rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def check(spec, fwd_spec=None) -> dict:
+def check(spec, fwd_spec=None, softcap: float = SOFTCAP) -> dict:
     """Relative errors of one modified kernel against `reference` (odd lengths)."""
     import torch
     from flashgen.verify.runner import load_kernel
@@ -95,7 +95,7 @@ def check(spec, fwd_spec=None) -> dict:
     k, v = (torch.randn(b, sk, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     scale = 1 / math.sqrt(d)
     fs = spec if spec.kernel.yaml == "forward" else fwd_spec
-    fields, ref_kw = score_values(spec, h)
+    fields, ref_kw = score_values(spec, h, softcap)
     fwd = load_kernel(fs)
     o = torch.empty_like(q)
     lse = torch.empty(b, h, sq, device="cuda")
@@ -124,7 +124,7 @@ def check(spec, fwd_spec=None) -> dict:
     return out
 
 
-def time_forward(kernel, spec, n: int, tokens: int, hidden: int) -> float:
+def time_forward(kernel, spec, n: int, tokens: int, hidden: int, softcap: float = SOFTCAP) -> float:
     import torch
     from triton.testing import do_bench
 
@@ -135,7 +135,7 @@ def time_forward(kernel, spec, n: int, tokens: int, hidden: int) -> float:
         torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)
     )
     o, lse = torch.empty_like(q), torch.empty(batch, heads, n, device="cuda")
-    fields, ref_kw = score_values(spec, heads)  # ref_kw holds the tensors behind the pointers
+    fields, ref_kw = score_values(spec, heads, softcap)  # ref_kw: the tensors behind the pointers
     launch = kernel.library.launcher(
         {**torch_params(kernel, q, k, v, o, lse, 1 / math.sqrt(d)), **fields}
     )
@@ -144,7 +144,9 @@ def time_forward(kernel, spec, n: int, tokens: int, hidden: int) -> float:
     return flops(batch, heads, n, d, spec.mask.causal.yaml != "none") / (ms * 1e-3) / 1e12
 
 
-def time_backward(kernel, fwd_kernel, spec, n: int, tokens: int, hidden: int) -> float:
+def time_backward(
+    kernel, fwd_kernel, spec, n: int, tokens: int, hidden: int, softcap: float = SOFTCAP
+) -> float:
     import torch
     from triton.testing import do_bench
 
@@ -156,7 +158,7 @@ def time_backward(kernel, fwd_kernel, spec, n: int, tokens: int, hidden: int) ->
         torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)
     )
     o, lse = torch.empty_like(q), torch.empty(batch, heads, n, device="cuda")
-    fields, ref_kw = score_values(spec, heads)
+    fields, ref_kw = score_values(spec, heads, softcap)
     fwd_kernel.library.launch({**torch_params(fwd_kernel, q, k, v, o, lse, scale), **fields}, 0)
     do = torch.randn_like(q)
     extra = dict(fields)
@@ -217,6 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--check", action="store_true")
+    ap.add_argument(
+        "--softcap",
+        type=float,
+        default=SOFTCAP,
+        help="c of the softcap kernels (default %(default)s; the bf16 forwards take "
+        "a fixed softmax base for c <= 50.6, the running max above)",
+    )
     ap.add_argument("--match", default="", help="only kernels whose name matches this regex")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -243,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         if spec.kernel.yaml == "backward":  # the forwards that make O and LSE for it
             fwd_spec, fwd_plain = forward_for(every, spec), forward_for(every, twin)
         if args.check:
-            err = check(spec, fwd_spec)
+            err = check(spec, fwd_spec, args.softcap)
             checks.append({"kernel": kernel_name(spec), **err})
             print(f"check {kernel_name(spec)}: " + " ".join(f"{a}={b:.2e}" for a, b in err.items()),
                   flush=True)  # fmt: skip
@@ -254,17 +263,20 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.seqlens:
             if spec.kernel.yaml == "forward":
                 tf = {
-                    "flashgen": time_forward(load_kernel(spec), spec, n, args.tokens, args.hidden),
+                    "flashgen": time_forward(
+                        load_kernel(spec), spec, n, args.tokens, args.hidden, args.softcap
+                    ),
                     "plain": time_forward(load_kernel(plain), plain, n, args.tokens, args.hidden),
                 }
             else:
                 fk_mod, fk_plain = load_kernel(fwd_spec), load_kernel(fwd_plain)
                 tf = {"flashgen": time_backward(load_bwd_kernel(spec), fk_mod, spec, n, args.tokens,
-                                                args.hidden),
+                                                args.hidden, args.softcap),
                       "plain": time_backward(load_bwd_kernel(plain), fk_plain, plain, n,
                                              args.tokens, args.hidden)}  # fmt: skip
             row = {"family": f"{spec.kernel.yaml}_{spec.target.yaml}", "mod": mod,
                    "d": spec.head_dim, "causal": causal, "seqlen": n, "kernel": kernel_name(spec),
+                   **({"softcap": args.softcap} if mod == "softcap" else {}),
                    "plain_kernel": kernel_name(plain), "tflops": tf,
                    "ratio": tf["flashgen"] / tf["plain"]}  # fmt: skip
             rows.append(row)
