@@ -6,12 +6,7 @@
 # and logs go into $OUT/verify.tgz (default OUT: bench/results/session). Needs PyCUDA
 # importable (PYTHONPATH) and flashgen installed. The eighteenth session's attempt gave the
 # suite 130 s per shard and it did not finish: give it 300.
-set -u
-OUT=${OUT:-bench/results/session}
-S=$(date +%s)
-el() { echo "[$(($(date +%s) - S))s] $*"; }
-mkdir -p "$OUT/rec"
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} PYTHONUNBUFFERED=1
+source "$(dirname "$0")/prologue.sh"
 python3 - > "$OUT/compile.txt" 2>&1 <<'PY'
 from flashgen.generator.compile import compile_specs
 from flashgen.generator.load import load_paths

@@ -7,12 +7,7 @@
 # Run from the repository root with the patch applied and generated; records, logs and the
 # bench JSON go into $OUT/verify.tgz (default OUT: bench/results/session). Needs PyCUDA
 # importable (PYTHONPATH) and flashgen installed.
-set -u
-OUT=${OUT:-bench/results/session}
-S=$(date +%s)
-el() { echo "[$(($(date +%s) - S))s] $*"; }
-mkdir -p "$OUT/rec"
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} PYTHONUNBUFFERED=1
+source "$(dirname "$0")/prologue.sh"
 cat > "$OUT/softcap_rows.yaml" <<'YAML'
 kernels:
   - kernel: backward
