@@ -3,7 +3,7 @@
 # kernel it renames (fa_bwd_d64_bf16_cap_m128n128w8s2_sm90a, softcap without a mask or varlen
 # at d 64 on the sm_90a backward, 128 query rows a step instead of 64) through the backward
 # suite at 200 examples and the three sanitizers, and scoremod_bench with the 64-row build
-# beside it (an explicit-tile spec written here), both against the plain twin in one run.
+# (an explicit-tile spec written here) beside it, both against the plain twin in one run.
 # Run from the repository root with the patch applied and generated; records, logs and the
 # bench JSON go into $OUT/verify.tgz (default OUT: bench/results/session). Needs PyCUDA
 # importable (PYTHONPATH) and flashgen installed.
@@ -15,8 +15,7 @@ kernels:
     dtype: bf16
     head_dim: 64
     softcap: true
-    tile: [{block_m: 64, block_n: 128, warps: 8, stages: 2},
-           {block_m: 128, block_n: 128, warps: 8, stages: 2}]
+    tile: {block_m: 64, block_n: 128, warps: 8, stages: 2}
 YAML
 flashgen compile specs/ -j "$(nproc)" > "$OUT/compile.txt" 2>&1
 flashgen compile "$OUT/softcap_rows.yaml" -j "$(nproc)" >> "$OUT/compile.txt" 2>&1
@@ -37,7 +36,8 @@ wait
 FLASHGEN_RECORDS_DIR=$OUT/rec python3 -m flashgen.bench.sanitize merge "$OUT"/*check.txt \
   > "$OUT/sanitize.txt" 2>&1
 el "sanitizers: $(grep -h SUMMARY "$OUT"/*check.txt | tr '\n' ' ')"
-python3 -m flashgen.bench.scoremod_bench --check --specs "$OUT/softcap_rows.yaml" \
+python3 -m flashgen.bench.scoremod_bench --check --specs specs/scoremod.yaml \
+  "$OUT/softcap_rows.yaml" --match "fa_bwd_d64_bf16_cap_m" \
   --out "$OUT/scoremod_softcap_rows.json" > "$OUT/bench.txt" 2>&1
 el "bench: $(tail -1 "$OUT/bench.txt")"
 (cd "$OUT" && tar -czf verify.tgz rec ./*.txt ./*.json ./*.yaml && rm -rf rec ./*.txt ./*.json)
