@@ -223,8 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         "--softcap",
         type=float,
         default=SOFTCAP,
-        help="c of the softcap kernels (default %(default)s; the bf16 forwards take "
-        "a fixed softmax base for c <= 50.6, the running max above)",
+        help="c of the softcap kernels (default %(default)s)",
     )
     ap.add_argument("--match", default="", help="only kernels whose name matches this regex")
     ap.add_argument("--out", default=None)

@@ -29,11 +29,9 @@ class FakeHost:
 def test_same_round_ratios_cancel_a_drifting_host():
     host = FakeHost()
     fns = {"flashgen": host.callable("flashgen", 2e-6), "flash": host.callable("flash", 1e-6)}
-    rounds = []
 
     def sync():  # the host slows down after every loop: 1x, 1.1x, 1.2x, ...
         host.slowness += 0.1
-        rounds.append(host.slowness)
 
     samples = paired_us(fns, iters=10, warmup=3, repeats=5, sync=sync, clock=host.clock)
     assert [len(v) for v in samples.values()] == [5, 5]
