@@ -11,9 +11,16 @@
 # run `STAGES=suite` and then `STAGES=sanitize` as two calls (the build is cached between
 # them on a machine kept warm; each call builds what is missing). Copy the first call's
 # records into verify/records/ before the second: the sanitizers' verdicts are merged into
-# copies of them under $OUT/rec.
+# copies of them under $OUT/rec. Another patch's call picks its own suites and sanitizer
+# families: SUITE_TESTS (test files), SUITE_K (a -k expression, empty for none),
+# SANITIZE_KINDS (forward and/or backward) and SANITIZE_TARGET (":sm_90a", empty for every
+# target).
 set -u
 STAGES=${STAGES:-suite sanitize}
+SUITE_TESTS=${SUITE_TESTS:-tests/gpu/test_backward.py tests/gpu/test_forward.py tests/gpu/test_extras.py}
+SUITE_K=${SUITE_K-sm90a or many_key_tiles}
+SANITIZE_KINDS=${SANITIZE_KINDS:-backward forward}
+SANITIZE_TARGET=${SANITIZE_TARGET-:sm_90a}
 OUT=${OUT:-bench/results/session}
 S=$(date +%s)
 el() { echo "[$(($(date +%s) - S))s] $*"; }
@@ -26,9 +33,9 @@ flashgen compile examples/torch_kernels.yaml -j "$(nproc)" >> "$OUT/compile.txt"
 el "compile rc=$?"; tail -2 "$OUT/compile.txt"
 if [[ " $STAGES " == *" suite "* ]]; then
 for i in $(seq 0 11); do
+  # shellcheck disable=SC2086  # SUITE_TESTS: a list of files
   FLASHGEN_SHARD=$i/12 FLASHGEN_GPU_EXAMPLES=200 timeout 330 python3 -m pytest -q \
-    tests/gpu/test_backward.py tests/gpu/test_forward.py tests/gpu/test_extras.py \
-    -k "sm90a or many_key_tiles" \
+    $SUITE_TESTS ${SUITE_K:+-k "$SUITE_K"} \
     -p no:cacheprovider \
     > "$OUT/suite_$i.txt" 2>&1 &
 done
@@ -42,10 +49,10 @@ pack() { (cd "$OUT" && tar -czf verify.tgz rec ./*.txt && rm -rf rec ./*.txt); }
 (timeout 200 python3 -m pytest -q tests/gpu/test_torch.py -p no:cacheprovider
  timeout 120 python3 -m pytest -q tests/gpu/test_torch_kvcache.py -k fp8 -p no:cacheprovider
 ) > "$OUT/torch.txt" 2>&1 &
-for kind in backward forward; do
+for kind in $SANITIZE_KINDS; do
   for tool in memcheck racecheck synccheck; do
     for i in 0 1; do
-      FLASHGEN_SANITIZE_ONLY=$kind:sm_90a timeout 220 compute-sanitizer --tool $tool \
+      FLASHGEN_SANITIZE_ONLY=$kind$SANITIZE_TARGET timeout 220 compute-sanitizer --tool $tool \
         python3 -m flashgen.bench.sanitize run $i/2 > "$OUT/${tool}_${kind}_$i.txt" 2>&1 &
     done
   done
